@@ -1,0 +1,5 @@
+import sys
+
+from jlong.cli import main
+
+sys.exit(main())

@@ -1,0 +1,76 @@
+"""Config loading: presets, overrides, types, and one-line errors."""
+
+import pytest
+
+from jlong.config import load_config, preset_names
+from jlong.errors import JlongError
+
+
+def test_every_preset_loads_and_validates():
+    names = preset_names()
+    for required in ("llama3-8b", "llama3.1-8b", "llama3.2-1b", "llama3.2-3b",
+                     "qwen2.5-14b", "qwen2.5-32b", "qwen3-8b", "qwen3-32b"):
+        assert required in names
+    for name in names:
+        config = load_config(None, [f"model.preset={name}"])
+        assert config.model.num_attention_heads % config.model.kv_heads == 0
+
+
+def test_preset_numbers():
+    llama = load_config(None, ["model.preset=llama3-8b"]).model
+    assert (llama.hidden_size, llama.num_hidden_layers, llama.kv_heads, llama.vocab_size) == (4096, 32, 8, 128256)
+    assert llama.rope_scaling is None and not llama.tie_word_embeddings
+    assert load_config(None, ["model.preset=llama3.1-8b"]).model.rope_scaling["factor"] == 8.0
+    qwen = load_config(None, ["model.preset=qwen3-32b"]).model
+    assert (qwen.num_attention_heads, qwen.dim_per_head, qwen.qk_norm) == (64, 128, True)
+    assert load_config(None, ["model.preset=qwen2.5-14b"]).model.attention_bias
+
+
+def test_inline_fields_override_the_preset(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  preset: llama3.2-1b\n  num_hidden_layers: 2\ntrain:\n  seq_len: 4096\n")
+    config = load_config(path, ["train.seq_len=5e6", "mesh.sp=8", "train.lr=1e-4"])
+    assert config.model.num_hidden_layers == 2 and config.model.hidden_size == 2048
+    assert config.train.seq_len == 5_000_000 and config.mesh.sp == 8 and config.train.lr == 1e-4
+
+
+def test_heads_per_stage_defaults_to_sp():
+    config = load_config(None, ["model.preset=llama3-8b", "mesh.sp=8"])
+    assert config.heads_per_stage == 8
+    assert load_config(None, ["model.preset=llama3-8b", "attention.heads_per_stage=0"]).heads_per_stage == 32
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model.preset=llama3-8b", "train.setps=3"], "unknown config key train.setps (did you mean 'train.steps'?)"),
+        (["model.preset=llama3-8b", "trian.steps=3"], "unknown config section 'trian' (did you mean 'train'?)"),
+        (["model.preset=llama9"], "unknown model.preset 'llama9'"),
+        (["model.preset=llama3-8b", "train.steps=many"], "train.steps must be an integer, got 'many'"),
+        (["model.preset=llama3-8b", "train.steps=2.5"], "train.steps must be an integer"),
+        (["model.preset=llama3-8b", "model.num_key_value_heads=5"], "must be a multiple of model.num_key_value_heads (5)"),
+        (["model.preset=llama3-8b", "attention.impl=flash"], "attention.impl must be one of auto, cudnn, blockwise, reference"),
+        (["model.preset=llama3-8b", "data.shuffle=maybe"], "data.shuffle must be true or false"),
+        (["model.preset=llama3-8b", "train.steps=0"], "train.steps must be positive"),
+        (["model.preset=llama3-8b", "train.batch_size=3", "mesh.fsdp=2"], "must be a multiple of mesh.data x mesh.fsdp"),
+        (["model.preset=llama3-8b", "train.seq_len=1001", "mesh.sp=8"], "nearest valid: 1000 or 1008"),
+        (["model.preset=llama3-8b", "data.source=tokens"], "data.source=tokens needs data.path"),
+        (["mesh.sp=2"], "no 'model' section"),
+        (["model.hidden_size=8"], "model.vocab_size is required"),
+        (["model.preset=llama3-8b", "novalue"], "must look like section.key=value"),
+    ],
+)
+def test_bad_configs_are_one_clear_line(overrides, message):
+    with pytest.raises(JlongError) as error:
+        load_config(None, overrides)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_malformed_yaml_names_the_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  preset: llama3-8b\n train: [\n")
+    with pytest.raises(JlongError, match="cannot parse .* at line 3"):
+        load_config(path)
+    with pytest.raises(JlongError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
