@@ -1,0 +1,172 @@
+"""The decoder-only transformer (Llama 3.x, Qwen 2.5, Qwen 3) in Flax NNX.
+
+Layer parameters are stacked along a leading `layers` axis and the layers run
+as one `lax.scan`, so XLA compiles a single layer whatever the depth. Every
+parameter carries the logical axis names of its dimensions (`axes` metadata);
+`jlong.sharding` maps those names to mesh axes.
+
+Weights keep the head axis explicit (q projection [D, H, d], output
+projection [H, d, D]) so attention can take any subset of heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jlong.attention.kernels import attend
+from jlong.config import ModelConfig
+from jlong.model.layers import apply_rope, rms_norm, rope_inverse_frequencies, swiglu
+from jlong.sharding import constrain
+
+INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardOptions:
+    """How the forward pass computes; none of it changes the parameters."""
+
+    compute_dtype: str = "float32"
+    attention_impl: str = "auto"
+    block_size: int = 512
+
+
+def layer_param_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """Shape and logical axes of each per-layer parameter (without the layers axis)."""
+    D, F = config.hidden_size, config.intermediate_size
+    H, K, d = config.num_attention_heads, config.kv_heads, config.dim_per_head
+    shapes = {
+        "attn_norm": ((D,), ("embed",)),
+        "wq": ((D, H, d), ("embed", "heads", "head_dim")),
+        "wk": ((D, K, d), ("embed", "kv_heads", "head_dim")),
+        "wv": ((D, K, d), ("embed", "kv_heads", "head_dim")),
+        "wo": ((H, d, D), ("heads", "head_dim", "embed")),
+        "mlp_norm": ((D,), ("embed",)),
+        "w_gate": ((D, F), ("embed", "mlp")),
+        "w_up": ((D, F), ("embed", "mlp")),
+        "w_down": ((F, D), ("mlp", "embed")),
+    }
+    if config.attention_bias:
+        shapes["bq"] = ((H, d), ("heads", "head_dim"))
+        shapes["bk"] = ((K, d), ("kv_heads", "head_dim"))
+        shapes["bv"] = ((K, d), ("kv_heads", "head_dim"))
+    if config.qk_norm:
+        shapes["q_norm"] = ((d,), ("head_dim",))
+        shapes["k_norm"] = ((d,), ("head_dim",))
+    return shapes
+
+
+def _initial_value(name: str, key, shape, dtype):
+    if name.endswith("norm"):
+        return jnp.ones(shape, dtype)
+    if name.startswith("b"):
+        return jnp.zeros(shape, dtype)
+    return (INIT_STD * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+class LayerStack(nnx.Module):
+    """All decoder layers' parameters, each stacked to [num_layers, ...]."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype):
+        L = config.num_hidden_layers
+        self.names = tuple(layer_param_shapes(config))
+        for name, (shape, axes) in layer_param_shapes(config).items():
+            value = _initial_value(name, rngs.params(), (L, *shape), param_dtype)
+            setattr(self, name, nnx.Param(value, axes=("layers", *axes)))
+
+    def arrays(self) -> dict[str, jax.Array]:
+        return {name: getattr(self, name).get_value() for name in self.names}
+
+
+class Transformer(nnx.Module):
+    """Token ids [B, S] -> float32 logits [B, S, vocab]."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: str = "float32",
+        options: ForwardOptions = ForwardOptions(),
+    ):
+        self.config = config
+        self.options = options
+        V, D = config.vocab_size, config.hidden_size
+        self.embed = nnx.Param(
+            _initial_value("embed", rngs.params(), (V, D), param_dtype), axes=("vocab", "embed")
+        )
+        self.layers = LayerStack(config, rngs=rngs, param_dtype=param_dtype)
+        self.final_norm = nnx.Param(jnp.ones((D,), param_dtype), axes=("embed",))
+        if not config.tie_word_embeddings:
+            self.lm_head = nnx.Param(
+                _initial_value("lm_head", rngs.params(), (D, V), param_dtype),
+                axes=("embed", "vocab"),
+            )
+
+    def __call__(self, tokens_BS, segment_ids_BS=None, positions_BS=None):
+        return self.logits(self.hidden_states(tokens_BS, segment_ids_BS, positions_BS))
+
+    def hidden_states(self, tokens_BS, segment_ids_BS=None, positions_BS=None):
+        """The final-normed hidden states [B, S, D] in the compute dtype."""
+        config, options = self.config, self.options
+        dtype = jnp.dtype(options.compute_dtype)
+        if positions_BS is None:
+            positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
+        inv_freq = jnp.asarray(rope_inverse_frequencies(config))
+        embed_VD = constrain(self.embed.get_value().astype(dtype), ("vocab", "embed"))
+        x_BSD = constrain(jnp.take(embed_VD, tokens_BS, axis=0), ("batch", "seq", "embed"))
+
+        layer_axes = {name: axes for name, (_, axes) in layer_param_shapes(config).items()}
+
+        def one_layer(x_BSD, params):
+            # Cast, then constrain to the compute layout: under FSDP this is
+            # where each layer's weights are gathered (in the compute dtype).
+            params = {name: constrain(w.astype(dtype), layer_axes[name]) for name, w in params.items()}
+            x_BSD = decoder_layer(params, x_BSD, positions_BS, segment_ids_BS, inv_freq, config, options)
+            return x_BSD, None
+
+        x_BSD, _ = jax.lax.scan(one_layer, x_BSD, self.layers.arrays())
+        return rms_norm(x_BSD, self.final_norm.get_value(), config.rms_norm_eps)
+
+    def output_embedding(self):
+        """The [D, vocab] matrix that maps hidden states to logits."""
+        if self.config.tie_word_embeddings:
+            return self.embed.get_value().T
+        return self.lm_head.get_value()
+
+    def logits(self, hidden_BSD):
+        w_DV = constrain(self.output_embedding().astype(hidden_BSD.dtype), ("embed", "vocab"))
+        return jnp.einsum("bsd,dv->bsv", hidden_BSD, w_DV, preferred_element_type=jnp.float32)
+
+
+def decoder_layer(p, x_BSD, positions_BS, segment_ids_BS, inv_freq, config, options):
+    """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(x))."""
+    eps = config.rms_norm_eps
+    h_BSD = rms_norm(x_BSD, p["attn_norm"], eps)
+    x_BSD = x_BSD + attention_block(p, h_BSD, positions_BS, segment_ids_BS, inv_freq, config, options)
+    x_BSD = constrain(x_BSD, ("batch", "seq", "embed"))
+    h_BSD = rms_norm(x_BSD, p["mlp_norm"], eps)
+    x_BSD = x_BSD + swiglu(h_BSD, p["w_gate"], p["w_up"], p["w_down"])
+    return constrain(x_BSD, ("batch", "seq", "embed"))
+
+
+def project_qkv(p, h_BSD, positions_BS, inv_freq, config):
+    """q [B,S,H,d], k and v [B,S,K,d], with bias, q/k norm and RoPE applied."""
+    q = jnp.einsum("bsd,dhk->bshk", h_BSD, p["wq"])
+    k = jnp.einsum("bsd,dhk->bshk", h_BSD, p["wk"])
+    v = jnp.einsum("bsd,dhk->bshk", h_BSD, p["wv"])
+    if config.attention_bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    if config.qk_norm:
+        q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
+    return apply_rope(q, positions_BS, inv_freq), apply_rope(k, positions_BS, inv_freq), v
+
+
+def attention_block(p, h_BSD, positions_BS, segment_ids_BS, inv_freq, config, options):
+    q, k, v = project_qkv(p, h_BSD, positions_BS, inv_freq, config)
+    o_BSHd = attend(q, k, v, segment_ids_BS, impl=options.attention_impl, block_size=options.block_size)
+    return jnp.einsum("bshk,hkd->bsd", o_BSHd, p["wo"])
