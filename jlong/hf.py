@@ -1,0 +1,285 @@
+"""Hugging Face checkpoints: config.json + *.safetensors <-> jlong models.
+
+Reads both config forms: transformers 4 (`rope_theta`, `rope_scaling`) and
+transformers 5 (`rope_parameters`). Writes the transformers 4 form, which
+both generations load. Tensor names and layouts follow LlamaForCausalLM,
+Qwen2ForCausalLM and Qwen3ForCausalLM.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.flax import save_file
+
+from jlong.config import ModelConfig, build_section, validate_model
+from jlong.errors import JlongError
+from jlong.model.transformer import ForwardOptions, Transformer, layer_param_shapes
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SHARD_BYTES = 4 << 30  # safetensors file size cap when writing
+
+
+# --------------------------------------------------------------------------
+# config.json
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The jlong `model` fields that a Hugging Face config.json describes."""
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise JlongError(f"Hugging Face checkpoint {str(path)!r} has no config.json")
+    try:
+        hf = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise JlongError(f"cannot parse {config_path}: {err.msg} at line {err.lineno}") from None
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise JlongError(
+            f"{config_path}: model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    if hf.get("mlp_bias"):
+        raise JlongError(f"{config_path}: mlp_bias=true is not supported")
+    rope = dict(hf.get("rope_parameters") or {})
+    theta = hf.get("rope_theta", rope.pop("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or rope or None
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    fields = {
+        key: hf[key]
+        for key in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+            "max_position_embeddings",
+        )
+        if hf.get(key) is not None
+    }
+    fields.update(
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases; Llama and Qwen3 say so in attention_bias.
+        attention_bias=True if model_type == "qwen2" else bool(hf.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+    )
+    return fields
+
+
+def model_config_from_hf(path: str | Path) -> ModelConfig:
+    config = build_section(ModelConfig, {**read_hf_config(path), "hf_path": str(path)}, "model")
+    validate_model(config)
+    return config
+
+
+def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
+    architecture = config.hf_architecture
+    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+    hf = {
+        "architectures": [architecture],
+        "model_type": model_type[architecture],
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.dim_per_head,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings or 131072,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "initializer_range": 0.02,
+        "torch_dtype": "float32",
+    }
+    if architecture != "Qwen2ForCausalLM":
+        hf["attention_bias"] = config.attention_bias
+    if architecture != "LlamaForCausalLM":
+        hf["use_sliding_window"] = False
+    return hf
+
+
+# --------------------------------------------------------------------------
+# Tensor names and layouts
+#
+# Each entry: jlong layer parameter -> (HF tensor suffix, HF -> jlong, jlong -> HF).
+# HF linear weights are [out, in]; jlong keeps [in, heads, head_dim] and
+# [heads, head_dim, out] so attention can slice heads.
+
+
+def _layer_tensor_map(config: ModelConfig) -> dict[str, tuple[str, Callable, Callable]]:
+    D, H, K, d = config.hidden_size, config.num_attention_heads, config.kv_heads, config.dim_per_head
+
+    def in_heads(n):
+        return (lambda w: w.T.reshape(D, n, d), lambda w: w.reshape(D, n * d).T)
+
+    def heads(n):
+        return (lambda b: b.reshape(n, d), lambda b: b.reshape(n * d))
+
+    transpose = (lambda w: w.T, lambda w: w.T)
+    same = (lambda w: w, lambda w: w)
+    table = {
+        "attn_norm": ("input_layernorm.weight", *same),
+        "wq": ("self_attn.q_proj.weight", *in_heads(H)),
+        "wk": ("self_attn.k_proj.weight", *in_heads(K)),
+        "wv": ("self_attn.v_proj.weight", *in_heads(K)),
+        "wo": ("self_attn.o_proj.weight", lambda w: w.T.reshape(H, d, D), lambda w: w.reshape(H * d, D).T),
+        "mlp_norm": ("post_attention_layernorm.weight", *same),
+        "w_gate": ("mlp.gate_proj.weight", *transpose),
+        "w_up": ("mlp.up_proj.weight", *transpose),
+        "w_down": ("mlp.down_proj.weight", *transpose),
+        "bq": ("self_attn.q_proj.bias", *heads(H)),
+        "bk": ("self_attn.k_proj.bias", *heads(K)),
+        "bv": ("self_attn.v_proj.bias", *heads(K)),
+        "q_norm": ("self_attn.q_norm.weight", *same),
+        "k_norm": ("self_attn.k_norm.weight", *same),
+    }
+    return {name: table[name] for name in layer_param_shapes(config)}
+
+
+def _expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for name, (suffix, _, to_hf) in _layer_tensor_map(config).items():
+        shape, _ = layer_param_shapes(config)[name]
+        hf_shape = jax.eval_shape(to_hf, jax.ShapeDtypeStruct(shape, np.float32)).shape
+        for i in range(config.num_hidden_layers):
+            shapes[f"model.layers.{i}.{suffix}"] = hf_shape
+    V, D = config.vocab_size, config.hidden_size
+    shapes["model.embed_tokens.weight"] = (V, D)
+    shapes["model.norm.weight"] = (D,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, D)
+    return shapes
+
+
+# --------------------------------------------------------------------------
+# Reading
+
+
+def _safetensors_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> the file that holds it."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {name: path / file for name, file in weight_map.items()}
+        missing = sorted({str(f.name) for f in files.values() if not f.is_file()})
+        if missing:
+            raise JlongError(f"{path}: the safetensors index names missing files: {', '.join(missing)}")
+        return files
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
+        raise JlongError(f"Hugging Face checkpoint {str(path)!r} has no *.safetensors files")
+    files = {}
+    for file in found:
+        with safe_open(file, framework="numpy") as f:
+            files.update({name: file for name in f.keys()})
+    return files
+
+
+def read_hf_tensors(path: str | Path, config: ModelConfig) -> dict[str, np.ndarray]:
+    """The tensors the config needs, shape-checked, as numpy arrays."""
+    path = Path(path)
+    files = _safetensors_files(path)
+    expected = _expected_hf_shapes(config)
+    missing = [name for name in expected if name not in files]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise JlongError(f"{path}: checkpoint lacks tensors {', '.join(missing[:3])}{more}")
+    tensors = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    for file, names in by_file.items():
+        with safe_open(file, framework="flax") as f:
+            for name in names:
+                tensor = np.asarray(f.get_tensor(name))
+                if tensor.shape != expected[name]:
+                    raise JlongError(
+                        f"{file.name}: tensor {name} has shape {tensor.shape}, "
+                        f"but config.json implies {expected[name]}"
+                    )
+                tensors[name] = tensor
+    return tensors
+
+
+def from_hf(
+    path: str | Path,
+    *,
+    param_dtype: str = "float32",
+    options: ForwardOptions = ForwardOptions(),
+) -> Transformer:
+    """A jlong Transformer holding a Hugging Face checkpoint's weights."""
+    config = model_config_from_hf(path)
+    tensors = read_hf_tensors(path, config)
+    model = nnx.eval_shape(
+        lambda: Transformer(config, rngs=nnx.Rngs(0), param_dtype=param_dtype, options=options)
+    )
+
+    def put(param: nnx.Param, array: np.ndarray):
+        param.set_value(jax.numpy.asarray(array, dtype=param_dtype))
+
+    L = config.num_hidden_layers
+    for name, (suffix, to_jlong, _) in _layer_tensor_map(config).items():
+        stacked = np.stack([to_jlong(tensors[f"model.layers.{i}.{suffix}"]) for i in range(L)])
+        put(getattr(model.layers, name), stacked)
+    put(model.embed, tensors["model.embed_tokens.weight"])
+    put(model.final_norm, tensors["model.norm.weight"])
+    if not config.tie_word_embeddings:
+        put(model.lm_head, tensors["lm_head.weight"].T)
+    return model
+
+
+# --------------------------------------------------------------------------
+# Writing
+
+
+def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
+    config = model.config
+    tensors = {
+        "model.embed_tokens.weight": model.embed.get_value(),
+        "model.norm.weight": model.final_norm.get_value(),
+    }
+    if not config.tie_word_embeddings:
+        tensors["lm_head.weight"] = model.lm_head.get_value().T
+    for name, (suffix, _, to_hf) in _layer_tensor_map(config).items():
+        stacked = np.asarray(getattr(model.layers, name).get_value())
+        for i, layer in enumerate(stacked):
+            tensors[f"model.layers.{i}.{suffix}"] = to_hf(layer)
+    return {name: np.ascontiguousarray(np.asarray(t)) for name, t in tensors.items()}
+
+
+def to_hf(model: Transformer, path: str | Path) -> None:
+    """Writes config.json and safetensors shards that `transformers` loads."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = hf_tensors(model)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        if size and size + tensor.nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += tensor.nbytes
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        index = {
+            "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+            "weight_map": {t: file for file, shard in zip(names, shards) for t in shard},
+        }
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    for file, shard in zip(names, shards):
+        save_file({k: jax.numpy.asarray(v) for k, v in shard.items()}, path / file, metadata={"format": "pt"})
+    config = hf_config_dict(model.config)
+    config["torch_dtype"] = str(next(iter(tensors.values())).dtype)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
