@@ -1,0 +1,119 @@
+"""The `jlong` command line: train, convert, prepare.
+
+Every user error ends as one line on stderr and exit status 2, before any
+compilation and without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from jlong.errors import JlongError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        raise JlongError(f"{message} (see 'jlong {self.prog.split()[-1]} --help')")
+
+
+def _config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="run config YAML (see configs/)")
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="jlong", description="Long-context transformer training on JAX meshes.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    train = commands.add_parser("train", help="train a model")
+    _config_arguments(train)
+    train.add_argument("--coordinator", help="multi-process: coordinator host:port")
+    train.add_argument("--num-processes", type=int, help="multi-process: number of processes")
+    train.add_argument("--process-id", type=int, help="multi-process: this process's index")
+    train.add_argument("--until-step", type=int, help="stop after this step (the schedule still spans train.steps)")
+    train.set_defaults(handler=_train)
+
+    convert = commands.add_parser(
+        "convert", help="Hugging Face checkpoint <-> jlong parameters",
+        description="HF_DIR -> jlong parameter checkpoint, or a jlong checkpoint -> HF_DIR "
+        "(the direction follows from what SOURCE holds).",
+    )
+    convert.add_argument("source", help="a Hugging Face directory, or a jlong checkpoint directory")
+    convert.add_argument("destination", help="where to write the converted checkpoint")
+    convert.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
+    convert.set_defaults(handler=_convert)
+
+    prepare = commands.add_parser("prepare", help="text files -> a .npy of token ids")
+    prepare.add_argument("output", help="the .npy file to write")
+    prepare.add_argument("inputs", nargs="+", help="text files or directories")
+    prepare.add_argument("--glob", default="*", help="file pattern inside directories (default: all)")
+    prepare.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (default: bytes)")
+    prepare.add_argument("--eos-id", type=int, help="end-of-document id (bytes: 0)")
+    prepare.add_argument("--max-tokens", type=int, help="stop after this many tokens")
+    prepare.set_defaults(handler=_prepare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs one command; returns the exit status."""
+    try:
+        args = build_parser().parse_args(argv)
+        return args.handler(args) or 0
+    except JlongError as err:
+        print(f"jlong: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("jlong: interrupted", file=sys.stderr)
+        return 130
+
+
+def use_virtual_cpu_devices(count: int) -> None:
+    """Gives the CPU `count` devices (unless XLA_FLAGS names a count); must run
+    before jax initialises its backends. Harmless where accelerators exist."""
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", count)
+
+
+def _train(args) -> int:
+    from jlong.config import load_config
+
+    from jlong.train.multihost import initialize_distributed, process_count_requested
+
+    config = load_config(args.config, args.overrides)
+    processes = process_count_requested(args.num_processes)
+    if config.mesh.size % processes:
+        raise JlongError(f"the mesh's {config.mesh.size} devices do not split over {processes} processes")
+    use_virtual_cpu_devices(config.mesh.size // processes)
+    initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    from jlong.train.loop import train
+
+    train(config, until_step=args.until_step)
+    return 0
+
+
+def _convert(args) -> int:
+    from jlong.checkpoint import convert
+
+    convert(args.source, args.destination, param_dtype=args.param_dtype)
+    return 0
+
+
+def _prepare(args) -> int:
+    from jlong.data.prepare import prepare
+
+    summary = prepare(
+        args.output, args.inputs, pattern=args.glob, tokenizer_path=args.tokenizer,
+        eos_id=args.eos_id, max_tokens=args.max_tokens,
+    )
+    print(
+        f"wrote {args.output}: {summary['tokens']:,} tokens from {summary['files']} files "
+        f"(vocab {summary['vocab_size']}, end-of-document id {summary['eos_id']})"
+    )
+    return 0

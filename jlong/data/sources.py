@@ -1,0 +1,124 @@
+"""Training batches as a pure function of the step number.
+
+`source.batch(step)` returns the global batch of 1-based step `step` as numpy
+arrays: `inputs` and `targets` [B, S] (targets are inputs shifted by one),
+and, when `data.eos_id` is set, `segment_ids` and `positions` [B, S] so that
+attention and RoPE restart at every packed document. Because a batch depends
+only on the step (and the seed), resuming needs no data-loader state.
+
+`tokens` semantics (data.shuffle=false): sample i is tokens[i*S : i*S + S + 1],
+sample indices wrap modulo the number of whole samples, and step t takes
+samples (t-1)*B ... t*B-1. With shuffle, each pass over the samples follows
+its own seeded permutation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from jlong.config import Config
+from jlong.errors import JlongError
+
+
+class TokenFile:
+    """A 1-D integer .npy of token ids, memory-mapped (a 10 GB file costs no RAM)."""
+
+    def __init__(self, config: Config):
+        path = Path(config.data.path)
+        if not path.is_file():
+            raise JlongError(f"data.path {str(path)!r} does not exist; make one with 'jlong prepare'")
+        try:
+            tokens = np.load(path, mmap_mode="r")
+        except (ValueError, OSError) as err:
+            raise JlongError(f"data.path {str(path)!r} is not a readable .npy file ({err})") from None
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise JlongError(
+                f"data.path {str(path)!r} must hold a 1-D integer array of token ids, "
+                f"got shape {tokens.shape} of {tokens.dtype}"
+            )
+        S, B = config.train.seq_len, config.train.batch_size
+        self.num_samples = (len(tokens) - 1) // S
+        if self.num_samples < 1:
+            raise JlongError(
+                f"data.path {str(path)!r} holds {len(tokens)} tokens, fewer than one sample of "
+                f"train.seq_len + 1 = {S + 1}; use more data or a shorter train.seq_len"
+            )
+        largest = _max_id(tokens)
+        if largest >= config.model.vocab_size or tokens.min() < 0:
+            raise JlongError(
+                f"data.path {str(path)!r} holds token id {largest}, outside the model's "
+                f"vocabulary of {config.model.vocab_size}"
+            )
+        self.tokens, self.seq_len, self.batch_size = tokens, S, B
+        self.shuffle, self.seed = config.data.shuffle, config.train.seed
+
+    def sample_index(self, i: int) -> int:
+        if not self.shuffle:
+            return i % self.num_samples
+        epoch, within = divmod(i, self.num_samples)
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+        return int(order[within])
+
+    def sequences(self, step: int) -> np.ndarray:
+        """[B, S + 1] token windows of step `step` (1-based)."""
+        first = (step - 1) * self.batch_size
+        S = self.seq_len
+        rows = []
+        for i in range(first, first + self.batch_size):
+            start = self.sample_index(i) * S
+            rows.append(np.asarray(self.tokens[start : start + S + 1], dtype=np.int32))
+        return np.stack(rows)
+
+
+def _max_id(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
+    return max(int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk))
+
+
+class SyntheticTokens:
+    """Seeded, learnable sequences: each follows a fixed random permutation of
+    the vocabulary from a random first token, so the loss can fall to zero."""
+
+    def __init__(self, config: Config):
+        self.vocab = config.model.vocab_size
+        self.seq_len, self.batch_size = config.train.seq_len, config.train.batch_size
+        self.seed = config.train.seed
+        self.successor = np.random.default_rng(self.seed).permutation(self.vocab).astype(np.int32)
+
+    def sequences(self, step: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, step])
+        current = rng.integers(0, self.vocab, self.batch_size, dtype=np.int32)
+        out = np.empty((self.batch_size, self.seq_len + 1), np.int32)
+        for j in range(self.seq_len + 1):
+            out[:, j] = current
+            current = self.successor[current]
+        return out
+
+
+class Batches:
+    """The global batch of each step, with document structure when packed."""
+
+    def __init__(self, config: Config):
+        source = {"tokens": TokenFile, "synthetic": SyntheticTokens}[config.data.source]
+        self.source = source(config)
+        self.eos_id = config.data.eos_id
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        sequences = self.source.sequences(step)
+        batch = {"inputs": sequences[:, :-1], "targets": sequences[:, 1:]}
+        if self.eos_id is not None:
+            batch.update(document_structure(batch["inputs"], self.eos_id))
+        return batch
+
+
+def document_structure(inputs_BS: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
+    """Segment ids and in-document positions: a document starts after each eos."""
+    B, S = inputs_BS.shape
+    starts = np.zeros((B, S), bool)
+    starts[:, 0] = True
+    starts[:, 1:] = inputs_BS[:, :-1] == eos_id
+    segment_ids = np.cumsum(starts, axis=1, dtype=np.int32) - 1
+    index = np.broadcast_to(np.arange(S, dtype=np.int32), (B, S))
+    start_of_document = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    return {"segment_ids": segment_ids, "positions": (index - start_of_document).astype(np.int32)}

@@ -1,0 +1,38 @@
+"""Several processes, one training run: `jax.distributed` set-up.
+
+Configured by `--coordinator/--num-processes/--process-id`, or by the
+environment variables JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
+JAX_PROCESS_ID, or (under SLURM) by jax's own cluster detection.
+"""
+
+from __future__ import annotations
+
+import os
+
+from jlong.errors import JlongError
+
+
+def process_count_requested(num_processes: int | None) -> int:
+    if num_processes is not None:
+        return num_processes
+    if "JAX_NUM_PROCESSES" in os.environ:
+        return int(os.environ["JAX_NUM_PROCESSES"])
+    if "SLURM_NTASKS" in os.environ and "SLURM_PROCID" in os.environ:
+        return int(os.environ["SLURM_NTASKS"])
+    return 1
+
+
+def initialize_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+    import jax
+
+    count = process_count_requested(num_processes)
+    if count <= 1:
+        return
+    coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if process_id is None and "JAX_PROCESS_ID" in os.environ:
+        process_id = int(os.environ["JAX_PROCESS_ID"])
+    # CPU processes need a collectives backend; accelerators ignore this.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if coordinator is None and "SLURM_PROCID" not in os.environ:
+        raise JlongError("multi-process training needs --coordinator host:port (or JAX_COORDINATOR_ADDRESS)")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=count, process_id=process_id)

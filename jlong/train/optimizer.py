@@ -1,0 +1,51 @@
+"""AdamW with global-norm clipping and a warmup + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jlong.config import TrainConfig
+
+
+def learning_rate(train: TrainConfig, step):
+    """The learning rate of 1-based step `step`: linear warmup to lr over
+    warmup_steps (step 1 already moves), then cosine decay to
+    min_lr_ratio x lr at the last step."""
+    peak, floor = train.lr, train.lr * train.min_lr_ratio
+    step = jnp.asarray(step, jnp.float32)
+    warm = peak * step / max(train.warmup_steps, 1)
+    progress = jnp.clip((step - train.warmup_steps) / max(train.steps - train.warmup_steps, 1), 0.0, 1.0)
+    cosine = floor + (peak - floor) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+    return jnp.where(step <= train.warmup_steps, warm, cosine)
+
+
+def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
+    """optax counts updates from 0; update number c is step c + 1."""
+    return lambda count: learning_rate(train, count + 1)
+
+
+def decays(params) -> dict:
+    """Weight decay applies to weight matrices, not to norms and biases."""
+
+    def is_matrix(path, _):
+        name = str(getattr(path[-1], "key", path[-1]))
+        return not (name.endswith("norm") or name in ("bq", "bk", "bv"))
+
+    return jax.tree_util.tree_map_with_path(is_matrix, params)
+
+
+def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
+    clip = optax.clip_by_global_norm(train.grad_clip) if train.grad_clip > 0 else optax.identity()
+    return optax.chain(
+        clip,
+        optax.adamw(
+            learning_rate_schedule(train),
+            b1=train.b1,
+            b2=train.b2,
+            eps=train.eps,
+            weight_decay=train.weight_decay,
+            mask=decays,
+        ),
+    )

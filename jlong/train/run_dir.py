@@ -1,0 +1,62 @@
+"""A run's directory: its config and one JSON line of metrics per step."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import yaml
+
+from jlong.config import Config, config_to_dict
+from jlong.errors import JlongError
+
+# Keys a resumed run may change: how long to train, how often to save.
+RESUMABLE_CHANGES = {"train.steps", "checkpoint.every", "checkpoint.keep"}
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "rope_scaling":
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+class RunDir:
+    def __init__(self, config: Config):
+        self.path = Path(config.run_dir)
+        self.config_path = self.path / "config.yaml"
+        self.metrics_path = self.path / "metrics.jsonl"
+        self.config = config_to_dict(config)
+        if self.config_path.is_file():
+            before = _flatten(yaml.safe_load(self.config_path.read_text()) or {})
+            now = _flatten(self.config)
+            changed = sorted(k for k in before.keys() | now.keys()
+                             if before.get(k) != now.get(k) and k not in RESUMABLE_CHANGES)
+            if changed:
+                raise JlongError(
+                    f"run_dir {str(self.path)!r} belongs to a different configuration "
+                    f"(differs in {', '.join(changed[:4])}); choose a new run_dir"
+                )
+
+    def start(self, resumed_at: int) -> None:
+        """Writes the config; drops metrics of steps after the resumed checkpoint."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        _write_atomically(self.config_path, yaml.safe_dump(self.config, sort_keys=False))
+        if self.metrics_path.is_file():
+            kept = [line for line in self.metrics_path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= resumed_at]
+            _write_atomically(self.metrics_path, "".join(line + "\n" for line in kept))
+
+    def log(self, record: dict) -> None:
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
