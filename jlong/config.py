@@ -109,6 +109,8 @@ class TrainConfig:
     seed: int = 0
     param_dtype: DType = "float32"
     compute_dtype: DType = "bfloat16"
+    profile_start: int = 3  # first step of the jax.profiler trace window
+    profile_steps: int = 0  # steps to trace into run_dir/profile; 0 = no trace
 
 
 @dataclass(frozen=True)
@@ -374,6 +376,7 @@ def validate(config: Config) -> None:
             "train.weight_decay": train.weight_decay,
             "train.grad_clip": train.grad_clip,
             "checkpoint.every": config.checkpoint.every,
+            "train.profile_steps": train.profile_steps,
             "attention.heads_per_stage": att.heads_per_stage or 0,
         }
     )
@@ -391,8 +394,29 @@ def validate(config: Config) -> None:
         )
     if not train.lr > 0:
         raise JlongError(f"train.lr must be positive, got {train.lr}")
+    _validate_head_split(config)
     if config.data.source == "tokens" and not config.data.path:
         raise JlongError("data.source=tokens needs data.path, a 1-D integer .npy of token ids")
+
+
+def _validate_head_split(config: Config) -> None:
+    """Ulysses splits the query heads over sp; UPipe runs them in stages of U."""
+    H, sp = config.model.num_attention_heads, config.mesh.sp
+    if H % sp:
+        workable = [c for c in range(1, H + 1) if H % c == 0]
+        raise JlongError(
+            f"model.num_attention_heads ({H}) is not divisible by mesh.sp ({sp}); "
+            f"sp degrees that work: {', '.join(map(str, workable))}"
+        )
+    U = config.heads_per_stage
+    if U % sp or H % U:
+        workable = [u for u in range(sp, H + 1, sp) if H % u == 0]
+        raise JlongError(
+            f"attention.heads_per_stage ({U}) must be a multiple of mesh.sp ({sp}) that divides "
+            f"the {H} heads; values that work: {', '.join(map(str, workable))} (or 0 for all heads)"
+        )
+    if config.train.profile_steps and not config.run_dir:
+        raise JlongError("train.profile_steps writes its trace into run_dir: set run_dir")
 
 
 def validate_model(m: ModelConfig) -> None:

@@ -58,6 +58,8 @@ def test_heads_per_stage_defaults_to_sp():
         (["mesh.sp=2"], "no 'model' section"),
         (["model.hidden_size=8"], "model.vocab_size is required"),
         (["model.preset=llama3-8b", "novalue"], "must look like section.key=value"),
+        (["model.preset=qwen2.5-14b", "mesh.sp=16"], "sp degrees that work: 1, 2, 4, 5, 8, 10, 20, 40"),
+        (["model.preset=llama3-8b", "mesh.sp=8", "attention.heads_per_stage=12"], "values that work: 8, 16, 32"),
     ],
 )
 def test_bad_configs_are_one_clear_line(overrides, message):

@@ -56,3 +56,17 @@ def test_synthetic_batches_are_seeded():
     a, b = Batches(config).batch(3), Batches(config).batch(3)
     np.testing.assert_array_equal(a["inputs"], b["inputs"])
     np.testing.assert_array_equal(a["inputs"][:, 1:], a["targets"][:, :-1])
+
+
+def test_prepare_with_a_tokenizer_json(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "<eos>": 1, "hello": 2, "world": 3}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "a.txt").write_text("hello world hello")
+    summary = prepare(str(tmp_path / "out.npy"), [str(tmp_path / "a.txt")],
+                      tokenizer_path=str(tmp_path / "tokenizer.json"), eos_id=1)
+    assert list(np.load(tmp_path / "out.npy")) == [2, 3, 2, 1]
+    assert summary["vocab_size"] == 4

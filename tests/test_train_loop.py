@@ -110,3 +110,9 @@ def test_two_processes_train_like_one(tmp_path, uninterrupted):
     outputs = [p.communicate(timeout=300)[0].decode() for p in processes]
     assert all(p.returncode == 0 for p in processes), outputs[0][-2000:] + outputs[1][-2000:]
     np.testing.assert_allclose(losses(tmp_path / "run"), uninterrupted, rtol=1e-5)
+
+
+def test_profile_window_writes_a_trace(tmp_path):
+    train(config_for(tmp_path, "train.steps=3", "train.profile_start=2", "train.profile_steps=1",
+                     "checkpoint.dir=null"))
+    assert any((tmp_path / "run" / "profile").rglob("*.xplane.pb"))

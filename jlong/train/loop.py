@@ -66,11 +66,13 @@ def train(config: Config, *, until_step: int | None = None) -> list[dict]:
     records = []
     progress = tqdm(total=last, initial=start, disable=not is_main, desc="train", unit="step")
     compiled = None
+    profiler = ProfileWindow(config)
     try:
         for step in range(start + 1, last + 1):
             batch = place_batch(batches.batch(step), mesh)
             if compiled is None:
                 compiled = train_step.lower(params, opt_state, batch).compile()
+            profiler.at_step(step)
             began = time.perf_counter()
             params, opt_state, metrics = compiled(params, opt_state, batch)
             loss, grad_norm = local_value(metrics["loss"]), local_value(metrics["grad_norm"])
@@ -97,12 +99,39 @@ def train(config: Config, *, until_step: int | None = None) -> list[dict]:
             progress.update(1)
             every = config.checkpoint.every
             if checkpoints and ((every and step % every == 0) or step == last):
-                checkpoints.save(step, params, opt_state, model=config.model)
+                # The data position and RNG are functions of the step and seed; kept for readers.
+                extra = {"samples_seen": step * config.train.batch_size, "seed": config.train.seed}
+                checkpoints.save(step, params, opt_state, model=config.model, extra=extra)
     finally:
+        profiler.stop()
         progress.close()
         if checkpoints:
             checkpoints.close()
     return records
+
+
+class ProfileWindow:
+    """A jax.profiler trace of steps [profile_start, profile_start + profile_steps)
+    into run_dir/profile (process 0 only)."""
+
+    def __init__(self, config: Config):
+        train = config.train
+        self.first, self.end = train.profile_start, train.profile_start + train.profile_steps
+        self.enabled = bool(train.profile_steps) and jax.process_index() == 0
+        self.directory = f"{config.run_dir}/profile"
+        self.tracing = False
+
+    def at_step(self, step: int) -> None:
+        if self.enabled and step == self.first:
+            jax.profiler.start_trace(self.directory)
+            self.tracing = True
+        elif self.tracing and step == self.end:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.tracing:
+            jax.profiler.stop_trace()
+            self.tracing = False
 
 
 def device_memory() -> dict:
