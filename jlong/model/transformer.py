@@ -72,8 +72,9 @@ class LayerStack(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype):
         L = config.num_hidden_layers
-        self.names = tuple(layer_param_shapes(config))
-        for name, (shape, axes) in layer_param_shapes(config).items():
+        shapes = layer_param_shapes(config)
+        self.names = tuple(shapes)
+        for name, (shape, axes) in shapes.items():
             value = _initial_value(name, rngs.params(), (L, *shape), param_dtype)
             setattr(self, name, nnx.Param(value, axes=("layers", *axes)))
 

@@ -78,7 +78,8 @@ def train(config: Config, *, until_step: int | None = None) -> list[dict]:
             loss, grad_norm = local_value(metrics["loss"]), local_value(metrics["grad_norm"])
             seconds = time.perf_counter() - began
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                kept = f"; the last good checkpoint is step {checkpoints.latest_step()}" if checkpoints and checkpoints.latest_step() else ""
+                good = checkpoints.latest_step() if checkpoints else None
+                kept = f"; the last good checkpoint is step {good}" if good else ""
                 raise JlongError(
                     f"step {step}: loss {loss} / grad_norm {grad_norm} is not finite, training stopped "
                     f"(lower train.lr or raise train.warmup_steps){kept}"
