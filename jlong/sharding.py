@@ -26,6 +26,11 @@ def use_rules(mesh, rules: dict[str, str | tuple[str, ...] | None]):
         _ACTIVE.reset(token)
 
 
+def active_rules():
+    """(mesh, rules) while `use_rules` is active, else None."""
+    return _ACTIVE.get()
+
+
 def partition_spec(axes: tuple[str | None, ...], rules) -> PartitionSpec:
     return PartitionSpec(*(rules.get(a) if a is not None else None for a in axes))
 

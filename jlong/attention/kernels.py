@@ -21,10 +21,16 @@ import functools
 import jax
 import jax.numpy as jnp
 from einops import rearrange
+from jax.ad_checkpoint import checkpoint_name
 
 from jlong.errors import JlongError
 
 IMPLEMENTATIONS = ("auto", "cudnn", "blockwise", "reference")
+
+# Names of the blockwise kernel's saved output and log-sum-exp, for remat
+# policies that keep them (and so skip re-running the attention forward).
+ATTENTION_OUT = "attention_out"
+ATTENTION_LSE = "attention_lse"
 
 # Finite stand-in for -inf, so fully masked blocks give exp(..) = 0, not NaN.
 _MASKED = -1e30
@@ -138,8 +144,10 @@ def _flash_forward(q, k, v, segment_ids, block):
 
     def query_block(i):
         q_blk = qb[:, i]
-        stats = jnp.zeros((B, K, H // K, block), jnp.float32)  # running max / sum
-        acc = jnp.zeros((B, K, H // K, block, d), jnp.float32)
+        # zeros_like(q...) rather than zeros: inside shard_map a loop carry must
+        # vary over the mesh axes its inputs vary over.
+        stats = jnp.zeros_like(q_blk, jnp.float32, (B, K, H // K, block))  # running max / sum
+        acc = jnp.zeros_like(q_blk, jnp.float32, (B, K, H // K, block, d))
 
         def key_block(j, carry):
             m, l, acc = carry
@@ -158,7 +166,8 @@ def _flash_forward(q, k, v, segment_ids, block):
         return rearrange(o, "b k g q d -> b q (k g) d").astype(q.dtype), m + jnp.log(l)
 
     o, lse = jax.lax.map(query_block, jnp.arange(S // block))
-    o = rearrange(o, "n b q h d -> b (n q) h d")
+    o = checkpoint_name(rearrange(o, "n b q h d -> b (n q) h d"), ATTENTION_OUT)
+    lse = checkpoint_name(lse, ATTENTION_LSE)
     return o, (q, k, v, segment_ids, o, lse)  # lse: [n, B, K, G, bq]
 
 
@@ -187,7 +196,7 @@ def _flash_backward(block, residuals, do):
             _, ds = probs_and_dscores(i, j)
             return dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, kb[:, j].astype(jnp.float32))
 
-        dq = jax.lax.fori_loop(0, i + 1, step, jnp.zeros(qb.shape[:1] + qb.shape[2:], jnp.float32))
+        dq = jax.lax.fori_loop(0, i + 1, step, jnp.zeros_like(qb[:, 0], jnp.float32))
         return dq * scale
 
     def dkv_block(j):
@@ -198,7 +207,7 @@ def _flash_backward(block, residuals, do):
             dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, qb[:, i].astype(jnp.float32))
             return dk, dv
 
-        zeros = jnp.zeros(kb.shape[:1] + kb.shape[2:], jnp.float32)
+        zeros = jnp.zeros_like(kb[:, 0], jnp.float32)
         dk, dv = jax.lax.fori_loop(j, n, step, (zeros, zeros))
         return dk * scale, dv
 

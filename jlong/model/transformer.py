@@ -12,12 +12,14 @@ projection [H, d, D]) so attention can take any subset of heads.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from jlong.attention.kernels import attend
+from jlong.attention.ulysses import HeadProjections, staged_attention
 from jlong.config import ModelConfig
 from jlong.model.layers import apply_rope, rms_norm, rope_inverse_frequencies, swiglu
 from jlong.sharding import constrain
@@ -32,6 +34,7 @@ class ForwardOptions:
     compute_dtype: str = "float32"
     attention_impl: str = "auto"
     block_size: int = 512
+    heads_per_stage: int = 0  # UPipe's U; 0 = all heads in one stage
 
 
 def layer_param_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -116,7 +119,6 @@ class Transformer(nnx.Module):
         dtype = jnp.dtype(options.compute_dtype)
         if positions_BS is None:
             positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
-        inv_freq = jnp.asarray(rope_inverse_frequencies(config))
         embed_VD = constrain(self.embed.get_value().astype(dtype), ("vocab", "embed"))
         x_BSD = constrain(jnp.take(embed_VD, tokens_BS, axis=0), ("batch", "seq", "embed"))
 
@@ -126,7 +128,7 @@ class Transformer(nnx.Module):
             # Cast, then constrain to the compute layout: under FSDP this is
             # where each layer's weights are gathered (in the compute dtype).
             params = {name: constrain(w.astype(dtype), layer_axes[name]) for name, w in params.items()}
-            x_BSD = decoder_layer(params, x_BSD, positions_BS, segment_ids_BS, inv_freq, config, options)
+            x_BSD = decoder_layer(params, x_BSD, positions_BS, segment_ids_BS, config, options)
             return x_BSD, None
 
         x_BSD, _ = jax.lax.scan(one_layer, x_BSD, self.layers.arrays())
@@ -143,31 +145,76 @@ class Transformer(nnx.Module):
         return jnp.einsum("bsd,dv->bsv", hidden_BSD, w_DV, preferred_element_type=jnp.float32)
 
 
-def decoder_layer(p, x_BSD, positions_BS, segment_ids_BS, inv_freq, config, options):
+def decoder_layer(p, x_BSD, positions_BS, segment_ids_BS, config, options):
     """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(x))."""
     eps = config.rms_norm_eps
     h_BSD = rms_norm(x_BSD, p["attn_norm"], eps)
-    x_BSD = x_BSD + attention_block(p, h_BSD, positions_BS, segment_ids_BS, inv_freq, config, options)
+    x_BSD = x_BSD + attention_block(p, h_BSD, positions_BS, segment_ids_BS, config, options)
     x_BSD = constrain(x_BSD, ("batch", "seq", "embed"))
     h_BSD = rms_norm(x_BSD, p["mlp_norm"], eps)
     x_BSD = x_BSD + swiglu(h_BSD, p["w_gate"], p["w_up"], p["w_down"])
     return constrain(x_BSD, ("batch", "seq", "embed"))
 
 
-def project_qkv(p, h_BSD, positions_BS, inv_freq, config):
-    """q [B,S,H,d], k and v [B,S,K,d], with bias, q/k norm and RoPE applied."""
-    q = jnp.einsum("bsd,dhk->bshk", h_BSD, p["wq"])
-    k = jnp.einsum("bsd,dhk->bshk", h_BSD, p["wk"])
-    v = jnp.einsum("bsd,dhk->bshk", h_BSD, p["wv"])
+def project_qkv(p, h_BSD, positions_BS, q_heads, kv_heads, *, config):
+    """q for the query heads `q_heads` = (first, count) and k, v for the kv
+    heads `kv_heads`, each [B, S, count, d], with bias, q/k norm and RoPE.
+
+    One matmul computes all requested heads. Either range may be None; its
+    outputs are then None.
+    """
+    weights, biases, names = [], [], []
+    for name, heads in (("q", q_heads), ("k", kv_heads), ("v", kv_heads)):
+        if heads is not None:
+            names.append(name)
+            weights.append(_heads(p[f"w{name}"], *heads, axis=1))
+            if config.attention_bias:
+                biases.append(_heads(p[f"b{name}"], *heads, axis=0))
+    qkv = _project(h_BSD, jnp.concatenate(weights, axis=1))
     if config.attention_bias:
-        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    if config.qk_norm:
-        q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
-    return apply_rope(q, positions_BS, inv_freq), apply_rope(k, positions_BS, inv_freq), v
+        qkv = qkv + jnp.concatenate(biases, axis=0)
+    out = dict(zip(names, jnp.split(qkv, np.cumsum([w.shape[1] for w in weights])[:-1], axis=2)))
+    inv_freq = rope_inverse_frequencies(config)
+    for name in ("q", "k"):
+        if name in out:
+            if config.qk_norm:
+                out[name] = rms_norm(out[name], p[f"{name}_norm"], config.rms_norm_eps)
+            out[name] = apply_rope(out[name], positions_BS, inv_freq)
+    return out.get("q"), out.get("k"), out.get("v")
 
 
-def attention_block(p, h_BSD, positions_BS, segment_ids_BS, inv_freq, config, options):
-    q, k, v = project_qkv(p, h_BSD, positions_BS, inv_freq, config)
-    o_BSHd = attend(q, k, v, segment_ids_BS, impl=options.attention_impl, block_size=options.block_size)
-    return jnp.einsum("bshk,hkd->bsd", o_BSHd, p["wo"])
+def _project(x_BSD, w_DNd):
+    """x @ w as one 2-D matmul: [B, S, D] x [D, N, d] -> [B, S, N, d]."""
+    B, S, D = x_BSD.shape
+    y = x_BSD.reshape(B * S, D) @ w_DNd.reshape(D, -1)
+    return y.reshape(B, S, *w_DNd.shape[1:])
+
+
+def _heads(w, first, count, axis):
+    if count == w.shape[axis]:
+        return w
+    return jax.lax.dynamic_slice_in_dim(w, first, count, axis)
+
+
+def project_out(p, o_BSHd, first, count):
+    """o [B, S, count, d] of heads [first, first + count) through Wo: float32 [B, S, D]."""
+    wo = _heads(p["wo"], first, count, axis=0)
+    return jnp.einsum("bshk,hkd->bsd", o_BSHd, wo, preferred_element_type=jnp.float32)
+
+
+ATTENTION_PARAMS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm")
+
+
+def attention_block(p, h_BSD, positions_BS, segment_ids_BS, config, options):
+    """Self-attention of the normed input, in Ulysses/UPipe head stages."""
+    H = config.num_attention_heads
+    return staged_attention(
+        {name: p[name] for name in ATTENTION_PARAMS if name in p},
+        h_BSD,
+        positions_BS,
+        segment_ids_BS,
+        projections=HeadProjections(qkv=functools.partial(project_qkv, config=config), output=project_out),
+        heads=(H, config.kv_heads, options.heads_per_stage or H),
+        impl=options.attention_impl,
+        block_size=options.block_size,
+    )

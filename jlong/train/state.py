@@ -21,6 +21,7 @@ def forward_options(config: Config) -> ForwardOptions:
         compute_dtype=config.train.compute_dtype,
         attention_impl=config.attention.impl,
         block_size=config.attention.block_size,
+        heads_per_stage=config.heads_per_stage,
     )
 
 

@@ -1,0 +1,176 @@
+"""Ulysses context parallelism, run in UPipe head stages.
+
+Each device holds a sequence shard x [B, S/C, D] (C = the sp degree). The
+query heads are taken U at a time (a `lax.scan` over H/U stages, so every
+stage reuses the same buffers). For each stage:
+
+1. project the stage's q (and the k, v it needs) on the local shard, with
+   RoPE at the shard's global positions;
+2. all-to-all: [B, S/C, U, d] -> [B, S, U/C, d] (whole sequence, U/C heads);
+3. causal attention over the whole sequence;
+4. all-to-all back: [B, S, U/C, d] -> [B, S/C, U, d];
+5. add its output projection, o @ Wo[stage heads], into the [B, S/C, D] result.
+
+Attention buffers hold U/C heads per device instead of H/C (U = H is plain
+Ulysses). Each stage is rematerialised with a policy that keeps only the
+attention output and its log-sum-exp: the backward pass re-projects and
+re-exchanges q, k, v one stage at a time, so nothing O(H) but those outputs
+lives between the forward and the backward pass.
+
+Grouped-query attention: device c of stage s holds the U/C query heads
+starting at s*U + c*U/C. Every run of `local_group` of them shares one kv
+head, so the device needs U/C / local_group kv heads. The stage projects the
+distinct kv heads it needs once, repeats them into one slot per
+(device, kv head) and exchanges them with the same all-to-all; a kv head
+shared by several devices is replicated, and autodiff sums the replicas'
+gradients. When U < H/K, consecutive stages share a kv head and each stage
+projects and exchanges it again: reusing it across stages (a nested loop)
+measured worse for memory, since the nested loop's backward keeps its own
+[B, S/C, D] gradient accumulator for x and copies of the saved outputs.
+
+Without a mesh (or with C = 1) the same stages run with no collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jlong.attention.kernels import ATTENTION_LSE, ATTENTION_OUT, attend
+from jlong.sharding import active_rules
+
+# Between forward and backward each stage keeps only the attention kernel's
+# output and log-sum-exp; everything else is recomputed.
+KEEP_ATTENTION_OUTPUT = jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT, ATTENTION_LSE)
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """Which heads each stage and device work on (all static)."""
+
+    num_heads: int  # H
+    num_kv_heads: int  # K
+    devices: int  # C, the sp degree
+    heads_per_stage: int  # U
+
+    @property
+    def num_stages(self) -> int:
+        return self.num_heads // self.heads_per_stage
+
+    @property
+    def heads_per_device(self) -> int:
+        return self.heads_per_stage // self.devices
+
+    @property
+    def local_group(self) -> int:
+        """Query heads per kv head on one device: runs this long never straddle
+        two kv heads, because it divides both H/K and every device's first head."""
+        return math.gcd(self.heads_per_device, self.num_heads // self.num_kv_heads)
+
+    @property
+    def kv_per_device(self) -> int:
+        return self.heads_per_device // self.local_group
+
+    def kv_slots(self, stage: int) -> np.ndarray:
+        """Global kv head of each (device, slot) pair, device-major: [C * kv_per_device]."""
+        group = self.num_heads // self.num_kv_heads
+        first = stage * self.heads_per_stage
+        return np.array([
+            (first + c * self.heads_per_device + i * self.local_group) // group
+            for c in range(self.devices)
+            for i in range(self.kv_per_device)
+        ])
+
+    @functools.cached_property
+    def kv_window(self) -> tuple[int, np.ndarray, np.ndarray]:
+        """(width, first head [stages], slot index within the window [stages, C*r]):
+        each stage projects `width` consecutive kv heads and repeats them into slots."""
+        slots = np.stack([self.kv_slots(s) for s in range(self.num_stages)])
+        width = int((slots.max(1) - slots.min(1)).max()) + 1
+        first = np.minimum(slots.min(1), self.num_kv_heads - width)
+        return width, first, slots - first[:, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadProjections:
+    """The model's side of attention, for a range of heads on a sequence shard.
+    Each takes the attention weights first:
+
+    - qkv(params, x, positions, q_heads, kv_heads) -> (q, k, v), each
+      [B, S, count, d] with RoPE applied, for head ranges (first, count); a
+      range may be None and its outputs are then None
+    - output(params, o, first, count) -> o [B, S, count, d] @ Wo[heads], float32 [B, S, D]
+    """
+
+    qkv: Callable
+    output: Callable
+
+
+def staged_attention(params, x_BSD, positions_BS, segment_ids_BS, *, projections, heads, impl, block_size):
+    """Self-attention of x [B, S, D] (output projection included), in UPipe stages.
+
+    `heads` is (H, K, U). Under `use_rules` whose `seq` axis maps to a mesh
+    axis, this runs as a shard_map over the mesh with Ulysses exchanges over
+    that axis; otherwise the same stages run on the whole array.
+    """
+    H, K, U = heads
+    active = active_rules()
+    mesh, sp_axis, batch_axes = None, None, None
+    if active is not None:
+        mesh, rules = active
+        sp_axis, batch_axes = rules.get("seq"), rules.get("batch")
+    C = 1 if sp_axis is None else mesh.shape[sp_axis]
+    run = functools.partial(
+        _run_stages,
+        plan=StagePlan(H, K, C, U),
+        sp_axis=sp_axis if C > 1 else None,
+        projections=projections,
+        impl=impl,
+        block_size=block_size,
+    )
+    if mesh is None:
+        return run(params, x_BSD, positions_BS, segment_ids_BS)
+    tokens = P(batch_axes, sp_axis)
+    hidden = P(batch_axes, sp_axis, None)
+    return jax.shard_map(
+        run, mesh=mesh, in_specs=(P(), hidden, tokens, tokens), out_specs=hidden
+    )(params, x_BSD, positions_BS, segment_ids_BS)
+
+
+def _run_stages(params, x, positions, segment_ids, *, plan, sp_axis, projections, impl, block_size):
+    """The per-device program: x [B, S/C, D] -> attention output [B, S/C, D]."""
+    if sp_axis is not None and segment_ids is not None:
+        segment_ids = jax.lax.all_gather(segment_ids, sp_axis, axis=1, tiled=True)
+    to_heads = functools.partial(_exchange, axis=sp_axis, split=2, concat=1)
+    to_sequence = functools.partial(_exchange, axis=sp_axis, split=1, concat=2)
+    U = plan.heads_per_stage
+    width, first_kv, slots = plan.kv_window
+    first_kv, slots = jnp.asarray(first_kv), jnp.asarray(slots)
+
+    # The accumulator y goes in and out of the checkpointed stage so the stage
+    # output is added in place; the backward pass needs no copy of it.
+    @functools.partial(jax.checkpoint, policy=KEEP_ATTENTION_OUTPUT)
+    def add_stage(y, stage):
+        q, k, v = projections.qkv(params, x, positions, (stage * U, U), (first_kv[stage], width))
+        k, v = (to_heads(jnp.take(t, slots[stage], axis=2)) for t in (k, v))  # [B, S, r, d]
+        o = attend(to_heads(q), k, v, segment_ids, impl=impl, block_size=block_size)  # [B, S, U/C, d]
+        return y + projections.output(params, to_sequence(o), stage * U, U), None
+
+    # zeros_like(x): inside shard_map a scan carry must vary over x's mesh axes.
+    y = jnp.zeros_like(x, jnp.float32)
+    y, _ = jax.lax.scan(add_stage, y, jnp.arange(plan.num_stages))
+    return y.astype(x.dtype)
+
+
+def _exchange(x, *, axis, split, concat):
+    """all-to-all over the sp axis (identity without one)."""
+    if axis is None:
+        return x
+    return jax.lax.all_to_all(x, axis, split, concat, tiled=True)
