@@ -2,7 +2,14 @@
 UPipe (U = sp) against plain Ulysses (U = all heads), from XLA's compiled
 memory analysis on 8 virtual CPU devices (nothing is allocated).
 
-    python experiments/upipe_memory.py [--seq 32768 65536] [--heads 32] [--kv-heads 8]
+    python experiments/upipe_memory.py [--seq 131072 262144] [--heads 32] [--kv-heads 8]
+
+float32 throughout: the CPU compiler turns bfloat16 matmuls into float32
+ones with converted copies of their operands, which would blur the picture.
+The block is the whole attention block (q/k/v projections, exchanges,
+attention, output projection), so the figures include terms that do not
+depend on U: the saved attention output and the [B, S/sp, D] gradient of
+the block's input.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ def attention_temp_bytes(model: ModelConfig, seq_len: int, sp: int, heads_per_st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, nargs="+", default=[32768, 65536])
+    parser.add_argument("--seq", type=int, nargs="+", default=[131072, 262144])
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -58,7 +65,7 @@ def main() -> None:
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
     )
     stage_sizes = sorted({args.sp, 2 * args.sp, args.heads})
-    print(f"{args.heads} heads, {args.kv_heads} kv heads, head_dim {args.head_dim}, sp={args.sp}, bf16, "
+    print(f"{args.heads} heads, {args.kv_heads} kv heads, head_dim {args.head_dim}, sp={args.sp}, float32, "
           "attention block forward+backward, temp MiB per device")
     print("seq_len  " + "  ".join(f"U={u:<6}" for u in stage_sizes) + "  U=sp / U=H")
     previous = None

@@ -168,3 +168,24 @@ def test_single_device_stages_equal_plain_attention():
         block = lambda p, x, pos, seg: attention_block(p, x, pos, seg, model, options)  # noqa: E731
         got = jax.jit(_value_and_grads, static_argnums=0)(block, params, x, positions, segment_ids, cotangent)
         _assert_close(got, want)
+
+
+def test_stage_remat_keeps_the_cudnn_forward(monkeypatch):
+    """Traced on CPU with cuDNN's availability checks stubbed out: under the
+    stage policy the backward pass reuses the fused forward's output instead
+    of running cuDNN's forward kernel a second time."""
+    fused = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+    monkeypatch.setattr(fused, "check_cudnn_version", lambda *a, **k: None)
+    monkeypatch.setattr(fused, "check_compute_capability", lambda *a, **k: True)
+    from jlong.attention.ulysses import KEEP_ATTENTION_OUTPUT
+
+    def cudnn_attention(q):
+        return jax.nn.dot_product_attention(q, q, q, is_causal=True, implementation="cudnn")
+
+    def forward_calls(policy):
+        loss = lambda q: jax.checkpoint(cudnn_attention, policy=policy)(q * 2).astype(jnp.float32).sum()  # noqa: E731
+        jaxpr = str(jax.make_jaxpr(jax.grad(loss))(jnp.ones((1, 256, 4, 64), jnp.bfloat16)))
+        return jaxpr.count("dot_product_attention_fwd")
+
+    assert forward_calls(jax.checkpoint_policies.nothing_saveable) == 2  # the check can fail
+    assert forward_calls(KEEP_ATTENTION_OUTPUT) == 1

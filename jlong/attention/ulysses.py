@@ -46,9 +46,19 @@ from jax.sharding import PartitionSpec as P
 from jlong.attention.kernels import ATTENTION_LSE, ATTENTION_OUT, attend
 from jlong.sharding import active_rules
 
+
+def _is_cudnn_attention_forward(primitive, *_, **__) -> bool:
+    """cuDNN's fused forward returns the output and the softmax statistics."""
+    return primitive.name.startswith("dot_product_attention_fwd")
+
+
 # Between forward and backward each stage keeps only the attention kernel's
-# output and log-sum-exp; everything else is recomputed.
-KEEP_ATTENTION_OUTPUT = jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT, ATTENTION_LSE)
+# output and log-sum-exp (named in the blockwise kernel, the outputs of the
+# fused primitive for cuDNN); q, k, v and the exchanges are recomputed.
+KEEP_ATTENTION_OUTPUT = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT, ATTENTION_LSE),
+    _is_cudnn_attention_forward,
+)
 
 
 @dataclasses.dataclass(frozen=True)
