@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from jlong.attention.kernels import reference_attention
 from jlong.attention.ulysses import StagePlan
 from jlong.config import MeshConfig, ModelConfig
-from jlong.model.layers import apply_rope, rope_inverse_frequencies
+from jlong.model.layers import apply_rope, rms_norm, rope_inverse_frequencies
 from jlong.model.transformer import ForwardOptions, attention_block
 from jlong.parallel.mesh import ACTIVATION_RULES, make_mesh
 from jlong.sharding import use_rules
@@ -59,8 +59,6 @@ def _params(model, seed=0):
 
 def _plain_attention_block(p, x, positions, segment_ids, model):
     """The textbook computation, written out independently of jlong's stages."""
-    from jlong.model.layers import rms_norm
-
     q = jnp.einsum("bsd,dhk->bshk", x, p["wq"])
     k = jnp.einsum("bsd,dhk->bshk", x, p["wk"])
     v = jnp.einsum("bsd,dhk->bshk", x, p["wv"])
