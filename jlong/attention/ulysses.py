@@ -41,10 +41,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from jlong.attention.kernels import ATTENTION_LSE, ATTENTION_OUT, attend
-from jlong.sharding import active_rules
+from jlong.sharding import sequence_shards
 
 
 def _is_cudnn_attention_forward(primitive, *_, **__) -> bool:
@@ -131,27 +130,17 @@ def staged_attention(params, x_BSD, positions_BS, segment_ids_BS, *, projections
     that axis; otherwise the same stages run on the whole array.
     """
     H, K, U = heads
-    active = active_rules()
-    mesh, sp_axis, batch_axes = None, None, None
-    if active is not None:
-        mesh, rules = active
-        sp_axis, batch_axes = rules.get("seq"), rules.get("batch")
-    C = 1 if sp_axis is None else mesh.shape[sp_axis]
+    shards = sequence_shards()
     run = functools.partial(
         _run_stages,
-        plan=StagePlan(H, K, C, U),
-        sp_axis=sp_axis if C > 1 else None,
+        plan=StagePlan(H, K, shards.size, U),
+        sp_axis=shards.collective_axis,
         projections=projections,
         impl=impl,
         block_size=block_size,
     )
-    if mesh is None:
-        return run(params, x_BSD, positions_BS, segment_ids_BS)
-    tokens = P(batch_axes, sp_axis)
-    hidden = P(batch_axes, sp_axis, None)
-    return jax.shard_map(
-        run, mesh=mesh, in_specs=(P(), hidden, tokens, tokens), out_specs=hidden
-    )(params, x_BSD, positions_BS, segment_ids_BS)
+    run = shards.map(run, ("replicated", "hidden", "tokens", "tokens"), "hidden")
+    return run(params, x_BSD, positions_BS, segment_ids_BS)
 
 
 def _run_stages(params, x, positions, segment_ids, *, plan, sp_axis, projections, impl, block_size):
