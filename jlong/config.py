@@ -88,8 +88,8 @@ class AttentionConfig:
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    remat: Literal["none", "full", "save_inputs", "offload_inputs"] = "none"
-    mlp_tile: int = 0  # tokens per tile, 0 = untiled
+    remat: Literal["none", "full", "save_inputs", "offload_inputs", "save_attention"] = "none"
+    mlp_tile: int = 0  # tokens per tile of each device's sequence shard, 0 = untiled
     loss_tile: int = 0
 
 
@@ -395,6 +395,7 @@ def validate(config: Config) -> None:
     if not train.lr > 0:
         raise JlongError(f"train.lr must be positive, got {train.lr}")
     _validate_head_split(config)
+    _validate_tiles(config)
     if config.data.source == "tokens" and not config.data.path:
         raise JlongError("data.source=tokens needs data.path, a 1-D integer .npy of token ids")
 
@@ -417,6 +418,20 @@ def _validate_head_split(config: Config) -> None:
         )
     if config.train.profile_steps and not config.run_dir:
         raise JlongError("train.profile_steps writes its trace into run_dir: set run_dir")
+
+
+def _validate_tiles(config: Config) -> None:
+    """Tiles cut each device's shard of seq_len / mesh.sp tokens evenly."""
+    local = config.train.seq_len // config.mesh.sp
+    for key in ("mlp_tile", "loss_tile"):
+        tile = getattr(config.memory, key)
+        if tile and local % tile:
+            divisors = [t for t in range(1, local + 1) if local % t == 0]
+            nearest = sorted(divisors, key=lambda t: abs(t - tile))[:2]
+            raise JlongError(
+                f"memory.{key} ({tile}) must divide the {local} tokens each device holds "
+                f"(train.seq_len / mesh.sp); nearest that work: {', '.join(map(str, sorted(nearest)))}"
+            )
 
 
 def validate_model(m: ModelConfig) -> None:

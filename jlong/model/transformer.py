@@ -22,7 +22,9 @@ from flax import nnx
 from jlong.attention.ulysses import HeadProjections, staged_attention
 from jlong.config import ModelConfig
 from jlong.model.layers import apply_rope, rms_norm, rope_inverse_frequencies, swiglu
-from jlong.sharding import constrain
+from jlong.model.remat import checkpoint_layer, name_layer_input
+from jlong.model.tiling import map_tiles
+from jlong.sharding import constrain, sequence_shards
 
 INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
 
@@ -35,6 +37,8 @@ class ForwardOptions:
     attention_impl: str = "auto"
     block_size: int = 512
     heads_per_stage: int = 0  # UPipe's U; 0 = all heads in one stage
+    remat: str = "none"  # a `jlong.model.remat` policy for each layer
+    mlp_tile: int = 0  # tokens per sequence tile of the MLP on each device; 0 = untiled
 
 
 def layer_param_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -131,7 +135,8 @@ class Transformer(nnx.Module):
             x_BSD = decoder_layer(params, x_BSD, positions_BS, segment_ids_BS, config, options)
             return x_BSD, None
 
-        x_BSD, _ = jax.lax.scan(one_layer, x_BSD, self.layers.arrays())
+        layer = checkpoint_layer(one_layer, options.remat)
+        x_BSD, _ = jax.lax.scan(layer, x_BSD, self.layers.arrays())
         return rms_norm(x_BSD, self.final_norm.get_value(), config.rms_norm_eps)
 
     def output_embedding(self):
@@ -140,20 +145,44 @@ class Transformer(nnx.Module):
             return self.embed.get_value().T
         return self.lm_head.get_value()
 
+    def output_weights(self, dtype):
+        """The output embedding in the compute dtype and layout."""
+        return constrain(self.output_embedding().astype(dtype), ("embed", "vocab"))
+
     def logits(self, hidden_BSD):
-        w_DV = constrain(self.output_embedding().astype(hidden_BSD.dtype), ("embed", "vocab"))
-        return jnp.einsum("bsd,dv->bsv", hidden_BSD, w_DV, preferred_element_type=jnp.float32)
+        return output_logits(hidden_BSD, self.output_weights(hidden_BSD.dtype))
+
+
+def output_logits(hidden_BSD, w_DV):
+    return jnp.einsum("bsd,dv->bsv", hidden_BSD, w_DV, preferred_element_type=jnp.float32)
 
 
 def decoder_layer(p, x_BSD, positions_BS, segment_ids_BS, config, options):
     """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(x))."""
-    eps = config.rms_norm_eps
-    h_BSD = rms_norm(x_BSD, p["attn_norm"], eps)
+    x_BSD = name_layer_input(x_BSD)
+    h_BSD = rms_norm(x_BSD, p["attn_norm"], config.rms_norm_eps)
     x_BSD = x_BSD + attention_block(p, h_BSD, positions_BS, segment_ids_BS, config, options)
     x_BSD = constrain(x_BSD, ("batch", "seq", "embed"))
+    return constrain(mlp_block(p, x_BSD, config, options), ("batch", "seq", "embed"))
+
+
+MLP_PARAMS = ("mlp_norm", "w_gate", "w_up", "w_down")
+
+
+def mlp_block(p, x_BSD, config, options):
+    """x + swiglu(norm(x)); with `mlp_tile`, computed per device over
+    sequence tiles so no [tokens, intermediate] buffer spans the whole shard."""
+    p = {name: p[name] for name in MLP_PARAMS}
+    residual_mlp = functools.partial(_residual_mlp, eps=config.rms_norm_eps)
+    if not options.mlp_tile:
+        return residual_mlp(p, x_BSD)
+    per_device = functools.partial(map_tiles, residual_mlp, tile=options.mlp_tile)
+    return sequence_shards().map(per_device, ("replicated", "hidden"), "hidden")(p, x_BSD)
+
+
+def _residual_mlp(p, x_BSD, *, eps):
     h_BSD = rms_norm(x_BSD, p["mlp_norm"], eps)
-    x_BSD = x_BSD + swiglu(h_BSD, p["w_gate"], p["w_up"], p["w_down"])
-    return constrain(x_BSD, ("batch", "seq", "embed"))
+    return x_BSD + swiglu(h_BSD, p["w_gate"], p["w_up"], p["w_down"])
 
 
 def project_qkv(p, h_BSD, positions_BS, q_heads, kv_heads, *, config):

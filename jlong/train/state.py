@@ -22,6 +22,8 @@ def forward_options(config: Config) -> ForwardOptions:
         attention_impl=config.attention.impl,
         block_size=config.attention.block_size,
         heads_per_stage=config.heads_per_stage,
+        remat=config.memory.remat,
+        mlp_tile=config.memory.mlp_tile,
     )
 
 
