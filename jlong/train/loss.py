@@ -1,17 +1,99 @@
-"""Next-token cross-entropy."""
+"""Next-token cross-entropy, from whole logits or tile by tile (`memory.loss_tile`)."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
+from jlong.model.tiling import join_tiles, split_tiles
+from jlong.model.transformer import output_logits
+from jlong.sharding import sequence_shards
+
 
 def cross_entropy(logits_BSV, targets_BS, mask_BS=None):
     """Mean over the (unmasked) target tokens, computed in float32."""
+    if mask_BS is None:
+        mask_BS = jnp.ones(targets_BS.shape, jnp.bool_)
+    total, count = _loss_sums(logits_BSV, targets_BS, mask_BS)
+    return total / jnp.maximum(count, 1.0)
+
+
+def tiled_cross_entropy(hidden_BSD, w_DV, targets_BS, mask_BS=None, *, tile: int):
+    """The same mean as `cross_entropy(hidden @ w, ...)` without the whole
+    logits: each device walks its sequence shard `tile` tokens at a time, in
+    the forward and in the backward pass (see `_tiled_loss_sums`)."""
+    if mask_BS is None:
+        mask_BS = jnp.ones(targets_BS.shape, jnp.bool_)
+    shards = sequence_shards()
+    per_device = functools.partial(_device_loss_sums, tile=tile, axes=shards.all_axes)
+    run = shards.map(per_device, ("hidden", "replicated", "tokens", "tokens"), "replicated")
+    total, count = run(hidden_BSD, w_DV, targets_BS, mask_BS)
+    return total / jnp.maximum(count, 1.0)
+
+
+def _device_loss_sums(hidden, w_DV, targets, mask, *, tile, axes):
+    if not axes:
+        return _tiled_loss_sums(hidden, w_DV, targets, mask, tile)
+    # w is the same on every device, its gradient is not: mark it varying so
+    # the custom backward may return this device's part; the transpose of
+    # this mark sums the parts over the mesh.
+    w_DV = jax.lax.pcast(w_DV, axes, to="varying")
+    return jax.lax.psum(_tiled_loss_sums(hidden, w_DV, targets, mask, tile), axes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _tiled_loss_sums(hidden_BsD, w_DV, targets_Bs, mask_Bs, tile):
+    """(loss sum, token count) over a shard, one tile of logits at a time.
+
+    A custom VJP rather than autodiff of the scan: the backward pass
+    recomputes each tile's logits once, turns them into the logits' gradient
+    directly (softmax - one-hot) and accumulates w's gradient in float32
+    whatever the compute dtype.
+    """
+
+    def add_tile(sums, inputs):
+        h_BTD, targets_BT, mask_BT = inputs
+        tile_sums = _loss_sums(output_logits(h_BTD, w_DV), targets_BT, mask_BT)
+        return jax.tree.map(jnp.add, sums, tile_sums), None
+
+    zero = jnp.zeros_like(targets_Bs, jnp.float32, shape=())  # varies like the shard, as the sums do
+    tiles = tuple(split_tiles(a, tile) for a in (hidden_BsD, targets_Bs, mask_Bs))
+    sums, _ = jax.lax.scan(add_tile, (zero, zero), tiles)
+    return sums
+
+
+def _tiled_loss_forward(hidden, w, targets, mask, tile):
+    return _tiled_loss_sums(hidden, w, targets, mask, tile), (hidden, w, targets, mask)
+
+
+def _tiled_loss_backward(tile, residuals, cotangents):
+    hidden_BsD, w_DV, targets_Bs, mask_Bs = residuals
+    d_total = cotangents[0]  # the count does not depend on the inputs
+
+    def tile_gradients(dw_DV, inputs):
+        h_BTD, targets_BT, mask_BT = inputs
+        logits_BTV = output_logits(h_BTD, w_DV)
+        one_hot = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=jnp.float32)
+        scale_BT = mask_BT.astype(jnp.float32) * d_total
+        dlogits_BTV = ((jax.nn.softmax(logits_BTV, axis=-1) - one_hot) * scale_BT[..., None]).astype(h_BTD.dtype)
+        dh_BTD = jnp.einsum("btv,dv->btd", dlogits_BTV, w_DV, preferred_element_type=jnp.float32)
+        dw_DV = dw_DV + jnp.einsum("btd,btv->dv", h_BTD, dlogits_BTV, preferred_element_type=jnp.float32)
+        return dw_DV, dh_BTD.astype(h_BTD.dtype)
+
+    tiles = tuple(split_tiles(a, tile) for a in (hidden_BsD, targets_Bs, mask_Bs))
+    dw_DV, dh = jax.lax.scan(tile_gradients, jnp.zeros_like(w_DV, jnp.float32), tiles)
+    return join_tiles(dh), dw_DV.astype(w_DV.dtype), None, None
+
+
+_tiled_loss_sums.defvjp(_tiled_loss_forward, _tiled_loss_backward)
+
+
+def _loss_sums(logits_BSV, targets_BS, mask_BS):
+    """(sum of the unmasked tokens' losses, their count), float32."""
     logits = logits_BSV.astype(jnp.float32)
     target_logit = jnp.take_along_axis(logits, targets_BS[..., None], axis=-1)[..., 0]
     losses = jax.nn.logsumexp(logits, axis=-1) - target_logit
-    if mask_BS is None:
-        return losses.mean()
     mask = mask_BS.astype(jnp.float32)
-    return (losses * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+    return (losses * mask).sum(), mask.sum()

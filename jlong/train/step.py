@@ -7,7 +7,7 @@ import optax
 
 from jlong.parallel.mesh import ACTIVATION_RULES, batch_sharding, replicated
 from jlong.sharding import use_rules
-from jlong.train.loss import cross_entropy
+from jlong.train.loss import cross_entropy, tiled_cross_entropy
 from jlong.train.state import Model
 
 
@@ -15,8 +15,12 @@ def make_loss_fn(model: Model):
     def loss_fn(params, batch):
         with use_rules(model.mesh, ACTIVATION_RULES):
             transformer = model.bind(params)
-            logits = transformer(batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
-            return cross_entropy(logits, batch["targets"], batch.get("loss_mask"))
+            hidden = transformer.hidden_states(batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
+            targets, mask = batch["targets"], batch.get("loss_mask")
+            if tile := model.config.memory.loss_tile:
+                w = transformer.output_weights(hidden.dtype)
+                return tiled_cross_entropy(hidden, w, targets, mask, tile=tile)
+            return cross_entropy(transformer.logits(hidden), targets, mask)
 
     return loss_fn
 
