@@ -20,36 +20,8 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from jlong.config import MeshConfig, ModelConfig  # noqa: E402
-from jlong.model.transformer import ForwardOptions, attention_block, layer_param_shapes  # noqa: E402
-from jlong.parallel.mesh import ACTIVATION_RULES, make_mesh  # noqa: E402
-from jlong.sharding import partition_spec, use_rules  # noqa: E402
-
-
-def attention_temp_bytes(model: ModelConfig, seq_len: int, sp: int, heads_per_stage: int, dtype="float32") -> int:
-    """Compiled temporary bytes per device of the attention block's vjp."""
-    mesh = make_mesh(MeshConfig(sp=sp), jax.devices()[:sp])
-    options = ForwardOptions(compute_dtype=dtype, attention_impl="blockwise", heads_per_stage=heads_per_stage)
-    shapes = {n: s for n, (s, _) in layer_param_shapes(model).items() if n != "mlp_norm" and not n.startswith("w_")}
-    replicated = NamedSharding(mesh, P())
-    params = {n: jax.ShapeDtypeStruct(s, dtype, sharding=replicated) for n, s in shapes.items()}
-    activation = NamedSharding(mesh, partition_spec(("batch", "seq", "embed"), ACTIVATION_RULES))
-    x = jax.ShapeDtypeStruct((1, seq_len, model.hidden_size), dtype, sharding=activation)
-    positions = jax.ShapeDtypeStruct((1, seq_len), jnp.int32, sharding=NamedSharding(mesh, P(None, "sp")))
-
-    def forward_backward(params, x, positions, cotangent):
-        with use_rules(mesh, ACTIVATION_RULES):
-            block = lambda p, x: attention_block(p, x, positions, None, model, options)  # noqa: E731
-            _, pullback = jax.vjp(block, params, x)
-            return pullback(cotangent)
-
-    compiled = jax.jit(forward_backward).lower(params, x, positions, x).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+from jlong.config import ModelConfig  # noqa: E402
+from jlong.memory_probe import attention_temp_bytes  # noqa: E402
 
 
 def main() -> None:

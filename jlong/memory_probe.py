@@ -1,0 +1,87 @@
+"""Compiled per-device temporary bytes of single blocks' forward + backward
+(attention, MLP, loss) on a sequence-parallel mesh, from XLA's memory
+analysis: nothing is allocated. Experiments and tests use these to show what
+each memory technique saves, one block at a time.
+
+Weights are replicated (as they are at compute time, after FSDP gathers
+them) and x [1, S, D] is split over sp.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jlong.config import MeshConfig, ModelConfig
+from jlong.model.transformer import (
+    ATTENTION_PARAMS,
+    MLP_PARAMS,
+    ForwardOptions,
+    attention_block,
+    layer_param_shapes,
+    mlp_block,
+    output_logits,
+)
+from jlong.parallel.mesh import ACTIVATION_RULES, make_mesh
+from jlong.sharding import constrain, partition_spec, use_rules
+from jlong.train.loss import cross_entropy, tiled_cross_entropy
+
+
+class _Probe:
+    def __init__(self, model: ModelConfig, seq_len: int, sp: int, dtype: str):
+        self.mesh = make_mesh(MeshConfig(sp=sp), jax.devices()[:sp])
+        self.model, self.dtype = model, dtype
+        self.replicated = NamedSharding(self.mesh, P())
+        activation = partition_spec(("batch", "seq", "embed"), ACTIVATION_RULES)
+        self.x = jax.ShapeDtypeStruct((1, seq_len, model.hidden_size), dtype, sharding=NamedSharding(self.mesh, activation))
+        self.tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32, sharding=NamedSharding(self.mesh, P(None, "sp")))
+
+    def layer_params(self, names):
+        shapes = layer_param_shapes(self.model)
+        return {n: self.weight(shapes[n][0]) for n in names if n in shapes}
+
+    def weight(self, shape):
+        return jax.ShapeDtypeStruct(shape, self.dtype, sharding=self.replicated)
+
+    def vjp_temp_bytes(self, block, params, *extra) -> int:
+        """Temp bytes of block(params, x, *extra)'s forward + backward; the
+        cotangent is shaped like x, or a scalar 1 for a scalar block."""
+
+        def forward_backward(params, x, *extra):
+            with use_rules(self.mesh, ACTIVATION_RULES):
+                out, pullback = jax.vjp(lambda p, x: block(p, x, *extra), params, x)
+                cotangent = jnp.ones_like(out) if out.ndim == 0 else constrain(jnp.ones_like(out), ("batch", "seq", "embed"))
+                return pullback(cotangent)
+
+        compiled = jax.jit(forward_backward).lower(params, self.x, *extra).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+
+def attention_temp_bytes(model: ModelConfig, seq_len: int, sp: int, heads_per_stage: int, dtype="float32") -> int:
+    """The attention block (projections, exchanges, kernel, output projection) in UPipe stages of U heads."""
+    probe = _Probe(model, seq_len, sp, dtype)
+    options = ForwardOptions(compute_dtype=dtype, attention_impl="blockwise", heads_per_stage=heads_per_stage)
+    block = lambda p, x, positions: attention_block(p, x, positions, None, model, options)  # noqa: E731
+    return probe.vjp_temp_bytes(block, probe.layer_params(ATTENTION_PARAMS), probe.tokens)
+
+
+def mlp_temp_bytes(model: ModelConfig, seq_len: int, sp: int, tile: int, dtype="float32") -> int:
+    """The residual MLP block (RMSNorm, SwiGLU, residual add), tiled when `tile` > 0."""
+    probe = _Probe(model, seq_len, sp, dtype)
+    options = ForwardOptions(compute_dtype=dtype, mlp_tile=tile)
+    block = lambda p, x: mlp_block(p, x, model, options)  # noqa: E731
+    return probe.vjp_temp_bytes(block, probe.layer_params(MLP_PARAMS))
+
+
+def loss_temp_bytes(model: ModelConfig, seq_len: int, sp: int, tile: int, dtype="float32") -> int:
+    """Output projection + cross-entropy of the final hidden states, tiled when `tile` > 0."""
+    probe = _Probe(model, seq_len, sp, dtype)
+
+    def block(w, x, targets):
+        if tile:
+            return tiled_cross_entropy(x, w, targets, tile=tile)
+        return cross_entropy(output_logits(x, w), targets)
+
+    return probe.vjp_temp_bytes(block, probe.weight((model.hidden_size, model.vocab_size)), probe.tokens)
