@@ -163,9 +163,12 @@ def _run_stages(params, x, positions, segment_ids, *, plan, sp_axis, projections
         return y + projections.output(params, to_sequence(o), stage * U, U), None
 
     # zeros_like(x): inside shard_map a scan carry must vary over x's mesh axes.
-    y = jnp.zeros_like(x, jnp.float32)
+    # The sum is kept in the compute dtype: a float32 one would be the largest
+    # buffer of the layer at long context ([B, S/C, D], 4 bytes a value), for
+    # the rounding of a handful of stage additions.
+    y = jnp.zeros_like(x)
     y, _ = jax.lax.scan(add_stage, y, jnp.arange(plan.num_stages))
-    return y.astype(x.dtype)
+    return y
 
 
 def _exchange(x, *, axis, split, concat):

@@ -137,7 +137,7 @@ class Transformer(nnx.Module):
 
         layer = checkpoint_layer(one_layer, options.remat)
         x_BSD, _ = jax.lax.scan(layer, x_BSD, self.layers.arrays())
-        return rms_norm(x_BSD, self.final_norm.get_value(), config.rms_norm_eps)
+        return sequence_norm(x_BSD, self.final_norm.get_value(), config, options)
 
     def output_embedding(self):
         """The [D, vocab] matrix that maps hidden states to logits."""
@@ -160,13 +160,27 @@ def output_logits(hidden_BSD, w_DV):
 def decoder_layer(p, x_BSD, positions_BS, segment_ids_BS, config, options):
     """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(x))."""
     x_BSD = name_layer_input(x_BSD)
-    h_BSD = rms_norm(x_BSD, p["attn_norm"], config.rms_norm_eps)
+    h_BSD = sequence_norm(x_BSD, p["attn_norm"], config, options)
     x_BSD = x_BSD + attention_block(p, h_BSD, positions_BS, segment_ids_BS, config, options)
     x_BSD = constrain(x_BSD, ("batch", "seq", "embed"))
     return constrain(mlp_block(p, x_BSD, config, options), ("batch", "seq", "embed"))
 
 
 MLP_PARAMS = ("mlp_norm", "w_gate", "w_up", "w_down")
+
+
+def sequence_norm(x_BSD, weight, config, options):
+    """RMSNorm of the residual stream; with `mlp_tile`, tile by tile like the
+    MLP, so its float32 intermediates never span the whole shard."""
+    norm = functools.partial(_tile_norm, eps=config.rms_norm_eps)
+    if not options.mlp_tile:
+        return norm(weight, x_BSD)
+    per_device = functools.partial(map_tiles, norm, tile=options.mlp_tile)
+    return sequence_shards().map(per_device, ("replicated", "hidden"), "hidden")(weight, x_BSD)
+
+
+def _tile_norm(weight, x_BSD, *, eps):
+    return rms_norm(x_BSD, weight, eps)
 
 
 def mlp_block(p, x_BSD, config, options):
@@ -226,9 +240,9 @@ def _heads(w, first, count, axis):
 
 
 def project_out(p, o_BSHd, first, count):
-    """o [B, S, count, d] of heads [first, first + count) through Wo: float32 [B, S, D]."""
+    """o [B, S, count, d] of heads [first, first + count) through Wo: [B, S, D]."""
     wo = _heads(p["wo"], first, count, axis=0)
-    return jnp.einsum("bshk,hkd->bsd", o_BSHd, wo, preferred_element_type=jnp.float32)
+    return jnp.einsum("bshk,hkd->bsd", o_BSHd, wo)
 
 
 ATTENTION_PARAMS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm")
