@@ -1,4 +1,4 @@
-"""The `jlong` command line: train, convert, prepare.
+"""The `jlong` command line: train, plan, maxlen, convert, prepare.
 
 Every user error ends as one line on stderr and exit status 2, before any
 compilation and without a traceback.
@@ -25,6 +25,11 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides")
 
 
+def _plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--budget-gib", type=float, default=80.0, help="memory per device (default: 80)")
+    parser.add_argument("--devices", type=int, help="the device count to plan for; the mesh must match it")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jlong", description="Long-context transformer training on JAX meshes.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -36,6 +41,26 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--process-id", type=int, help="multi-process: this process's index")
     train.add_argument("--until-step", type=int, help="stop after this step (the schedule still spans train.steps)")
     train.set_defaults(handler=_train)
+
+    plan = commands.add_parser(
+        "plan", help="per-device memory of the configured train step, compiled ahead of time",
+        description="Compiles the train step for the configured mesh with abstract inputs (nothing "
+        "is allocated) and reports per-device bytes: parameters, gradients, optimizer state, "
+        "inputs, peak temporaries and host-offloaded layer inputs, against a budget.",
+    )
+    _config_arguments(plan)
+    _plan_arguments(plan)
+    plan.add_argument("--json", action="store_true", help="print one JSON object (bytes)")
+    plan.set_defaults(handler=_plan)
+
+    maxlen = commands.add_parser(
+        "maxlen", help="the longest train.seq_len whose planned step fits the budget",
+        description="Plans the configured train step at growing sequence lengths (doubling, then "
+        "bisection) and reports the longest that fits --budget-gib per device.",
+    )
+    _config_arguments(maxlen)
+    _plan_arguments(maxlen)
+    maxlen.set_defaults(handler=_maxlen)
 
     convert = commands.add_parser(
         "convert", help="Hugging Face checkpoint <-> jlong parameters",
@@ -96,6 +121,58 @@ def _train(args) -> int:
 
     train(config, until_step=args.until_step)
     return 0
+
+
+def _plan(args) -> int:
+    import json
+
+    from jlong.config import load_config
+
+    config = load_config(args.config, args.overrides)
+    _check_plan_arguments(config, args)
+    use_virtual_cpu_devices(config.mesh.size)
+    from jlong.plan import format_plan, plan
+
+    result = plan(config, budget_gib=args.budget_gib)
+    print(json.dumps(result.as_dict()) if args.json else format_plan(result, config))
+    return 0
+
+
+def _maxlen(args) -> int:
+    from jlong.config import load_config
+
+    config = load_config(args.config, args.overrides)
+    _check_plan_arguments(config, args)
+    use_virtual_cpu_devices(config.mesh.size)
+    from jlong.maxlen import granule, longest_seq_len
+    from jlong.plan import GIB
+
+    print(f"budget {args.budget_gib:g} GiB per device; lengths are multiples of {granule(config):,}", flush=True)
+
+    def report(seq_len, result):
+        verdict = "fits" if result.fits else "does not fit"
+        print(f"  seq_len {seq_len:>12,}: {result.device_total / GIB:8.2f} GiB  {verdict}", flush=True)
+
+    found = longest_seq_len(config, budget_gib=args.budget_gib, on_probe=report)
+    if not found.seq_len:
+        print(f"no length fits: even {granule(config):,} tokens need more than {args.budget_gib:g} GiB per device")
+        return 1
+    print(f"longest seq_len that fits: {found.seq_len:,} ({found.plan.device_total / GIB:.2f} GiB per device, "
+          f"{found.plan.host_offload / GIB:.2f} GiB on host)")
+    return 0
+
+
+def _check_plan_arguments(config, args) -> None:
+    if not args.budget_gib > 0:
+        raise JlongError(f"--budget-gib must be positive, got {args.budget_gib:g}")
+    if args.devices is not None and args.devices != config.mesh.size:
+        m = config.mesh
+        fill = args.devices / (m.data * m.sp)
+        hint = f"; mesh.fsdp={fill:g} fills them" if fill == int(fill) and fill >= 1 else ""
+        raise JlongError(
+            f"--devices {args.devices}, but the mesh data x fsdp x sp = {m.data} x {m.fsdp} x {m.sp} "
+            f"= {m.size}{hint}"
+        )
 
 
 def _convert(args) -> int:
