@@ -1,0 +1,90 @@
+"""The longest `train.seq_len` whose planned train step fits a per-device budget.
+
+Lengths are multiples of the mesh's granularity (sp times the tiles, which
+must divide each device's shard). The search doubles from the configured
+length until a plan does not fit, then bisects between the last length that
+fits and the first that does not, to within one granule or 1%.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+from jlong.config import Config, validate
+from jlong.errors import JlongError
+from jlong.plan import GIB, MemoryPlan, plan, state_bytes
+
+RELATIVE_RESOLUTION = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxLen:
+    seq_len: int  # 0 when not even one granule fits
+    plan: MemoryPlan | None  # the plan at seq_len
+    probes: tuple[tuple[int, MemoryPlan], ...]  # every length tried, in order
+
+
+def granule(config: Config) -> int:
+    """seq_len must be a multiple of this: sp, times every tile size in use."""
+    tiles = [t for t in (config.memory.mlp_tile, config.memory.loss_tile) if t]
+    return config.mesh.sp * math.lcm(1, *tiles)
+
+
+def with_seq_len(config: Config, seq_len: int) -> Config:
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, seq_len=seq_len))
+    validate(config)
+    return config
+
+
+def longest_seq_len(
+    config: Config, *, budget_gib: float, on_probe: Callable[[int, MemoryPlan], None] = lambda n, p: None
+) -> MaxLen:
+    """Doubling, then bisection, over multiples of `granule(config)`."""
+    step = granule(config)
+    probes: list[tuple[int, MemoryPlan]] = []
+
+    def fits(granules: int) -> bool:
+        seq_len = granules * step
+        result = plan(with_seq_len(config, seq_len), budget_gib=budget_gib)
+        probes.append((seq_len, result))
+        on_probe(seq_len, result)
+        return result.fits
+
+    first = max(config.train.seq_len // step, 1)
+    _check_budget_covers_states(config, budget_gib)
+    if fits(first):
+        low, high = first, 2 * first
+        while fits(high):
+            low, high = high, 2 * high
+    else:
+        low, high = 0, first
+        while low == 0 and high > 1:
+            candidate = high // 2
+            if fits(candidate):
+                low = candidate
+            else:
+                high = candidate
+    while high - low > 1 and (high - low) > RELATIVE_RESOLUTION * low:
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    best = {n: p for n, p in probes}.get(low * step)
+    return MaxLen(seq_len=low * step, plan=best, probes=tuple(probes))
+
+
+def _check_budget_covers_states(config: Config, budget_gib: float) -> None:
+    """A budget below what parameters, gradients and optimizer state need on
+    each device fits no length: say so instead of searching."""
+    if not budget_gib > 0:
+        raise JlongError(f"--budget-gib must be positive, got {budget_gib:g}")
+    fixed = state_bytes(config)
+    if fixed > budget_gib * GIB:
+        raise JlongError(
+            f"--budget-gib {budget_gib:g} is below the {fixed / GIB:.2f} GiB per device that parameters, "
+            "gradients and optimizer state need before any activation; raise the budget or spread the "
+            "model over more devices (mesh.fsdp)"
+        )

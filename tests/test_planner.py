@@ -1,0 +1,103 @@
+"""`jlong plan` and `jlong maxlen`: per-device bytes compiled ahead of time,
+linear in the sequence length, and the longest length that fits a budget."""
+
+import json
+import math
+
+import jax
+import pytest
+from test_cli_errors import run_cli
+
+from jlong.config import load_config
+from jlong.errors import JlongError
+from jlong.maxlen import granule, longest_seq_len, with_seq_len
+from jlong.plan import GIB, plan
+
+# Llama-shaped and small, on sp=8 with the whole memory stack.
+SMALL_LONG = [
+    "model.vocab_size=512", "model.hidden_size=128", "model.intermediate_size=384", "model.num_hidden_layers=2",
+    "model.num_attention_heads=8", "model.num_key_value_heads=8", "mesh.sp=8", "train.batch_size=1",
+    "train.seq_len=8192", "attention.impl=blockwise", "attention.block_size=256",
+    "memory.remat=offload_inputs", "memory.mlp_tile=128", "memory.loss_tile=128",
+]
+
+
+def small_long(*overrides):
+    return load_config(None, [*SMALL_LONG, *overrides])
+
+
+def test_plan_bytes_grow_linearly_in_sequence_length():
+    temporaries = [plan(small_long(f"train.seq_len={n}")).temporaries for n in (8192, 16384, 32768)]
+    first_step, second_step = temporaries[1] - temporaries[0], temporaries[2] - temporaries[1]
+    assert first_step > 0
+    assert second_step == pytest.approx(2 * first_step, rel=0.05)
+
+
+def test_upipe_plans_below_plain_ulysses():
+    heads = ["model.num_attention_heads=32", "model.num_key_value_heads=8", "model.head_dim=32"]
+    upipe = plan(small_long(*heads, "attention.heads_per_stage=8"))
+    ulysses = plan(small_long(*heads, "attention.heads_per_stage=0"))
+    assert upipe.device_total < ulysses.device_total
+
+
+def test_maxlen_finds_the_boundary_of_the_budget():
+    config = small_long("memory.mlp_tile=1024", "memory.loss_tile=1024", "train.seq_len=32768")
+    assert granule(config) == 8 * 1024
+    budget_gib = plan(with_seq_len(config, 65536)).device_total / GIB  # somewhere in the doubling range
+    found = longest_seq_len(config, budget_gib=budget_gib)
+    step = granule(config)
+    assert found.seq_len % step == 0 and found.plan.fits
+    assert found.seq_len >= 65536
+    beyond = plan(with_seq_len(config, found.seq_len + step), budget_gib=budget_gib)
+    assert not beyond.fits
+
+
+def test_plan_command_prints_json_bytes(tmp_path):
+    config = tmp_path / "small.yaml"
+    config.write_text("{}\n")
+    result = run_cli("plan", str(config), *SMALL_LONG, "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["host_offload"] == 2 * 1024 * 128 * 2  # 2 layers x 1024 local tokens x 128 x bf16
+    assert report["device_total"] == sum(
+        report[k] for k in ("parameters", "gradients", "optimizer_state", "inputs", "temporaries")
+    )
+    assert report["fits"] is True
+
+
+def test_maxlen_command_reports_the_search(tmp_path):
+    config = tmp_path / "small.yaml"
+    config.write_text("{}\n")
+    budget = math.ceil(plan(small_long("train.seq_len=16384")).device_total / GIB * 1e6) / 1e6
+    result = run_cli("maxlen", str(config), *SMALL_LONG, "--budget-gib", f"{budget:.6f}")
+    assert result.returncode == 0, result.stderr
+    assert "seq_len        8,192" in result.stdout and "does not fit" in result.stdout
+    assert "longest seq_len that fits: 16,384" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["plan", "--budget-gib", "0"], "--budget-gib must be positive"),
+        (["plan", "--budget-gib", "-3"], "--budget-gib must be positive"),
+        (["maxlen", "--budget-gib", "0.001"], "below the"),
+        (["plan", "--devices", "4"], "--devices 4, but the mesh data x fsdp x sp = 1 x 1 x 8 = 8"),
+        (["plan", "mesh.sp=16"], "not divisible by mesh.sp"),
+        (["plan", "memory.mlp_tile=100"], "memory.mlp_tile (100) must divide"),
+    ],
+)
+def test_bad_plan_input_exits_2(args, message, tmp_path):
+    config = tmp_path / "small.yaml"
+    config.write_text("{}\n")
+    command, *rest = args
+    result = run_cli(command, str(config), *SMALL_LONG, *rest)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_plan_on_a_mesh_without_enough_devices_is_refused():
+    config = small_long()
+    with pytest.raises(JlongError, match="devices are visible"):
+        plan(config, devices=jax.devices()[:4])
