@@ -173,10 +173,7 @@ def sequence_norm(x_BSD, weight, config, options):
     """RMSNorm of the residual stream; with `mlp_tile`, tile by tile like the
     MLP, so its float32 intermediates never span the whole shard."""
     norm = functools.partial(_tile_norm, eps=config.rms_norm_eps)
-    if not options.mlp_tile:
-        return norm(weight, x_BSD)
-    per_device = functools.partial(map_tiles, norm, tile=options.mlp_tile)
-    return sequence_shards().map(per_device, ("replicated", "hidden"), "hidden")(weight, x_BSD)
+    return _per_sequence_tile(norm, weight, x_BSD, options.mlp_tile)
 
 
 def _tile_norm(weight, x_BSD, *, eps):
@@ -188,10 +185,15 @@ def mlp_block(p, x_BSD, config, options):
     sequence tiles so no [tokens, intermediate] buffer spans the whole shard."""
     p = {name: p[name] for name in MLP_PARAMS}
     residual_mlp = functools.partial(_residual_mlp, eps=config.rms_norm_eps)
-    if not options.mlp_tile:
-        return residual_mlp(p, x_BSD)
-    per_device = functools.partial(map_tiles, residual_mlp, tile=options.mlp_tile)
-    return sequence_shards().map(per_device, ("replicated", "hidden"), "hidden")(p, x_BSD)
+    return _per_sequence_tile(residual_mlp, p, x_BSD, options.mlp_tile)
+
+
+def _per_sequence_tile(fn, params, x_BSD, tile: int):
+    """fn(params, x) as it is (tile 0), or on each device's shard tile by tile."""
+    if not tile:
+        return fn(params, x_BSD)
+    per_device = functools.partial(map_tiles, fn, tile=tile)
+    return sequence_shards().map(per_device, ("replicated", "hidden"), "hidden")(params, x_BSD)
 
 
 def _residual_mlp(p, x_BSD, *, eps):
