@@ -28,6 +28,11 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-gib", type=float, default=80.0, help="memory per device (default: 80)")
     parser.add_argument("--devices", type=int, help="the device count to plan for; the mesh must match it")
+    parser.add_argument(
+        "--target", choices=("cpu", "gpu"), default="cpu",
+        help="compiler: cpu (virtual CPU devices, corrected to GPU dtypes; any machine) or gpu "
+        "(the real GPU compiler for the whole mesh, mocked on this machine's one GPU)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,10 +135,10 @@ def _plan(args) -> int:
 
     config = load_config(args.config, args.overrides)
     _check_plan_arguments(config, args)
-    use_virtual_cpu_devices(config.mesh.size)
+    devices = _planning_devices(config, args.target)
     from jlong.plan import format_plan, plan
 
-    result = plan(config, budget_gib=args.budget_gib)
+    result = plan(config, budget_gib=args.budget_gib, devices=devices)
     print(json.dumps(result.as_dict()) if args.json else format_plan(result, config))
     return 0
 
@@ -143,7 +148,7 @@ def _maxlen(args) -> int:
 
     config = load_config(args.config, args.overrides)
     _check_plan_arguments(config, args)
-    use_virtual_cpu_devices(config.mesh.size)
+    devices = _planning_devices(config, args.target)
     from jlong.maxlen import granule, longest_seq_len
     from jlong.plan import GIB
 
@@ -153,13 +158,35 @@ def _maxlen(args) -> int:
         verdict = "fits" if result.fits else "does not fit"
         print(f"  seq_len {seq_len:>12,}: {result.device_total / GIB:8.2f} GiB  {verdict}", flush=True)
 
-    found = longest_seq_len(config, budget_gib=args.budget_gib, on_probe=report)
+    found = longest_seq_len(config, budget_gib=args.budget_gib, devices=devices, on_probe=report)
     if not found.seq_len:
         print(f"no length fits: even {granule(config):,} tokens need more than {args.budget_gib:g} GiB per device")
         return 1
     print(f"longest seq_len that fits: {found.seq_len:,} ({found.plan.device_total / GIB:.2f} GiB per device, "
           f"{found.plan.host_offload / GIB:.2f} GiB on host)")
     return 0
+
+
+def _planning_devices(config, target: str):
+    """The devices a plan compiles for: mesh-size virtual CPU devices, or, for
+    `gpu`, the mesh mocked on this machine's GPU (`jax_mock_gpu_topology`:
+    one process that compiles as one of mesh-size single-GPU hosts)."""
+    count = config.mesh.size
+    if target == "cpu":
+        use_virtual_cpu_devices(count)
+        import jax
+
+        return jax.devices("cpu")[:count]
+    import jax
+
+    jax.config.update("jax_mock_gpu_topology", f"1x{count}x1")
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        raise JlongError("--target gpu needs a machine with a GPU and a CUDA build of jax; use --target cpu") from None
+    if len(devices) != count:
+        raise JlongError(f"--target gpu mocked {len(devices)} GPUs for a mesh of {count}")
+    return devices
 
 
 def _check_plan_arguments(config, args) -> None:

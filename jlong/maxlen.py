@@ -39,21 +39,26 @@ def with_seq_len(config: Config, seq_len: int) -> Config:
 
 
 def longest_seq_len(
-    config: Config, *, budget_gib: float, on_probe: Callable[[int, MemoryPlan], None] = lambda n, p: None
+    config: Config,
+    *,
+    budget_gib: float,
+    devices=None,
+    on_probe: Callable[[int, MemoryPlan], None] = lambda n, p: None,
 ) -> MaxLen:
-    """Doubling, then bisection, over multiples of `granule(config)`."""
+    """Doubling, then bisection, over multiples of `granule(config)`; plans
+    compile for `devices` (default: CPU devices, see `jlong.plan.plan`)."""
     step = granule(config)
     probes: list[tuple[int, MemoryPlan]] = []
 
     def fits(granules: int) -> bool:
         seq_len = granules * step
-        result = plan(with_seq_len(config, seq_len), budget_gib=budget_gib)
+        result = plan(with_seq_len(config, seq_len), budget_gib=budget_gib, devices=devices)
         probes.append((seq_len, result))
         on_probe(seq_len, result)
         return result.fits
 
     first = max(config.train.seq_len // step, 1)
-    _check_budget_covers_states(config, budget_gib)
+    _check_budget_covers_states(config, budget_gib, devices)
     if fits(first):
         low, high = first, 2 * first
         while fits(high):
@@ -76,12 +81,12 @@ def longest_seq_len(
     return MaxLen(seq_len=low * step, plan=best, probes=tuple(probes))
 
 
-def _check_budget_covers_states(config: Config, budget_gib: float) -> None:
+def _check_budget_covers_states(config: Config, budget_gib: float, devices) -> None:
     """A budget below what parameters, gradients and optimizer state need on
     each device fits no length: say so instead of searching."""
     if not budget_gib > 0:
         raise JlongError(f"--budget-gib must be positive, got {budget_gib:g}")
-    fixed = state_bytes(config)
+    fixed = state_bytes(config, devices)
     if fixed > budget_gib * GIB:
         raise JlongError(
             f"--budget-gib {budget_gib:g} is below the {fixed / GIB:.2f} GiB per device that parameters, "

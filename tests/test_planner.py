@@ -84,6 +84,7 @@ def test_maxlen_command_reports_the_search(tmp_path):
         (["plan", "--devices", "4"], "--devices 4, but the mesh data x fsdp x sp = 1 x 1 x 8 = 8"),
         (["plan", "mesh.sp=16"], "not divisible by mesh.sp"),
         (["plan", "memory.mlp_tile=100"], "memory.mlp_tile (100) must divide"),
+        (["plan", "--target", "gpu"], "--target gpu needs a machine with a GPU"),  # JAX_PLATFORMS=cpu here
     ],
 )
 def test_bad_plan_input_exits_2(args, message, tmp_path):
