@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -15,6 +16,7 @@ from jlong.data.sources import Batches
 from jlong.errors import JlongError
 from jlong.parallel.mesh import batch_sharding, make_mesh
 from jlong.train.flops import model_flops_per_token, peak_flops_per_device
+from jlong.train.oom import is_out_of_memory, out_of_memory_error
 from jlong.train.optimizer import learning_rate, make_optimizer
 from jlong.train.run_dir import RunDir
 from jlong.train.state import Model
@@ -29,6 +31,18 @@ def place_batch(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
         key: jax.make_array_from_callback(value.shape, sharding, lambda index, v=value: v[index])
         for key, value in batch.items()
     }
+
+
+@contextlib.contextmanager
+def explained_out_of_memory(config: Config, mesh, where: str):
+    """Turns XLA's out-of-memory error into one line with the plan and the fixes."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as err:
+        if not is_out_of_memory(err):
+            raise
+        stats = jax.local_devices()[0].memory_stats() or {}
+        raise out_of_memory_error(config, where, list(mesh.devices.flat), stats.get("bytes_limit")) from None
 
 
 def local_value(x: jax.Array) -> float:
@@ -70,12 +84,14 @@ def train(config: Config, *, until_step: int | None = None) -> list[dict]:
     try:
         for step in range(start + 1, last + 1):
             batch = place_batch(batches.batch(step), mesh)
-            if compiled is None:
-                compiled = train_step.lower(params, opt_state, batch).compile()
+            with explained_out_of_memory(config, mesh, "compiling the train step"):
+                if compiled is None:
+                    compiled = train_step.lower(params, opt_state, batch).compile()
             profiler.at_step(step)
             began = time.perf_counter()
-            params, opt_state, metrics = compiled(params, opt_state, batch)
-            loss, grad_norm = local_value(metrics["loss"]), local_value(metrics["grad_norm"])
+            with explained_out_of_memory(config, mesh, f"at step {step}"):
+                params, opt_state, metrics = compiled(params, opt_state, batch)
+                loss, grad_norm = local_value(metrics["loss"]), local_value(metrics["grad_norm"])
             seconds = time.perf_counter() - began
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 good = checkpoints.latest_step() if checkpoints else None
