@@ -37,6 +37,8 @@ def workspace(tmp_path):
     (bad_hf / "config.json").write_text(json.dumps(hf_config))
     np.save(tmp_path / "tokens2d.npy", np.zeros((4, 4), np.int32))
     np.save(tmp_path / "short.npy", np.zeros(10, np.int32))
+    np.save(tmp_path / "floats.npy", np.zeros(5000, np.float32))
+    np.save(tmp_path / "big_ids.npy", np.full(5000, 999_999, np.int64))
     (tmp_path / "malformed.yaml").write_text("model: [\n")
     return tmp_path
 
@@ -53,6 +55,17 @@ CASES = {
     "token file short": (["train", "{cfg}", "data.source=tokens", "data.path={tmp}/short.npy"], "fewer than one sample"),
     "different run": (["train", "{cfg}", "train.steps=1", "train.seq_len=64", "train.batch_size=1"], "belongs to a different configuration"),
     "bad flag": (["train", "{cfg}", "--frobnicate"], "unrecognized arguments"),
+    "wrong type": (["train", "{cfg}", "train.steps=many"], "train.steps must be an integer"),
+    "zero count": (["train", "{cfg}", "train.batch_size=0"], "train.batch_size must be positive"),
+    "negative lr": (["train", "{cfg}", "train.lr=-1e-3"], "train.lr must be positive"),
+    "seq_len vs sp": (["train", "{cfg}", "mesh.sp=8", "train.seq_len=1001"], "nearest valid: 1000 or 1008"),
+    "heads vs sp": (["train", "{cfg}", "mesh.sp=8", "attention.heads_per_stage=12"], "values that work: 8, 16, 32"),
+    "tile": (["train", "{cfg}", "mesh.sp=8", "train.seq_len=2048", "memory.loss_tile=100"], "nearest that work: 64, 128"),
+    "token ids": (["train", "{cfg}", "data.source=tokens", "data.path={tmp}/big_ids.npy"], "outside the model's vocabulary"),
+    "float tokens": (["train", "{cfg}", "data.source=tokens", "data.path={tmp}/floats.npy"], "1-D integer"),
+    "budget below states": (["maxlen", "{cfg}", "--budget-gib", "0.5"], "below the"),
+    "zero budget": (["plan", "{cfg}", "--budget-gib", "0"], "--budget-gib must be positive"),
+    "devices": (["plan", "{cfg}", "--devices", "3"], "--devices 3, but the mesh"),
     "bad command": (["fly"], "invalid choice"),
 }
 
