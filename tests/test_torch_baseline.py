@@ -1,5 +1,5 @@
 """jlong and the PyTorch baseline (experiments/torch_baseline.py) train the
-same Hugging Face Llama on the same token file to the same losses."""
+same Hugging Face Llama (and Qwen3) on the same token file to the same losses."""
 
 import json
 import sys
@@ -19,10 +19,10 @@ import torch_baseline  # noqa: E402
 STEPS = 20
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def runs(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("baseline")
-    small_hf_model("llama").save_pretrained(tmp / "hf")
+    small_hf_model(request.param).save_pretrained(tmp / "hf")
     rng = np.random.default_rng(0)
     motif = rng.integers(0, 96, size=50)  # repeated, so there is something to learn
     tokens = np.concatenate([motif + rng.integers(0, 2, size=50) for _ in range(40)]).astype(np.int32) % 96
