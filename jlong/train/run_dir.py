@@ -48,12 +48,21 @@ class RunDir:
         _write_atomically(self.config_path, yaml.safe_dump(self.config, sort_keys=False))
         if self.metrics_path.is_file():
             kept = [line for line in self.metrics_path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resumed_at]
+                    if _logged_step(line) <= resumed_at]
             _write_atomically(self.metrics_path, "".join(line + "\n" for line in kept))
 
     def log(self, record: dict) -> None:
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def _logged_step(line: str) -> float:
+    """The step a metrics line records; infinite for a blank line or one cut
+    short by a crash, so that trimming drops it."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")
 
 
 def _write_atomically(path: Path, text: str) -> None:
