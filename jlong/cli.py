@@ -17,7 +17,7 @@ EXIT_USAGE = 2
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, not argparse's usage block
-        raise JlongError(f"{message} (see 'jlong {self.prog.split()[-1]} --help')")
+        raise JlongError(f"{message} (see '{self.prog} --help')")
 
 
 def _config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,10 +88,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(argv: list[str] | None):
+    """Parses a command line where overrides may also follow the options
+    (`jlong maxlen CONFIG --budget-gib 80 mesh.sp=8`): argparse leaves
+    positionals after an option unmatched, so they are taken as overrides."""
+    parser = build_parser()
+    args, unmatched = parser.parse_known_args(argv)
+    if unmatched:
+        stray = [a for a in unmatched if a.startswith("-") or "=" not in a]
+        if stray or not hasattr(args, "overrides"):
+            raise JlongError(f"unrecognized arguments: {' '.join(stray or unmatched)} "
+                             f"(see 'jlong {args.command} --help')")
+        args.overrides = [*args.overrides, *unmatched]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs one command; returns the exit status."""
     try:
-        args = build_parser().parse_args(argv)
+        args = _parse(argv)
         return args.handler(args) or 0
     except JlongError as err:
         print(f"jlong: error: {err}", file=sys.stderr)

@@ -69,7 +69,8 @@ def test_maxlen_command_reports_the_search(tmp_path):
     config = tmp_path / "small.yaml"
     config.write_text("{}\n")
     budget = math.ceil(plan(small_long("train.seq_len=16384")).device_total / GIB * 1e6) / 1e6
-    result = run_cli("maxlen", str(config), *SMALL_LONG, "--budget-gib", f"{budget:.6f}")
+    # Overrides after the options, in the order DESIGN.md gives.
+    result = run_cli("maxlen", str(config), "--budget-gib", f"{budget:.6f}", *SMALL_LONG)
     assert result.returncode == 0, result.stderr
     assert "seq_len        8,192" in result.stdout and "does not fit" in result.stdout
     assert "longest seq_len that fits: 16,384" in result.stdout
