@@ -1,11 +1,15 @@
 """experiments/bench.py on CPU: both runs start from one checkpoint and one
 token file, and the speed table reports each."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# Without the 8 virtual devices the tests' conftest gives the CPU: jlong gives
+# the runs as many as their one-device mesh needs.
+ONE_DEVICE = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 
 def test_speed_table_on_cpu(tmp_path):
@@ -22,3 +26,27 @@ def test_speed_table_on_cpu(tmp_path):
     tokens_per_s = [float(row.split("|")[2].replace(",", "")) for row in rows]
     assert all(value > 0 for value in tokens_per_s)
     assert (tmp_path / "work" / "hf" / "config.json").is_file()  # one random checkpoint for both
+
+
+def test_plan_check_on_cpu(tmp_path):
+    """Plans and real runs at two lengths; XLA:CPU measures no peak, so only
+    the CPU compiler's plan is filled in."""
+    config = tmp_path / "one-device.yaml"
+    config.write_text(
+        "model: {vocab_size: 128, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2,\n"
+        "        num_attention_heads: 4, num_key_value_heads: 2}\n"
+        "memory: {remat: save_inputs, mlp_tile: 32, loss_tile: 32}\n"
+        "train: {batch_size: 1}\n"
+    )
+    out = tmp_path / "plan_vs_peak.md"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "plan_check.py"), str(config), "--seq-lens", "64", "128",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env=ONE_DEVICE,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith(("| 64 ", "| 128 "))]
+    assert [row[0].strip() for row in rows] == ["64", "128"]
+    planned = [float(row[1]) for row in rows]
+    assert 0 < planned[0] <= planned[1]
+    assert all(row[2].strip() == row[3].strip() == "-" for row in rows)  # no GPU plan, no measured peak
