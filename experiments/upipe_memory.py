@@ -15,10 +15,10 @@ the block's input.
 from __future__ import annotations
 
 import argparse
-import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+from common import use_cpu_devices
+
+use_cpu_devices(8)
 
 from jlong.config import ModelConfig  # noqa: E402
 from jlong.memory_probe import attention_temp_bytes  # noqa: E402
@@ -36,7 +36,10 @@ def main() -> None:
         vocab_size=256, hidden_size=args.heads * args.head_dim, intermediate_size=256, num_hidden_layers=1,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
     )
-    stage_sizes = sorted({args.sp, 2 * args.sp, args.heads})
+    # U must be a multiple of sp that divides the heads.
+    stage_sizes = sorted({u for u in (args.sp, 2 * args.sp, args.heads) if args.heads % u == 0 and u % args.sp == 0})
+    if args.sp not in stage_sizes:
+        parser.error(f"--heads {args.heads} is not a multiple of --sp {args.sp}")
     print(f"{args.heads} heads, {args.kv_heads} kv heads, head_dim {args.head_dim}, sp={args.sp}, float32, "
           "attention block forward+backward, temp MiB per device")
     print("seq_len  " + "  ".join(f"U={u:<6}" for u in stage_sizes) + "  U=sp / U=H")
