@@ -21,10 +21,16 @@ from pathlib import Path
 GIB = 1024**3
 
 
+def fail(message: str, status: int = 2):
+    """One line on stderr and the exit status, as jlong's own errors."""
+    print(f"compare: error: {message}", file=sys.stderr)
+    raise SystemExit(status)
+
+
 def read_metrics(run_dir: Path) -> dict[int, dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        raise SystemExit(f"compare: error: {path} does not exist")
+        fail(f"{path} does not exist")
     return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
 
 
@@ -79,10 +85,15 @@ def plot_losses(a, b, names, path: Path) -> None:
 
 def run_both(config: str, overrides: list[str], out: Path, device: str) -> tuple[Path, Path]:
     ours, theirs = out / "jlong", out / "torch"
-    subprocess.run([sys.executable, "-m", "jlong", "train", config, *overrides, f"run_dir={ours}"], check=True)
     baseline = Path(__file__).resolve().parent / "torch_baseline.py"
-    subprocess.run([sys.executable, str(baseline), config, *overrides, "--run-dir", str(theirs), "--device", device],
-                   check=True)
+    for name, command in (
+        ("jlong", [sys.executable, "-m", "jlong", "train", config, *overrides, f"run_dir={ours}"]),
+        ("the PyTorch baseline", [sys.executable, str(baseline), config, *overrides, "--run-dir", str(theirs),
+                                  "--device", device]),
+    ):
+        status = subprocess.run(command).returncode  # its own error line is already on stderr
+        if status:
+            fail(f"{name} exited with status {status}", status)
     return ours, theirs
 
 
