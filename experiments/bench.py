@@ -3,7 +3,7 @@ longest context each trains.
 
     python experiments/bench.py speed CONFIG.yaml [key=value ...] [--reps 3] [--steps 6]
         [--device cuda] [--checkpointing] [--out experiments/results/bench-speed.md]
-    python experiments/bench.py longest CONFIG.yaml [key=value ...] [--budget-gib 78]
+    python experiments/bench.py longest CONFIG.yaml [key=value ...] [--budget-gib N] [--target h100]
         [--device cuda] [--checkpointing] [--out experiments/results/bench-longest.md]
 
 Both start from the same Hugging Face checkpoint (`model.hf_path`, or a
@@ -14,9 +14,9 @@ of the median over steps after the first (which holds jlong's compilation).
 MFU counts model FLOPs with causal attention once (`jlong.train.flops`),
 for both, against the device's dense bf16 peak.
 
-`longest`: jlong's longest length comes from `jlong maxlen` (planned, on the
-CPU compiler unless --target gpu applies) and is confirmed by a real training
-step; PyTorch's by doubling the sequence until a step fails with out of
+`longest`: jlong's longest length comes from `jlong maxlen` (planned by the
+compiler of `--target`, by default `jlong maxlen`'s own) and is confirmed by a
+real training step; PyTorch's by doubling the sequence until a step fails with out of
 memory, then bisecting once between the last two lengths.
 """
 
@@ -153,9 +153,9 @@ def speed(args, config: Config) -> str:
 
 def longest(args, config: Config) -> str:
     work = Path(args.work or tempfile.mkdtemp(prefix="jlong-bench-"))
-    target = ["--target", "gpu"] if args.device == "cuda" else []
-    command = [sys.executable, "-m", "jlong", "maxlen", args.config, *args.overrides,
-               "--budget-gib", str(args.budget_gib), *target]
+    target = ["--target", args.target] if args.target else []
+    budget = ["--budget-gib", str(args.budget_gib)] if args.budget_gib else []
+    command = [sys.executable, "-m", "jlong", "maxlen", args.config, *args.overrides, *budget, *target]
     found = subprocess.run(command, capture_output=True, text=True)
     match = re.search(r"longest seq_len that fits: ([\d,]+)", found.stdout)
     planned = int(match.group(1).replace(",", "")) if match else 0
@@ -170,7 +170,7 @@ def longest(args, config: Config) -> str:
         "# Longest context that trains",
         provenance(args.device), "",
         "| run | longest seq_len | how |", "|---|---|---|",
-        f"| jlong | {planned:,} | `jlong maxlen` at {args.budget_gib:g} GiB; a real 2-step run at that length "
+        f"| jlong | {planned:,} | `jlong maxlen {' '.join(budget + target)}`; a real 2-step run at that length "
         f"{'succeeded' if jlong_ok else 'FAILED'} |",
         f"| torch | {torch_best:,} | doubling until out of memory, then one bisection |", "",
     ])
@@ -200,7 +200,9 @@ def main() -> None:
     parser.add_argument("--checkpointing", action="store_true", help="the baseline's gradient checkpointing")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--budget-gib", type=float, default=78.0)
+    parser.add_argument("--budget-gib", type=float, help="per device (default: jlong maxlen's, from "
+                        "train.gpu_memory_fraction)")
+    parser.add_argument("--target", help="jlong maxlen's --target (h100, h200, b200, cpu)")
     parser.add_argument("--torch-start", type=int, default=8192, help="first length the baseline tries")
     parser.add_argument("--work", help="scratch directory (default: a new temporary one)")
     parser.add_argument("--out", type=Path, help="write the Markdown result here")

@@ -22,14 +22,14 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def provenance(command: str) -> str:
+def provenance(command: str, compiler: str | None = None) -> str:
     """Where and how a result was produced, for the top of a results file."""
     import jax
 
+    compiled = compiler or f"{jax.devices()[0].platform}, {len(jax.devices())} devices"
     return (
         f"Produced by `{command}` with jax {jax.__version__} on {platform.machine()} "
-        f"({jax.devices()[0].platform}, {len(jax.devices())} devices): compiled memory analysis, "
-        "nothing allocated."
+        f"({compiled}): compiled memory analysis, nothing allocated."
     )
 
 
@@ -38,3 +38,18 @@ def write_result(name: str, text: str) -> Path:
     path = RESULTS / name
     path.write_text(text)
     return path
+
+
+def add_target_argument(parser, default: str = "h100") -> None:
+    parser.add_argument("--target", default=default,
+                        help="what the plans compile for: h100, h200, b200 (XLA:GPU, deviceless; needs "
+                        "pip install -e '.[gpu-plan]') or cpu (virtual CPU devices)")
+
+
+def planning_target(name: str, **budgets):
+    """The PlanTarget of `--target`, checked, with jax started for planning."""
+    from jlong.targets import PlanTarget, resolve_target, start_planning_backend
+
+    target = PlanTarget(resolve_target(name), **budgets)
+    start_planning_backend(cpu_devices=8)
+    return target

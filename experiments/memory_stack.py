@@ -1,12 +1,12 @@
-"""What each memory technique saves, from XLA's compiled memory analysis on
-8 virtual CPU devices (nothing is allocated):
+"""What each memory technique saves, from XLA's compiled memory analysis for
+8 devices of `--target` (compile-only H100s by default; nothing is allocated):
 
 1. single blocks at long context (llama3.2-1b shapes, 128K vocabulary,
    float32): the loss and the MLP, whole and in sequence tiles;
 2. the whole train step of Llama3-8B on sp=8 under each remat policy, then
    with the tiled MLP and loss added: per-device GiB, and what goes to host.
 
-    python experiments/memory_stack.py [--seq 131072] [--step-seq 1048576]
+    python experiments/memory_stack.py [--target h100] [--seq 131072] [--step-seq 1048576]
 
 Writes experiments/results/memory_stack.md.
 """
@@ -16,23 +16,24 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import markdown_table, provenance, use_cpu_devices, write_result
+from common import add_target_argument, markdown_table, planning_target, provenance, use_cpu_devices, write_result
 
 use_cpu_devices(8)
 
 from jlong.config import ModelConfig, load_config  # noqa: E402
 from jlong.memory_probe import loss_temp_bytes, mlp_temp_bytes  # noqa: E402
-from jlong.plan import GIB, plan  # noqa: E402
+from jlong.plan import plan  # noqa: E402
+from jlong.targets import GIB, PlanTarget  # noqa: E402
 
 MIB = 2**20
 
 
-def block_rows(model: ModelConfig, seq: int, sp: int) -> list[list]:
-    rows = []
+def block_rows(model: ModelConfig, seq: int, target: PlanTarget) -> list[list]:
+    rows, devices = [], target.devices(8)
     for name, probe in (("loss (output projection + cross-entropy)", loss_temp_bytes), ("MLP (norm + SwiGLU)", mlp_temp_bytes)):
-        untiled = probe(model, seq, sp, 0)
+        untiled = probe(model, seq, 8, 0, devices=devices)
         for tile in (1024, 256):
-            tiled = probe(model, seq, sp, tile)
+            tiled = probe(model, seq, 8, tile, devices=devices)
             rows.append([name, f"{untiled / MIB:,.0f}", tile, f"{tiled / MIB:,.0f}", f"{tiled / untiled:.3f}"])
     return rows
 
@@ -49,14 +50,15 @@ STEP_ROWS = [
 ]
 
 
-def step_rows(seq: int) -> list[list]:
+def step_rows(seq: int, target: PlanTarget) -> list[list]:
     base = ["model.preset=llama3-8b", "mesh.sp=8", "train.batch_size=1", f"train.seq_len={seq}",
-            "attention.impl=blockwise", "attention.block_size=1024"]
+            "attention.impl=auto", "attention.block_size=1024"]
     rows = []
     for name, overrides in STEP_ROWS:
-        result = plan(load_config(None, [*base, *overrides]))
+        result = plan(load_config(None, [*base, *overrides]), target)
+        on_device = 0 if result.host_offload else result.saved_layer_inputs
         rows.append([name, *(f"{value / GIB:.2f}" for value in (
-            result.temporaries, result.saved_layer_inputs - result.host_offload, result.device_total, result.host_offload))])
+            result.temporaries, on_device, result.device_total, result.host_offload))])
         print(" | ".join(map(str, rows[-1])), flush=True)
     return rows
 
@@ -65,21 +67,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=131072, help="sequence length of the block probes")
     parser.add_argument("--step-seq", type=int, default=1048576, help="sequence length of the whole-step plans")
+    add_target_argument(parser)
     args = parser.parse_args()
 
+    target = planning_target(args.target)
     model = load_config(None, ["model.preset=llama3.2-1b"]).model
-    blocks = block_rows(model, args.seq, 8)
-    steps = step_rows(args.step_seq)
+    blocks = block_rows(model, args.seq, target)
+    steps = step_rows(args.step_seq, target)
     text = "\n\n".join([
         "# Memory stack: what each technique saves",
-        provenance("python experiments/memory_stack.py " + " ".join(sys.argv[1:])),
+        provenance("python experiments/memory_stack.py " + " ".join(sys.argv[1:]), target.compiler()),
         f"## Single blocks, forward + backward: llama3.2-1b shapes, S = {args.seq:,}, sp = 8, float32",
         "Per-device temporary MiB of the block's forward and backward pass.",
         markdown_table(["block", "untiled MiB", "tile", "tiled MiB", "tiled / untiled"], blocks),
         f"## Whole train step: Llama3-8B, S = {args.step_seq:,}, sp = 8 (FSDP over all 8), bf16 compute",
         "GiB per device. The layer inputs column is what the remat policy keeps on the device; "
-        "host is what `offload_inputs` moves to pinned host memory (counted from the shapes: "
-        "on CPU the offload compiles to nothing).",
+        "host is what `offload_inputs` moves to pinned host memory (as XLA:GPU places it; on the cpu "
+        "target, where the offload compiles to nothing, counted from the shapes). `attention.impl=auto`: "
+        "cuDNN on GPU targets, the blockwise kernel on CPU.",
         markdown_table(["setting", "temporaries", "of which layer inputs", "device total", "host"], steps),
     ]) + "\n"
     print(text)

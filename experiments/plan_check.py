@@ -1,10 +1,10 @@
 """The planner against reality on this machine's one device: for each
 sequence length, what `jlong plan` says the train step needs (with the CPU
-compiler, and with the GPU compiler where a GPU is present) next to the peak
-bytes a real 2-step `jlong train` run measured.
+compiler, and with the GPU compiler of `--gpu-target` where the CUDA plugin
+is installed) next to the peak bytes a real 2-step `jlong train` run measured.
 
     python experiments/plan_check.py CONFIG.yaml [key=value ...] --seq-lens 32768 65536 131072
-        [--out experiments/results/plan_vs_peak.md]
+        [--gpu-target h100] [--out experiments/results/plan_vs_peak.md]
 
 The config's mesh must be one device. Every plan and run is its own process,
 so none inherits another's memory. On CPU the measured column stays empty
@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 
 from common import markdown_table
+
+from jlong.targets import cuda_plugin_installed
 
 GIB = 1024**3
 
@@ -69,18 +71,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--seq-lens", nargs="+", type=int, required=True)
+    parser.add_argument("--gpu-target", default="h100", help="the GPU this machine has: h100, h200, b200")
     parser.add_argument("--out", type=Path, help="write the Markdown result here")
     args = parser.parse_args(argv)
 
     platform, device_kind, jax_version = describe_device()
-    on_gpu = platform == "gpu"
+    gpu_compiler = cuda_plugin_installed()
     work = Path(tempfile.mkdtemp(prefix="jlong-plan-check-"))
     measured = []
     for seq_len in args.seq_lens:
         print(f"seq_len {seq_len:,}", flush=True)
         overrides = [*args.overrides, f"train.seq_len={seq_len}"]
         cpu_plan = planned_bytes(args.config, overrides, "cpu")
-        gpu_plan = planned_bytes(args.config, overrides, "gpu") if on_gpu else None
+        gpu_plan = planned_bytes(args.config, overrides, args.gpu_target) if gpu_compiler else None
         measured.append((seq_len, cpu_plan, gpu_plan, measured_peak(args.config, overrides, work / str(seq_len))))
     largest = max((v for row in measured for v in row[1:] if isinstance(v, int)), default=0)
     unit, size = ("GiB", GIB) if largest >= GIB else ("MiB", 2**20)

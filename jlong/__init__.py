@@ -1,12 +1,30 @@
-"""jlong: long-context training of Llama- and Qwen-style transformers in JAX."""
+"""jlong: long-context training of Llama- and Qwen-style transformers in JAX.
 
-from jlong.config import Config, ModelConfig, load_config
-from jlong.errors import JlongError
-from jlong.hf import from_hf, to_hf
-from jlong.model.transformer import ForwardOptions, Transformer
+The public names load on first use, so `import jlong.errors` or the command
+line's start-up does not import jax before it has set jax up.
+"""
 
-__all__ = [
-    "Config", "ModelConfig", "load_config", "JlongError",
-    "from_hf", "to_hf", "ForwardOptions", "Transformer",
-]
+import importlib
+
+_EXPORTS = {
+    "Config": "jlong.config",
+    "ModelConfig": "jlong.config",
+    "load_config": "jlong.config",
+    "JlongError": "jlong.errors",
+    "from_hf": "jlong.hf",
+    "to_hf": "jlong.hf",
+    "ForwardOptions": "jlong.model.transformer",
+    "Transformer": "jlong.model.transformer",
+}
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jlong' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])

@@ -11,6 +11,7 @@ import os
 import sys
 
 from jlong.errors import JlongError
+from jlong.jax_startup import import_jax_quietly, start_backends
 
 EXIT_USAGE = 2
 
@@ -26,13 +27,24 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--budget-gib", type=float, default=80.0, help="memory per device (default: 80)")
-    parser.add_argument("--devices", type=int, help="the device count to plan for; the mesh must match it")
+    from jlong.targets import DEFAULT_HOST_BUDGET_GIB, TARGETS
+
     parser.add_argument(
-        "--target", choices=("cpu", "gpu"), default="cpu",
-        help="compiler: cpu (virtual CPU devices, corrected to GPU dtypes; any machine) or gpu "
-        "(the real GPU compiler for the whole mesh, mocked on this machine's one GPU)",
+        "--target", help=f"what to compile for: {', '.join(TARGETS)}. GPU targets compile the whole mesh "
+        "with XLA:GPU, deviceless, on any machine with the CUDA plugin (pip install 'jlong[gpu-plan]'); "
+        "cpu compiles for virtual CPU devices, corrected toward the GPU program. Default: h100 where the "
+        "plugin is installed, cpu elsewhere",
     )
+    parser.add_argument(
+        "--budget-gib", type=float, help="device memory per GPU (default: train.gpu_memory_fraction of the "
+        "target's memory, less a 2 GiB reserve; the cpu target plans for an H100)",
+    )
+    parser.add_argument(
+        "--host-budget-gib", type=float, default=DEFAULT_HOST_BUDGET_GIB,
+        help=f"host memory per node for offloaded activations (default: {DEFAULT_HOST_BUDGET_GIB:g})",
+    )
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (default: 8)")
+    parser.add_argument("--devices", type=int, help="the device count to plan for; the mesh must match it")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     """Runs one command; returns the exit status."""
     try:
         args = _parse(argv)
+        if args.command in ("plan", "maxlen"):
+            # XLA's warnings are not the plan's: its remat pass reports totals that count host buffers.
+            os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        import_jax_quietly()
         return args.handler(args) or 0
     except JlongError as err:
         print(f"jlong: error: {err}", file=sys.stderr)
@@ -116,27 +132,22 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def use_virtual_cpu_devices(count: int) -> None:
-    """Gives the CPU `count` devices (unless XLA_FLAGS names a count); must run
-    before jax initialises its backends. Harmless where accelerators exist."""
-    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-        return
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", count)
-
-
 def _train(args) -> int:
     from jlong.config import load_config
-
+    from jlong.gpu_memory import apply_memory_fraction
     from jlong.train.multihost import initialize_distributed, process_count_requested
 
     config = load_config(args.config, args.overrides)
     processes = process_count_requested(args.num_processes)
     if config.mesh.size % processes:
         raise JlongError(f"the mesh's {config.mesh.size} devices do not split over {processes} processes")
-    use_virtual_cpu_devices(config.mesh.size // processes)
+    memory_fraction = apply_memory_fraction(config.train.gpu_memory_fraction)
     initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    start_backends(cpu_devices=config.mesh.size // processes)
+    import jax
+
+    if jax.default_backend() == "gpu":
+        print(f"GPU memory for XLA: {memory_fraction.describe()}", flush=True)
     from jlong.train.loop import train
 
     train(config, until_step=args.until_step)
@@ -149,11 +160,10 @@ def _plan(args) -> int:
     from jlong.config import load_config
 
     config = load_config(args.config, args.overrides)
-    _check_plan_arguments(config, args)
-    devices = _planning_devices(config, args.target)
+    target = _plan_target(config, args)
     from jlong.plan import format_plan, plan
 
-    result = plan(config, budget_gib=args.budget_gib, devices=devices)
+    result = plan(config, target)
     print(json.dumps(result.as_dict()) if args.json else format_plan(result, config))
     return 0
 
@@ -162,51 +172,38 @@ def _maxlen(args) -> int:
     from jlong.config import load_config
 
     config = load_config(args.config, args.overrides)
-    _check_plan_arguments(config, args)
-    devices = _planning_devices(config, args.target)
+    target = _plan_target(config, args)
     from jlong.maxlen import granule, longest_seq_len
-    from jlong.plan import GIB
+    from jlong.targets import GIB
 
-    print(f"budget {args.budget_gib:g} GiB per device; lengths are multiples of {granule(config):,}", flush=True)
+    budget = target.device_budget_gib(config.train.gpu_memory_fraction)
+    print(f"target {target.name}: {target.compiler()}", flush=True)
+    print(f"budgets: {budget:.2f} GiB per device, {target.host_budget_gib:,.0f} GiB host per node; "
+          f"lengths are multiples of {granule(config):,}", flush=True)
 
     def report(seq_len, result):
-        verdict = "fits" if result.fits else "does not fit"
-        print(f"  seq_len {seq_len:>12,}: {result.device_total / GIB:8.2f} GiB  {verdict}", flush=True)
+        verdict = "fits" if result.fits else "over the " + " and ".join(result.exceeded) + " budget"
+        print(f"  seq_len {seq_len:>12,}: {result.device_total / GIB:8.2f} GiB per device, "
+              f"{result.host_per_node / GIB:8.1f} GiB host per node  {verdict}", flush=True)
 
-    found = longest_seq_len(config, budget_gib=args.budget_gib, devices=devices, on_probe=report)
+    found = longest_seq_len(config, target, on_probe=report)
     if not found.seq_len:
-        print(f"no length fits: even {granule(config):,} tokens need more than {args.budget_gib:g} GiB per device")
+        print(f"no length fits: even {granule(config):,} tokens are over the {found.bound_by} budget")
         return 1
     print(f"longest seq_len that fits: {found.seq_len:,} ({found.plan.device_total / GIB:.2f} GiB per device, "
-          f"{found.plan.host_offload / GIB:.2f} GiB on host)")
+          f"{found.plan.host_per_node / GIB:,.1f} GiB host per node); the {found.bound_by} budget binds")
     return 0
 
 
-def _planning_devices(config, target: str):
-    """The devices a plan compiles for: mesh-size virtual CPU devices, or, for
-    `gpu`, the mesh mocked on this machine's GPU (`jax_mock_gpu_topology`:
-    one process that compiles as one of mesh-size single-GPU hosts)."""
-    count = config.mesh.size
-    if target == "cpu":
-        use_virtual_cpu_devices(count)
-        import jax
+def _plan_target(config, args):
+    """The target and budgets of `jlong plan` / `maxlen`, checked, with the
+    backend started on the CPU (planning never touches a real accelerator)."""
+    from jlong.targets import PlanTarget, node_shape, resolve_target, start_planning_backend
 
-        return jax.devices("cpu")[:count]
-    import jax
-
-    jax.config.update("jax_mock_gpu_topology", f"1x{count}x1")
-    try:
-        devices = jax.devices("gpu")
-    except RuntimeError:
-        raise JlongError("--target gpu needs a machine with a GPU and a CUDA build of jax; use --target cpu") from None
-    if len(devices) != count:
-        raise JlongError(f"--target gpu mocked {len(devices)} GPUs for a mesh of {count}")
-    return devices
-
-
-def _check_plan_arguments(config, args) -> None:
-    if not args.budget_gib > 0:
+    if args.budget_gib is not None and not args.budget_gib > 0:
         raise JlongError(f"--budget-gib must be positive, got {args.budget_gib:g}")
+    if not args.host_budget_gib > 0:
+        raise JlongError(f"--host-budget-gib must be positive, got {args.host_budget_gib:g}")
     if args.devices is not None and args.devices != config.mesh.size:
         m = config.mesh
         fill = args.devices / (m.data * m.sp)
@@ -215,11 +212,16 @@ def _check_plan_arguments(config, args) -> None:
             f"--devices {args.devices}, but the mesh data x fsdp x sp = {m.data} x {m.fsdp} x {m.sp} "
             f"= {m.size}{hint}"
         )
+    target = PlanTarget(resolve_target(args.target), args.budget_gib, args.host_budget_gib, args.gpus_per_node)
+    node_shape(config.mesh.size, target.gpus_per_node)  # whole nodes, before anything compiles
+    start_planning_backend(cpu_devices=1 if target.is_gpu else config.mesh.size)
+    return target
 
 
 def _convert(args) -> int:
     from jlong.checkpoint import convert
 
+    start_backends()
     convert(args.source, args.destination, param_dtype=args.param_dtype)
     return 0
 

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import yaml
 
 from jlong.errors import JlongError
+from jlong.gpu_memory import DEFAULT_GPU_MEMORY_FRACTION
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -111,6 +112,9 @@ class TrainConfig:
     compute_dtype: DType = "bfloat16"
     profile_start: int = 3  # first step of the jax.profiler trace window
     profile_steps: int = 0  # steps to trace into run_dir/profile; 0 = no trace
+    # The share of each GPU's memory the run asks XLA for (XLA_PYTHON_CLIENT_MEM_FRACTION);
+    # the planner's default device budget follows it.
+    gpu_memory_fraction: float = DEFAULT_GPU_MEMORY_FRACTION
 
 
 @dataclass(frozen=True)
@@ -394,6 +398,8 @@ def validate(config: Config) -> None:
         )
     if not train.lr > 0:
         raise JlongError(f"train.lr must be positive, got {train.lr}")
+    if not 0 < train.gpu_memory_fraction <= 1:
+        raise JlongError(f"train.gpu_memory_fraction must be in (0, 1], got {train.gpu_memory_fraction:g}")
     _validate_head_split(config)
     _validate_tiles(config)
     if config.data.source == "tokens" and not config.data.path:

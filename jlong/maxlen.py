@@ -1,9 +1,11 @@
-"""The longest `train.seq_len` whose planned train step fits a per-device budget.
+"""The longest `train.seq_len` whose planned train step fits both budgets:
+device memory per device and host memory per node.
 
 Lengths are multiples of the mesh's granularity (sp times the tiles, which
 must divide each device's shard). The search doubles from the configured
 length until a plan does not fit, then bisects between the last length that
-fits and the first that does not, to within one granule or 1%.
+fits and the first that does not, to within one granule or 1%. The budget
+that the first length over the limit exceeds is the one that binds.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from collections.abc import Callable
 
 from jlong.config import Config, validate
 from jlong.errors import JlongError
-from jlong.plan import GIB, MemoryPlan, plan, state_bytes
+from jlong.plan import MemoryPlan, plan, state_bytes
+from jlong.targets import GIB, PlanTarget
 
 RELATIVE_RESOLUTION = 0.01
 
@@ -24,6 +27,7 @@ class MaxLen:
     seq_len: int  # 0 when not even one granule fits
     plan: MemoryPlan | None  # the plan at seq_len
     probes: tuple[tuple[int, MemoryPlan], ...]  # every length tried, in order
+    bound_by: str  # "device", "host" or "device and host": what the shortest length over the limit exceeds
 
 
 def granule(config: Config) -> int:
@@ -40,25 +44,24 @@ def with_seq_len(config: Config, seq_len: int) -> Config:
 
 def longest_seq_len(
     config: Config,
+    target: PlanTarget = PlanTarget(),
     *,
-    budget_gib: float,
-    devices=None,
     on_probe: Callable[[int, MemoryPlan], None] = lambda n, p: None,
 ) -> MaxLen:
     """Doubling, then bisection, over multiples of `granule(config)`; plans
-    compile for `devices` (default: CPU devices, see `jlong.plan.plan`)."""
+    compile for `target` (see `jlong.plan.plan`)."""
     step = granule(config)
     probes: list[tuple[int, MemoryPlan]] = []
 
     def fits(granules: int) -> bool:
         seq_len = granules * step
-        result = plan(with_seq_len(config, seq_len), budget_gib=budget_gib, devices=devices)
+        result = plan(with_seq_len(config, seq_len), target)
         probes.append((seq_len, result))
         on_probe(seq_len, result)
         return result.fits
 
     first = max(config.train.seq_len // step, 1)
-    _check_budget_covers_states(config, budget_gib, devices)
+    _check_budget_covers_states(config, target)
     if fits(first):
         low, high = first, 2 * first
         while fits(high):
@@ -77,16 +80,19 @@ def longest_seq_len(
             low = middle
         else:
             high = middle
-    best = {n: p for n, p in probes}.get(low * step)
-    return MaxLen(seq_len=low * step, plan=best, probes=tuple(probes))
+    by_length = dict(probes)
+    over = by_length[high * step]
+    return MaxLen(seq_len=low * step, plan=by_length.get(low * step), probes=tuple(probes),
+                  bound_by=" and ".join(over.exceeded))
 
 
-def _check_budget_covers_states(config: Config, budget_gib: float, devices) -> None:
+def _check_budget_covers_states(config: Config, target: PlanTarget) -> None:
     """A budget below what parameters, gradients and optimizer state need on
     each device fits no length: say so instead of searching."""
+    budget_gib = target.device_budget_gib(config.train.gpu_memory_fraction)
     if not budget_gib > 0:
         raise JlongError(f"--budget-gib must be positive, got {budget_gib:g}")
-    fixed = state_bytes(config, devices)
+    fixed = state_bytes(config, target)
     if fixed > budget_gib * GIB:
         raise JlongError(
             f"--budget-gib {budget_gib:g} is below the {fixed / GIB:.2f} GiB per device that parameters, "

@@ -4,7 +4,8 @@ analysis: nothing is allocated. Experiments and tests use these to show what
 each memory technique saves, one block at a time.
 
 Weights are replicated (as they are at compute time, after FSDP gathers
-them) and x [1, S, D] is split over sp.
+them) and x [1, S, D] is split over sp. `devices` (default: jax's) may be
+compile-only GPUs (`jlong.targets.gpu_devices`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from jlong.train.loss import cross_entropy, tiled_cross_entropy
 
 
 class _Probe:
-    def __init__(self, model: ModelConfig, seq_len: int, sp: int, dtype: str):
-        self.mesh = make_mesh(MeshConfig(sp=sp), jax.devices()[:sp])
+    def __init__(self, model: ModelConfig, seq_len: int, sp: int, dtype: str, devices=None):
+        self.mesh = make_mesh(MeshConfig(sp=sp), (jax.devices() if devices is None else devices)[:sp])
         self.model, self.dtype = model, dtype
         self.replicated = NamedSharding(self.mesh, P())
         activation = partition_spec(("batch", "seq", "embed"), ACTIVATION_RULES)
@@ -67,17 +68,17 @@ def attention_temp_bytes(model: ModelConfig, seq_len: int, sp: int, heads_per_st
     return probe.vjp_temp_bytes(block, probe.layer_params(ATTENTION_PARAMS), probe.tokens)
 
 
-def mlp_temp_bytes(model: ModelConfig, seq_len: int, sp: int, tile: int, dtype="float32") -> int:
+def mlp_temp_bytes(model: ModelConfig, seq_len: int, sp: int, tile: int, dtype="float32", devices=None) -> int:
     """The residual MLP block (RMSNorm, SwiGLU, residual add), tiled when `tile` > 0."""
-    probe = _Probe(model, seq_len, sp, dtype)
+    probe = _Probe(model, seq_len, sp, dtype, devices)
     options = ForwardOptions(compute_dtype=dtype, mlp_tile=tile)
     block = lambda p, x: mlp_block(p, x, model, options)  # noqa: E731
     return probe.vjp_temp_bytes(block, probe.layer_params(MLP_PARAMS))
 
 
-def loss_temp_bytes(model: ModelConfig, seq_len: int, sp: int, tile: int, dtype="float32") -> int:
+def loss_temp_bytes(model: ModelConfig, seq_len: int, sp: int, tile: int, dtype="float32", devices=None) -> int:
     """Output projection + cross-entropy of the final hidden states, tiled when `tile` > 0."""
-    probe = _Probe(model, seq_len, sp, dtype)
+    probe = _Probe(model, seq_len, sp, dtype, devices)
 
     def block(w, x, targets):
         if tile:

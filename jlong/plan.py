@@ -1,11 +1,17 @@
 """Per-device memory of the configured train step, compiled ahead of time.
 
 Nothing is allocated: the step is lowered with `jax.ShapeDtypeStruct`
-parameters, optimizer state and batch, compiled for the configured mesh, and
-XLA's memory analysis says what each device needs.
+parameters, optimizer state and batch, compiled for the configured mesh on
+a `PlanTarget`, and XLA's memory analysis says what each device needs.
 
-Compiled for CPU devices (a laptop planning a GPU mesh), three corrections
-make the figures those of the program a GPU would run:
+GPU targets (h100, h200, b200) compile with XLA:GPU for compile-only devices
+(`jlong.targets`): the program a real node would run, cuDNN attention and
+host offload included. Device bytes are its arguments and temporaries (and
+outputs not aliased to a donated argument); host bytes are what the compiler
+places in host memory.
+
+The cpu target compiles for virtual CPU devices (any machine, no plugin).
+Three corrections bring its figures toward the GPU program:
 - XLA:CPU widens bfloat16 buffers to float32, so bfloat16 is planned as
   float16, which has the same size and which the CPU keeps as it is;
 - it also runs 16-bit matmuls in float32; the pass that rewrites them is
@@ -26,11 +32,10 @@ import jax.numpy as jnp
 from jlong.config import Config
 from jlong.model.remat import offloads_layer_inputs
 from jlong.parallel.mesh import batch_sharding, make_mesh
+from jlong.targets import GIB, PlanTarget, node_shape
 from jlong.train.optimizer import make_optimizer
 from jlong.train.state import Model
 from jlong.train.step import make_train_step, opt_state_layout
-
-GIB = 1024**3
 
 # XLA:CPU computes 16-bit matmuls in float32 (converted operands, float32
 # result); a GPU does not. Without this pass the CPU keeps them 16-bit.
@@ -39,11 +44,14 @@ CPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "change-op-data-type"}
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    """Bytes per device. `temporaries` is XLA's peak scratch minus the
-    gradients: the activations kept for the backward pass and the working
-    buffers of the busiest moment. `saved_layer_inputs` is the part of it
-    (or of `host_offload`) that the remat policy keeps per layer."""
+    """Bytes per device (host: per device and per node). `temporaries` is
+    XLA's peak scratch minus the gradients: the activations kept for the
+    backward pass and the working buffers of the busiest moment.
+    `saved_layer_inputs` is the part of it (or of `host_offload`) that the
+    remat policy keeps per layer, counted from the shapes."""
 
+    target: str
+    compiler: str
     parameters: int
     gradients: int
     optimizer_state: int
@@ -52,23 +60,58 @@ class MemoryPlan:
     saved_layer_inputs: int
     host_offload: int
     budget: int
+    host_budget_per_node: int
+    devices_per_node: int
 
     @property
     def device_total(self) -> int:
         return self.parameters + self.gradients + self.optimizer_state + self.inputs + self.temporaries
 
     @property
-    def fits(self) -> bool:
+    def host_per_node(self) -> int:
+        return self.host_offload * self.devices_per_node
+
+    @property
+    def fits_device(self) -> bool:
         return self.device_total <= self.budget
 
+    @property
+    def fits_host(self) -> bool:
+        return self.host_per_node <= self.host_budget_per_node
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.fits_host
+
+    @property
+    def exceeded(self) -> list[str]:
+        """The budgets this plan is over: "device", "host" (empty when it fits)."""
+        return [name for name, ok in (("device", self.fits_device), ("host", self.fits_host)) if not ok]
+
     def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "device_total": self.device_total, "fits": self.fits}
+        return {**dataclasses.asdict(self), "device_total": self.device_total, "host_per_node": self.host_per_node,
+                "fits_device": self.fits_device, "fits_host": self.fits_host, "fits": self.fits}
 
 
-def plan(config: Config, *, budget_gib: float = 80.0, devices=None) -> MemoryPlan:
-    """Compiles the train step of `config` for its mesh and reports per-device bytes.
-    `devices` defaults to the first mesh-size CPU devices."""
-    mesh, on_cpu = _planning_mesh(config, devices)
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    """The train step compiled for a plan, with the abstract inputs it took."""
+
+    config: Config  # as compiled (bfloat16 swapped for float16 on CPU)
+    compiled: jax.stages.Compiled
+    params: dict
+    opt_state: object
+    batch: dict
+    on_cpu: bool
+    target: PlanTarget
+    own_devices: list | None  # a running program's devices, when it compiled for them
+
+
+def compile_train_step(config: Config, target: PlanTarget = PlanTarget(), devices=None) -> CompiledStep:
+    """Lowers and compiles the train step of `config` for its mesh on `target`
+    (or on `devices`, a running program's own) with abstract inputs."""
+    mesh = _planning_mesh(config, target, devices)
+    on_cpu = mesh.devices.flat[0].platform == "cpu"
     if on_cpu:
         config = _without_bfloat16(config)
     model = Model(config, mesh)
@@ -78,40 +121,64 @@ def plan(config: Config, *, budget_gib: float = 80.0, devices=None) -> MemoryPla
     batch = abstract_batch(config, mesh)
     step = make_train_step(model, optimizer, opt_shardings)
     options = CPU_COMPILER_OPTIONS if on_cpu else None
-    lowered = step.lower(abstract_params, abstract_opt_state, batch)
-    analysis = lowered.compile(compiler_options=options).memory_analysis()
+    compiled = step.lower(abstract_params, abstract_opt_state, batch).compile(compiler_options=options)
+    return CompiledStep(config, compiled, abstract_params, abstract_opt_state, batch, on_cpu, target, devices)
 
-    parameters = shard_bytes(abstract_params)
+
+def plan(config: Config, target: PlanTarget = PlanTarget(), devices=None) -> MemoryPlan:
+    """Compiles the train step of `config` for its mesh and reports per-device
+    bytes against the target's budgets. `devices` (default: the target's)
+    may be a running program's own, for its out-of-memory report."""
+    return plan_of(compile_train_step(config, target, devices))
+
+
+def plan_of(step: CompiledStep) -> MemoryPlan:
+    """The memory plan of a step compiled by `compile_train_step`."""
+    config, target, devices = step.config, step.target, step.own_devices
+    analysis = step.compiled.memory_analysis()
+    parameters = shard_bytes(step.params)
     gradients = parameters  # one gradient per parameter, placed like it
     layer_inputs = saved_layer_input_bytes(config)
-    host_offload = layer_inputs if offloads_layer_inputs(config.memory.remat) else 0
-    left_on_device = host_offload if on_cpu else 0  # see the module docstring
+    if step.on_cpu:  # see the module docstring
+        host_offload = layer_inputs if offloads_layer_inputs(config.memory.remat) else 0
+        temporaries = analysis.temp_size_in_bytes - host_offload
+    else:
+        host_offload = analysis.host_temp_size_in_bytes + analysis.host_argument_size_in_bytes
+        temporaries = analysis.temp_size_in_bytes + max(analysis.output_size_in_bytes - analysis.alias_size_in_bytes, 0)
+    if devices is None:
+        _, devices_per_node = node_shape(config.mesh.size, target.gpus_per_node)
+        compiler = target.compiler()
+    else:  # a running program's devices: a process is a node
+        devices_per_node = sum(d.process_index == devices[0].process_index for d in devices)
+        compiler = f"{devices[0].device_kind} (this machine)"
     return MemoryPlan(
+        target=target.name,
+        compiler=compiler,
         parameters=parameters,
         gradients=gradients,
-        optimizer_state=shard_bytes(abstract_opt_state),
-        inputs=shard_bytes(batch),
-        temporaries=max(analysis.temp_size_in_bytes - gradients - left_on_device, 0),
+        optimizer_state=shard_bytes(step.opt_state),
+        inputs=shard_bytes(step.batch),
+        temporaries=max(temporaries - gradients, 0),
         saved_layer_inputs=layer_inputs,
         host_offload=host_offload,
-        budget=int(budget_gib * GIB),
+        budget=int(target.device_budget_gib(config.train.gpu_memory_fraction) * GIB),
+        host_budget_per_node=int(target.host_budget_gib * GIB),
+        devices_per_node=devices_per_node,
     )
 
 
-def state_bytes(config: Config, devices=None) -> int:
+def state_bytes(config: Config, target: PlanTarget = PlanTarget(), devices=None) -> int:
     """Parameters + gradients + optimizer state per device: what any sequence
     length needs before its first activation. Nothing is compiled."""
-    mesh, _ = _planning_mesh(config, devices)
-    model = Model(config, mesh)
+    model = Model(config, _planning_mesh(config, target, devices))
     _, abstract_opt_state = opt_state_layout(make_optimizer(config.train), model)
     return 2 * shard_bytes(model.abstract_params()) + shard_bytes(abstract_opt_state)
 
 
-def _planning_mesh(config: Config, devices):
+def _planning_mesh(config: Config, target: PlanTarget, devices):
     if devices is None:
-        devices = jax.devices("cpu")[: config.mesh.size]
-    mesh = make_mesh(config.mesh, devices)
-    return mesh, mesh.devices.flat[0].platform == "cpu"
+        devices = target.devices(config.mesh.size)
+    return make_mesh(config.mesh, devices)
 
 
 def _without_bfloat16(config: Config) -> Config:
@@ -159,10 +226,11 @@ def saved_layer_input_bytes(config: Config) -> int:
 
 
 def format_plan(result: MemoryPlan, config: Config) -> str:
-    """The plan as a short table in GiB, headed by what was planned."""
+    """The plan as a short table in GiB, headed by what was planned and by what."""
     m, t, mem = config.mesh, config.train, config.memory
     heads = config.heads_per_stage
     lines = [
+        f"target {result.target}: {result.compiler}",
         f"seq_len {t.seq_len:,} x batch {t.batch_size} on mesh data={m.data} fsdp={m.fsdp} sp={m.sp}; "
         f"{t.compute_dtype} compute, {t.param_dtype} parameters",
         f"remat {mem.remat}, mlp_tile {mem.mlp_tile or 'off'}, loss_tile {mem.loss_tile or 'off'}, "
@@ -177,10 +245,15 @@ def format_plan(result: MemoryPlan, config: Config) -> str:
         ("inputs", result.inputs),
         ("temporaries (peak)", result.temporaries),
     ]
-    if result.saved_layer_inputs:
-        rows.append(("  of which layer inputs", result.saved_layer_inputs - result.host_offload))
+    if result.saved_layer_inputs and not result.host_offload:
+        rows.append(("  of which layer inputs", result.saved_layer_inputs))
     rows += [("device total", result.device_total), ("host (offloaded)", result.host_offload)]
     lines += [f"  {name:<24}{value / size:>8.2f}" for name, value in rows]
-    verdict = "fits" if result.fits else f"does NOT fit (over by {(result.device_total - result.budget) / GIB:.2f} GiB)"
-    lines.append(f"budget {result.budget / GIB:g} GiB per device: {verdict}")
+    over = (result.device_total - result.budget) / GIB
+    verdict = "fits" if result.fits_device else f"does NOT fit (over by {over:.2f} GiB)"
+    lines.append(f"device budget {result.budget / GIB:.2f} GiB per device: {verdict}")
+    over = (result.host_per_node - result.host_budget_per_node) / GIB
+    verdict = "fits" if result.fits_host else f"does NOT fit (over by {over:,.1f} GiB)"
+    lines.append(f"host {result.host_per_node / GIB:,.1f} GiB per node of {result.devices_per_node} devices, "
+                 f"budget {result.host_budget_per_node / GIB:,.0f} GiB: {verdict}")
     return "\n".join(lines)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from jlong.targets import cuda_plugin_installed
+
 ROOT = Path(__file__).resolve().parents[1]
 # Without the 8 virtual devices the tests' conftest gives the CPU: jlong gives
 # the runs as many as their one-device mesh needs.
@@ -29,8 +31,8 @@ def test_speed_table_on_cpu(tmp_path):
 
 
 def test_plan_check_on_cpu(tmp_path):
-    """Plans and real runs at two lengths; XLA:CPU measures no peak, so only
-    the CPU compiler's plan is filled in."""
+    """Plans and real runs at two lengths; XLA:CPU measures no peak. The GPU
+    compiler's plan (deviceless H100) is there where the CUDA plugin is."""
     config = tmp_path / "one-device.yaml"
     config.write_text(
         "model: {vocab_size: 128, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2,\n"
@@ -49,4 +51,8 @@ def test_plan_check_on_cpu(tmp_path):
     assert [row[0].strip() for row in rows] == ["64", "128"]
     planned = [float(row[1]) for row in rows]
     assert 0 < planned[0] <= planned[1]
-    assert all(row[2].strip() == row[3].strip() == "-" for row in rows)  # no GPU plan, no measured peak
+    assert all(row[3].strip() == "-" for row in rows)  # no measured peak
+    if cuda_plugin_installed():
+        assert all(float(row[2]) > 0 for row in rows)
+    else:
+        assert all(row[2].strip() == "-" for row in rows)

@@ -12,6 +12,7 @@ from jlong.config import load_config
 from jlong.errors import JlongError
 from jlong.maxlen import granule, longest_seq_len, with_seq_len
 from jlong.plan import GIB, plan
+from jlong.targets import PlanTarget
 
 # Llama-shaped and small, on sp=8 with the whole memory stack.
 SMALL_LONG = [
@@ -44,21 +45,34 @@ def test_maxlen_finds_the_boundary_of_the_budget():
     config = small_long("memory.mlp_tile=1024", "memory.loss_tile=1024", "train.seq_len=32768")
     assert granule(config) == 8 * 1024
     budget_gib = plan(with_seq_len(config, 65536)).device_total / GIB  # somewhere in the doubling range
-    found = longest_seq_len(config, budget_gib=budget_gib)
+    found = longest_seq_len(config, PlanTarget(budget_gib=budget_gib))
     step = granule(config)
     assert found.seq_len % step == 0 and found.plan.fits
     assert found.seq_len >= 65536
-    beyond = plan(with_seq_len(config, found.seq_len + step), budget_gib=budget_gib)
+    beyond = plan(with_seq_len(config, found.seq_len + step), PlanTarget(budget_gib=budget_gib))
     assert not beyond.fits
+    assert found.bound_by == "device"
+
+
+def test_maxlen_stops_at_the_host_budget_when_it_binds_first():
+    config = small_long("memory.mlp_tile=4096", "memory.loss_tile=4096", "train.seq_len=32768")
+    at_64k = plan(with_seq_len(config, 65536))
+    assert at_64k.host_per_node == 8 * at_64k.host_offload > 0  # one node of the 8 devices
+    host_budget_gib = at_64k.host_per_node / GIB
+    found = longest_seq_len(config, PlanTarget(budget_gib=1000.0, host_budget_gib=host_budget_gib))
+    assert found.seq_len == 65536 and found.bound_by == "host"
+    assert found.plan.fits_device and found.plan.fits_host
 
 
 def test_plan_command_prints_json_bytes(tmp_path):
     config = tmp_path / "small.yaml"
     config.write_text("{}\n")
-    result = run_cli("plan", str(config), *SMALL_LONG, "--json")
+    result = run_cli("plan", str(config), *SMALL_LONG, "--json", "--target", "cpu")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
+    assert report["target"] == "cpu" and report["compiler"].startswith("XLA:CPU")
     assert report["host_offload"] == 2 * 1024 * 128 * 2  # 2 layers x 1024 local tokens x 128 x bf16
+    assert report["host_per_node"] == 8 * report["host_offload"]
     assert report["device_total"] == sum(
         report[k] for k in ("parameters", "gradients", "optimizer_state", "inputs", "temporaries")
     )
@@ -70,10 +84,11 @@ def test_maxlen_command_reports_the_search(tmp_path):
     config.write_text("{}\n")
     budget = math.ceil(plan(small_long("train.seq_len=16384")).device_total / GIB * 1e6) / 1e6
     # Overrides after the options, in the order DESIGN.md gives.
-    result = run_cli("maxlen", str(config), "--budget-gib", f"{budget:.6f}", *SMALL_LONG)
+    result = run_cli("maxlen", str(config), "--target", "cpu", "--budget-gib", f"{budget:.6f}", *SMALL_LONG)
     assert result.returncode == 0, result.stderr
-    assert "seq_len        8,192" in result.stdout and "does not fit" in result.stdout
+    assert "seq_len        8,192" in result.stdout and "over the device budget" in result.stdout
     assert "longest seq_len that fits: 16,384" in result.stdout
+    assert "the device budget binds" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -81,11 +96,15 @@ def test_maxlen_command_reports_the_search(tmp_path):
     [
         (["plan", "--budget-gib", "0"], "--budget-gib must be positive"),
         (["plan", "--budget-gib", "-3"], "--budget-gib must be positive"),
-        (["maxlen", "--budget-gib", "0.001"], "below the"),
+        (["maxlen", "--target", "cpu", "--budget-gib", "0.001"], "below the"),
         (["plan", "--devices", "4"], "--devices 4, but the mesh data x fsdp x sp = 1 x 1 x 8 = 8"),
         (["plan", "mesh.sp=16"], "not divisible by mesh.sp"),
         (["plan", "memory.mlp_tile=100"], "memory.mlp_tile (100) must divide"),
-        (["plan", "--target", "gpu"], "--target gpu needs a machine with a GPU"),  # JAX_PLATFORMS=cpu here
+        (["plan", "--target", "h10"], "unknown --target 'h10' (did you mean 'h100'?)"),
+        (["maxlen", "--target", "H2O0"], "did you mean 'h200'?"),
+        (["plan", "--host-budget-gib", "0"], "--host-budget-gib must be positive"),
+        (["plan", "--gpus-per-node", "3"], "do not fill whole nodes of --gpus-per-node 3"),
+        (["plan", "train.gpu_memory_fraction=1.5"], "train.gpu_memory_fraction must be in (0, 1]"),
     ],
 )
 def test_bad_plan_input_exits_2(args, message, tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from jlong.config import Config
 from jlong.errors import JlongError
 
-GIB = 1024**3
+from jlong.targets import GIB
 _MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
 
 
@@ -23,10 +23,11 @@ def out_of_memory_error(config: Config, where: str, devices, capacity_bytes: int
 
 def _plan_summary(config: Config, devices, capacity_bytes: int | None) -> str:
     from jlong.plan import plan
+    from jlong.targets import PlanTarget
 
-    budget_gib = capacity_bytes / GIB if capacity_bytes else 80.0
+    budget_gib = capacity_bytes / GIB if capacity_bytes else None
     try:
-        result = plan(config, budget_gib=budget_gib, devices=devices)
+        result = plan(config, PlanTarget(budget_gib=budget_gib), devices=devices)
     except Exception as err:  # the estimate is a courtesy: never mask the out-of-memory itself
         return f" (no plan: {type(err).__name__})"
     parts = ", ".join(

@@ -11,15 +11,21 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from jlong.attention.kernels import choose_kernel
 from jlong.config import Config
 from jlong.model.transformer import ForwardOptions, Transformer
 from jlong.parallel.mesh import param_spec
 
 
-def forward_options(config: Config) -> ForwardOptions:
+def forward_options(config: Config, platform: str) -> ForwardOptions:
+    """The forward pass on `platform` (the mesh's: "gpu" or "cpu"), where
+    `attention.impl=auto` becomes the kernel that platform runs."""
     return ForwardOptions(
         compute_dtype=config.train.compute_dtype,
-        attention_impl=config.attention.impl,
+        attention_impl=choose_kernel(
+            config.attention.impl, platform=platform, dtype=config.train.compute_dtype,
+            head_dim=config.model.dim_per_head, packed=config.data.eos_id is not None,
+        ),
         block_size=config.attention.block_size,
         heads_per_stage=config.heads_per_stage,
         remat=config.memory.remat,
@@ -32,6 +38,7 @@ class Model:
 
     def __init__(self, config: Config, mesh):
         self.config, self.mesh = config, mesh
+        self.platform = mesh.devices.flat[0].platform
         self.abstract = nnx.eval_shape(lambda: self._fresh(0))
         self.graphdef, self.abstract_state = nnx.split(self.abstract)
         self.shardings = self._param_shardings()
@@ -41,7 +48,7 @@ class Model:
             self.config.model,
             rngs=nnx.Rngs(seed),
             param_dtype=self.config.train.param_dtype,
-            options=forward_options(self.config),
+            options=forward_options(self.config, self.platform),
         )
 
     def _param_shardings(self) -> dict:

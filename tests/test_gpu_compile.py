@@ -1,0 +1,152 @@
+"""The real GPU compiler on a CPU-only machine: XLA:GPU compiles the train step
+for compile-only H100s (deviceless), so memory plans, host offload, cuDNN
+attention and collectives are checked by the compiler a node would run.
+
+These need the CUDA plugin and cuDNN (`pip install -e '.[gpu-plan]'`, as
+.ci/run does); without them they skip, and the skip reason says so."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from jlong.config import load_config
+from jlong.model.remat import REMAT_CHOICES
+from jlong.plan import compile_train_step, plan, plan_of, saved_layer_input_bytes
+from jlong.targets import (
+    GPUS,
+    MIN_CUDNN_FOR_DEVICELESS_ATTENTION,
+    PlanTarget,
+    cuda_plugin_installed,
+    default_budget_gib,
+    installed_cudnn_version,
+    target_config_text,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+XLA_SPECS = REPO.parent / "shared" / "gpu_specs"  # XLA's published descriptions, beside the project in CI
+
+_cudnn = installed_cudnn_version() if cuda_plugin_installed() else None
+needs_gpu_compiler = pytest.mark.skipif(
+    _cudnn is None or _cudnn < MIN_CUDNN_FOR_DEVICELESS_ATTENTION,
+    reason="SKIPPED GPU-COMPILER TEST: the CUDA plugin with cuDNN >= 9.8 is not installed "
+    "(pip install -e '.[gpu-plan]'); XLA:GPU was not checked",
+)
+H100 = PlanTarget("h100")
+
+# Llama-shaped and small, with the whole stack on fsdp=2 x sp=4: UPipe stages
+# of U = sp = 4 of 8 heads in shard_map, cuDNN attention, layer inputs
+# offloaded to host, tiled MLP and loss.
+WHOLE_STACK = [
+    "model.vocab_size=512", "model.hidden_size=256", "model.intermediate_size=512", "model.num_hidden_layers=2",
+    "model.num_attention_heads=8", "model.num_key_value_heads=2", "model.head_dim=64",
+    "mesh.fsdp=2", "mesh.sp=4", "attention.heads_per_stage=4", "attention.impl=cudnn",
+    "memory.remat=offload_inputs", "memory.mlp_tile=256", "memory.loss_tile=256",
+    "train.seq_len=4096", "train.batch_size=2", "train.compute_dtype=bfloat16", "train.param_dtype=float32",
+]
+
+
+def whole_stack(*overrides):
+    return load_config(None, [*WHOLE_STACK, *overrides])
+
+
+def cudnn_attention_calls(hlo: str) -> int:
+    return len(re.findall(r'custom_call_target="__cudnn\$fmha', hlo))
+
+
+@needs_gpu_compiler
+def test_whole_stack_compiles_for_h100s_with_cudnn_all_to_all_and_host_offload():
+    config = whole_stack()
+    step = compile_train_step(config, H100)
+    hlo = step.compiled.as_text()
+    assert {d.platform for d in step.compiled.input_shardings[0][0]["embed"].device_set} == {"gpu"}
+    assert cudnn_attention_calls(hlo) >= 2  # the forward and the backward kernel
+    assert "all-to-all" in hlo
+    result = plan_of(step)
+    # 2 layers x 2 sequences / (data x fsdp) x 4096 / sp tokens x 256 x bf16: counted by the policy,
+    # and what XLA:GPU itself places in host memory.
+    assert result.host_offload == saved_layer_input_bytes(config) == 2 * 1 * 1024 * 256 * 2
+    assert result.compiler.startswith("XLA:GPU for NVIDIA H100")
+
+
+@needs_gpu_compiler
+@pytest.mark.parametrize("remat", REMAT_CHOICES)
+def test_every_remat_policy_compiles_for_h100s(remat):
+    config = whole_stack(f"memory.remat={remat}")
+    result = plan(config, H100)
+    assert result.device_total > 0
+    assert result.host_offload == (saved_layer_input_bytes(config) if remat == "offload_inputs" else 0)
+
+
+@needs_gpu_compiler
+def test_packed_documents_compile_for_h100s_with_the_blockwise_kernel():
+    config = whole_stack("data.eos_id=0", "attention.impl=auto", "attention.block_size=512")
+    hlo = compile_train_step(config, H100).compiled.as_text()
+    assert cudnn_attention_calls(hlo) == 0  # auto: cuDNN cannot mask documents, so blockwise
+    assert "all-to-all" in hlo and "all-gather" in hlo  # segment ids travel along sp
+
+
+@needs_gpu_compiler
+def test_auto_picks_cudnn_on_a_gpu_target():
+    hlo = compile_train_step(whole_stack("attention.impl=auto"), H100).compiled.as_text()
+    assert cudnn_attention_calls(hlo) >= 2
+
+
+@needs_gpu_compiler
+def test_two_nodes_compile_as_one_mesh():
+    target = PlanTarget("h100", gpus_per_node=4)
+    step = compile_train_step(whole_stack(), target)
+    processes = {d.process_index for d in step.compiled.input_shardings[0][0]["embed"].device_set}
+    assert processes == {0, 1}
+    assert plan_of(step).devices_per_node == 4
+
+
+@needs_gpu_compiler
+def test_the_5m_config_fits_its_default_budgets_on_h100():
+    config = load_config(REPO / "configs" / "llama3-8b-5m.yaml")
+    assert config.train.seq_len == 5 * 2**20
+    result = plan(config, H100)
+    assert result.budget == int(default_budget_gib("h100", config.train.gpu_memory_fraction) * 2**30)
+    assert result.fits_device and result.fits_host, result
+    assert result.host_offload == saved_layer_input_bytes(config)  # XLA:GPU's host bytes, the policy's count
+
+
+def _text_proto_fields(text: str) -> dict[str, str]:
+    """Scalar fields of a protobuf text, keyed by their dotted path
+    (`gpu_device_info.core_count`); repeated fields keep their last value."""
+    tokens = re.findall(r'"[^"]*"|[{}]|[^\s:{}]+', re.sub(r"#.*", "", text))
+    fields, path, i = {}, [], 0
+    while i < len(tokens):
+        token = tokens[i]
+        if token == "}":
+            path.pop()
+            i += 1
+        elif tokens[i + 1] == "{":
+            path.append(token)
+            i += 2
+        else:
+            fields[".".join([*path, token])] = tokens[i + 1].strip('"')
+            i += 2
+    return fields
+
+
+DEVICE_FACTS = [
+    "threads_per_block_limit", "threads_per_warp", "shared_memory_per_block", "shared_memory_per_core",
+    "threads_per_core_limit", "core_count", "fpus_per_core", "block_dim_limit_x", "block_dim_limit_y",
+    "block_dim_limit_z", "memory_bandwidth", "l2_cache_size", "clock_rate_ghz", "device_memory_size",
+    "shared_memory_per_block_optin", "registers_per_core_limit", "registers_per_block_limit",
+    "cuda_compute_capability.major", "cuda_compute_capability.feature_extension",
+]
+COMPARED = [f"gpu_device_info.{key}" for key in DEVICE_FACTS] + ["platform_name", "device_description_str"]
+
+
+@pytest.mark.parametrize("gpu, spec", [("h100", "h100_sxm.txtpb"), ("h200", "h200.txtpb")])
+def test_target_descriptions_match_xlas_published_ones(gpu, spec):
+    path = XLA_SPECS / spec
+    if not path.is_file():
+        pytest.skip(f"SKIPPED: XLA's published description {path} is not beside the project")
+    ours = _text_proto_fields(target_config_text(GPUS[gpu], (9, 10, 0)))
+    theirs = _text_proto_fields(path.read_text())
+    assert {key: ours.get(key) for key in COMPARED} == {key: theirs.get(key) for key in COMPARED}
+    assert theirs["gpu_device_info.core_count"] == str(GPUS[gpu].sm_count)  # the parse found the facts
+    assert ours["dnn_version_info.major"] == "9"  # the installed cuDNN's version, not the file's
