@@ -135,6 +135,7 @@ def main() -> None:
     parser.add_argument("--budget-gib", type=float, help="per device (default: the target's)")
     parser.add_argument("--host-budget-gib", type=float, default=1536.0, help="per node")
     parser.add_argument("--no-cpu-proxy", action="store_true", help="skip the CPU-proxy plans")
+    parser.add_argument("--out-name", default="ablation", help="results/NAME.md, .json and .png")
     add_target_argument(parser)
     args = parser.parse_args()
 
@@ -170,17 +171,17 @@ def main() -> None:
         notes = monotone_notes(results, args.lengths)
         sections.append("Each row lowers the device bytes of the row before."
                         if not notes else "Rows that do not lower the device bytes:\n\n" + "\n".join(f"- {n}" for n in notes))
-    sections.append("![ablation](ablation.png)")
+    sections.append(f"![ablation]({args.out_name}.png)")
     text = "\n\n".join(sections) + "\n"
     RESULTS.mkdir(exist_ok=True)
-    chart(all_results, args.lengths, budget_gib, target.name, RESULTS / "ablation.png")
+    chart(all_results, args.lengths, budget_gib, target.name, RESULTS / f"{args.out_name}.png")
     raw = {model: [{"stack": r["name"], "longest": r["maxlen"], "bound_by": r["bound_by"],
                     **{str(n): p.as_dict() for n, p in r["plans"].items()},
                     **{f"cpu_proxy_{n}": p.as_dict() for n, p in r["proxy"].items()}} for r in results]
            for model, results in all_results.items()}
-    write_result("ablation.json", json.dumps(raw, indent=1) + "\n")
+    write_result(f"{args.out_name}.json", json.dumps(raw, indent=1) + "\n")
     print(text)
-    print(f"wrote {write_result('ablation.md', text)}, ablation.png and ablation.json")
+    print(f"wrote {write_result(f'{args.out_name}.md', text)}, {args.out_name}.png and {args.out_name}.json")
 
 
 if __name__ == "__main__":

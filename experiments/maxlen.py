@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from common import add_target_argument, markdown_table, planning_target, provenance, use_cpu_devices, write_result
 
@@ -24,13 +25,14 @@ from jlong.config import load_config  # noqa: E402
 from jlong.maxlen import longest_seq_len  # noqa: E402
 from jlong.targets import GIB  # noqa: E402
 
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 UNBOUNDED_HOST_GIB = 1e9
 VARIANTS = [("UPipe (U = 8)", ["attention.heads_per_stage=8"]), ("plain Ulysses (U = all heads)", ["attention.heads_per_stage=0"])]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/llama3-8b-5m.yaml")
+    parser.add_argument("--config", default=str(CONFIGS / "llama3-8b-5m.yaml"))
     add_target_argument(parser)
     args = parser.parse_args()
 
@@ -52,7 +54,7 @@ def main() -> None:
     text = "\n\n".join([
         "# Longest context on one node",
         provenance("python experiments/maxlen.py " + " ".join(sys.argv[1:]), target.compiler()),
-        f"`{args.config}` (Llama3-8B, sp = 8, offload_inputs, MLP tile 2048, loss tile 1024) searched by "
+        f"`{Path(args.config).name}` (Llama3-8B, sp = 8, offload_inputs, MLP tile 2048, loss tile 1024) searched by "
         f"`jlong maxlen`'s doubling and bisection. Budgets: {budget:.2f} GiB per device (the default: "
         f"train.gpu_memory_fraction of the device less the reserve) and {target.host_budget_gib:,.0f} GiB of "
         "host memory per node of 8 devices; 'device only' lifts the host budget.",

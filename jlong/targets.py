@@ -200,6 +200,8 @@ def installed_cudnn_version() -> tuple[int, int, int] | None:
         number = cuda_versions.cudnn_get_version()
     except Exception:  # no plugin, or no cuDNN library to load
         return None
+    if not number:
+        return None
     return number // 10000, number // 100 % 100, number % 100
 
 

@@ -56,20 +56,21 @@ def attend(q, k, v, segment_ids=None, *, impl: str = "auto", block_size: int = 5
 
 def cudnn_applies(q, segment_ids) -> bool:
     """Whether the cuDNN fused kernel can run these inputs on this backend."""
-    kernel = choose_kernel("auto", platform=jax.default_backend(), dtype=q.dtype, head_dim=q.shape[-1],
-                           packed=segment_ids is not None)
+    kernel = choose_kernel("auto", platform=jax.default_backend(), dtype=q.dtype, seq_len=q.shape[1],
+                           head_dim=q.shape[-1], packed=segment_ids is not None)
     return kernel == "cudnn"
 
 
-def choose_kernel(impl: str, *, platform: str, dtype, head_dim: int, packed: bool) -> str:
+def choose_kernel(impl: str, *, platform: str, dtype, seq_len: int, head_dim: int, packed: bool) -> str:
     """The kernel `impl` stands for on `platform` ("gpu" or "cpu"): `auto` is
-    cuDNN where it applies (16-bit inputs, head_dim <= 256 and a multiple of
-    8, no packed documents), blockwise elsewhere."""
+    cuDNN where it applies (16-bit inputs, an even sequence length, head_dim
+    <= 256 and a multiple of 8, no packed documents), blockwise elsewhere."""
     if impl != "auto":
         return impl
     cudnn = (
         platform == "gpu"
         and not packed
+        and seq_len % 2 == 0  # cuDNN's training kernels refuse odd lengths
         and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
         and head_dim <= 256
         and head_dim % 8 == 0

@@ -24,7 +24,7 @@ def forward_options(config: Config, platform: str) -> ForwardOptions:
         compute_dtype=config.train.compute_dtype,
         attention_impl=choose_kernel(
             config.attention.impl, platform=platform, dtype=config.train.compute_dtype,
-            head_dim=config.model.dim_per_head, packed=config.data.eos_id is not None,
+            seq_len=config.train.seq_len, head_dim=config.model.dim_per_head, packed=config.data.eos_id is not None,
         ),
         block_size=config.attention.block_size,
         heads_per_stage=config.heads_per_stage,
