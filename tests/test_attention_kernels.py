@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jlong.attention.kernels import attend, blockwise_attention, reference_attention
+from jlong.attention.kernels import attend, blockwise_attention, choose_kernel, reference_attention
 
 
 def _inputs(seq_len, heads, kv_heads, head_dim=16, batch=2, seed=0):
@@ -84,3 +84,22 @@ def test_auto_on_cpu_uses_blockwise():
         jax.jit(lambda q, k, v: attend(q, k, v, impl="auto", block_size=16))(q, k, v),
         reference_attention(q, k, v), rtol=1e-5, atol=1e-5
     )
+
+
+@pytest.mark.parametrize(
+    "platform, dtype, seq_len, head_dim, packed, expected",
+    [
+        ("gpu", "bfloat16", 4096, 128, False, "cudnn"),
+        ("cpu", "bfloat16", 4096, 128, False, "blockwise"),  # no cuDNN on CPU
+        ("gpu", "float32", 4096, 128, False, "blockwise"),  # cuDNN takes 16-bit inputs only
+        ("gpu", "bfloat16", 4097, 128, False, "blockwise"),  # its training kernels refuse odd lengths
+        ("gpu", "bfloat16", 4096, 136, False, "cudnn"),
+        ("gpu", "bfloat16", 4096, 100, False, "blockwise"),  # head_dim not a multiple of 8
+        ("gpu", "bfloat16", 4096, 128, True, "blockwise"),  # packed documents need segment masks
+    ],
+)
+def test_auto_chooses_the_kernel_each_platform_runs(platform, dtype, seq_len, head_dim, packed, expected):
+    assert choose_kernel("auto", platform=platform, dtype=dtype, seq_len=seq_len, head_dim=head_dim,
+                         packed=packed) == expected
+    assert choose_kernel("reference", platform=platform, dtype=dtype, seq_len=seq_len, head_dim=head_dim,
+                         packed=packed) == "reference"
