@@ -164,7 +164,11 @@ def _plan(args) -> int:
     from jlong.plan import format_plan, plan
 
     result = plan(config, target)
-    print(json.dumps(result.as_dict()) if args.json else format_plan(result, config))
+    if args.json:
+        print(json.dumps(result.as_dict()))
+    else:
+        print(format_plan(result, config))
+        print(f"device budget: {target.describe_budget(config.train.gpu_memory_fraction)}")
     return 0
 
 
@@ -176,10 +180,10 @@ def _maxlen(args) -> int:
     from jlong.maxlen import granule, longest_seq_len
     from jlong.targets import GIB
 
-    budget = target.device_budget_gib(config.train.gpu_memory_fraction)
     print(f"target {target.name}: {target.compiler()}", flush=True)
-    print(f"budgets: {budget:.2f} GiB per device, {target.host_budget_gib:,.0f} GiB host per node; "
-          f"lengths are multiples of {granule(config):,}", flush=True)
+    print(f"budgets: {target.describe_budget(config.train.gpu_memory_fraction)}; "
+          f"{target.host_budget_gib:,.0f} GiB host per node; lengths are multiples of {granule(config):,}",
+          flush=True)
 
     def report(seq_len, result):
         verdict = "fits" if result.fits else "over the " + " and ".join(result.exceeded) + " budget"

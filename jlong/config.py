@@ -235,8 +235,32 @@ def _resolve_model_fields(values: dict[str, Any]) -> dict[str, Any]:
     if values.get("hf_path") is not None:
         from jlong.hf import read_hf_config
 
-        base.update(read_hf_config(values["hf_path"]))
+        checkpoint = read_hf_config(values["hf_path"])
+        _check_matches_checkpoint(values, checkpoint)
+        base.update(checkpoint)
     return {**base, **values}
+
+
+# The fields that give the weights their shapes and roles: a checkpoint's
+# config.json decides them. The others (RoPE, norm epsilon, positions) may be
+# set inline over a checkpoint, to train it at a longer context, say.
+WEIGHT_DEFINING_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias", "qk_norm",
+)
+
+
+def _check_matches_checkpoint(inline: dict[str, Any], checkpoint: dict[str, Any]) -> None:
+    hints = typing.get_type_hints(ModelConfig)
+    for key in WEIGHT_DEFINING_FIELDS:
+        if key not in inline or key not in checkpoint:
+            continue
+        if _coerce(inline[key], hints[key], f"model.{key}") != checkpoint[key]:
+            raise JlongError(
+                f"model.{key}={inline[key]!r} contradicts the checkpoint model.hf_path={inline['hf_path']!r}, "
+                f"whose config.json has {key}={checkpoint[key]!r}; drop model.{key} (the checkpoint decides "
+                "the shapes of its weights)"
+            )
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

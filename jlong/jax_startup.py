@@ -31,12 +31,12 @@ def start_backends(cpu_devices: int | None = None) -> None:
         jax.devices()
 
 
-def has_nvidia_driver() -> bool:
+def _has_nvidia_driver() -> bool:
     return os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/nvidiactl")
 
 
 def _quiet_without_driver():
-    return contextlib.nullcontext() if has_nvidia_driver() else quiet_native_stderr()
+    return contextlib.nullcontext() if _has_nvidia_driver() else quiet_native_stderr()
 
 
 @contextlib.contextmanager

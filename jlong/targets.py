@@ -156,13 +156,6 @@ def default_budget_gib(target: str, gpu_memory_fraction: float) -> float:
     return gpu_memory_fraction * gpu.memory_bytes / GIB - POOL_RESERVE_GIB
 
 
-def describe_budget(target: str, gpu_memory_fraction: float) -> str:
-    gpu = GPUS.get(target, GPUS["h100"])
-    return (f"{default_budget_gib(target, gpu_memory_fraction):.2f} GiB = train.gpu_memory_fraction "
-            f"{gpu_memory_fraction:g} x {gpu.memory_bytes / GIB:.1f} GiB ({gpu.name}) "
-            f"- {POOL_RESERVE_GIB:g} GiB reserve")
-
-
 def node_shape(device_count: int, gpus_per_node: int) -> tuple[int, int]:
     """(nodes, devices per node) of a mesh: whole nodes, or part of one."""
     if gpus_per_node <= 0:
@@ -254,6 +247,15 @@ class PlanTarget:
         if self.budget_gib is not None:
             return self.budget_gib
         return default_budget_gib(self.name, gpu_memory_fraction)
+
+    def describe_budget(self, gpu_memory_fraction: float) -> str:
+        """Where the device budget comes from, for reports."""
+        if self.budget_gib is not None:
+            return f"{self.budget_gib:.2f} GiB per device (--budget-gib)"
+        gpu = GPUS.get(self.name, GPUS["h100"])
+        return (f"{default_budget_gib(self.name, gpu_memory_fraction):.2f} GiB per device = "
+                f"train.gpu_memory_fraction {gpu_memory_fraction:g} x {gpu.memory_bytes / GIB:.1f} GiB "
+                f"({gpu.name}) - {POOL_RESERVE_GIB:g} GiB reserve")
 
     def devices(self, count: int) -> list:
         """`count` devices to compile for: compile-only GPUs, or virtual CPU

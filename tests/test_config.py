@@ -1,5 +1,7 @@
 """Config loading: presets, overrides, types, and one-line errors."""
 
+import json
+
 import pytest
 
 from jlong.config import load_config, preset_names
@@ -76,3 +78,16 @@ def test_malformed_yaml_names_the_line(tmp_path):
         load_config(path)
     with pytest.raises(JlongError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_inline_fields_that_contradict_a_checkpoint_are_refused(tmp_path):
+    from hf_models import small_hf_model
+
+    small_hf_model("llama").save_pretrained(tmp_path)
+    layers = json.loads((tmp_path / "config.json").read_text())["num_hidden_layers"]
+    with pytest.raises(JlongError, match=f"model.num_hidden_layers=1 contradicts .* num_hidden_layers={layers}"):
+        load_config(None, [f"model.hf_path={tmp_path}", "model.num_hidden_layers=1"])
+    # The same value, and fields that leave the weights as they are, may be set inline.
+    config = load_config(None, [f"model.hf_path={tmp_path}", f"model.num_hidden_layers={layers}",
+                                "model.rope_theta=5e6"])
+    assert config.model.num_hidden_layers == layers and config.model.rope_theta == 5e6
