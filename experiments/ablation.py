@@ -9,7 +9,7 @@ fits both the device and the host budget.
 Plans compile with XLA:GPU for compile-only devices of `--target` (deviceless;
 `pip install -e '.[gpu-plan]'`); each row is also planned with the CPU proxy
 (`--target cpu`) at the same lengths, and the table gives the ratio between
-the two. Writes experiments/results/ablation.md, ablation.json and ablation.png.
+the two. Writes experiments/results/ablation-MODELS.md, .json and .png.
 
 The FSDP row is data parallel: each of the 8 devices holds one whole
 sequence (batch 8); from the Ulysses row on, one sequence is split over
@@ -135,9 +135,10 @@ def main() -> None:
     parser.add_argument("--budget-gib", type=float, help="per device (default: the target's)")
     parser.add_argument("--host-budget-gib", type=float, default=1536.0, help="per node")
     parser.add_argument("--no-cpu-proxy", action="store_true", help="skip the CPU-proxy plans")
-    parser.add_argument("--out-name", default="ablation", help="results/NAME.md, .json and .png")
+    parser.add_argument("--out-name", help="results/NAME.md, .json and .png (default: ablation-MODELS)")
     add_target_argument(parser)
     args = parser.parse_args()
+    args.out_name = args.out_name or "ablation-" + "-".join(args.models)
 
     target = planning_target(args.target, budget_gib=args.budget_gib, host_budget_gib=args.host_budget_gib)
     config = load_config(None, [f"model.preset={args.models[0]}"])
