@@ -11,7 +11,7 @@ from test_cli_errors import run_cli
 from jlong.config import load_config
 from jlong.errors import JlongError
 from jlong.maxlen import granule, longest_seq_len, with_seq_len
-from jlong.plan import GIB, plan
+from jlong.plan import GIB, plan, saved_layer_input_bytes
 from jlong.targets import PlanTarget
 
 # Llama-shaped and small, on sp=8 with the whole memory stack.
@@ -55,13 +55,12 @@ def test_maxlen_finds_the_boundary_of_the_budget():
 
 
 def test_maxlen_stops_at_the_host_budget_when_it_binds_first():
-    config = small_long("memory.mlp_tile=4096", "memory.loss_tile=4096", "train.seq_len=32768")
-    at_64k = plan(with_seq_len(config, 65536))
-    assert at_64k.host_per_node == 8 * at_64k.host_offload > 0  # one node of the 8 devices
-    host_budget_gib = at_64k.host_per_node / GIB
+    config = small_long("memory.mlp_tile=4096", "memory.loss_tile=4096", "train.seq_len=65536")
+    host_budget_gib = 8 * saved_layer_input_bytes(with_seq_len(config, 65536)) / GIB  # a node of 8 at 64K
     found = longest_seq_len(config, PlanTarget(budget_gib=1000.0, host_budget_gib=host_budget_gib))
     assert found.seq_len == 65536 and found.bound_by == "host"
-    assert found.plan.fits_device and found.plan.fits_host
+    assert [n for n, _ in found.probes] == [65536, 131072, 98304]  # 64K fits, the 32K granules above do not
+    assert found.plan.fits_device and found.plan.host_per_node == 8 * found.plan.host_offload == host_budget_gib * GIB
 
 
 def test_plan_command_prints_json_bytes(tmp_path):
