@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from jlong.config import Config, load_config
-from jlong.hf import hf_config_dict
+from jlong.hf_config import hf_config_dict
 from jlong.train.flops import PEAK_BF16_FLOPS, model_flops_per_token
 
 HERE = Path(__file__).resolve().parent

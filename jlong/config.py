@@ -23,6 +23,7 @@ import yaml
 
 from jlong.errors import JlongError
 from jlong.gpu_memory import DEFAULT_GPU_MEMORY_FRACTION
+from jlong.hf_config import read_hf_config
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -233,8 +234,6 @@ def _resolve_model_fields(values: dict[str, Any]) -> dict[str, Any]:
             raise JlongError(f"model.preset must be a name, got {values['preset']!r}")
         base.update(load_preset(values["preset"]))
     if values.get("hf_path") is not None:
-        from jlong.hf import read_hf_config
-
         checkpoint = read_hf_config(values["hf_path"])
         _check_matches_checkpoint(values, checkpoint)
         base.update(checkpoint)

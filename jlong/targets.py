@@ -17,7 +17,6 @@ import dataclasses
 import difflib
 import functools
 import importlib.util
-import os
 
 from jlong.errors import JlongError
 from jlong.jax_startup import quiet_native_stderr, start_backends
