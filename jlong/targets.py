@@ -19,8 +19,8 @@ import functools
 import importlib.util
 
 from jlong.errors import JlongError
-from jlong.jax_startup import quiet_native_stderr, start_backends
 from jlong.gpu_memory import POOL_RESERVE_GIB
+from jlong.jax_startup import quiet_native_stderr, start_backends
 
 GIB = 1024**3
 GPU_PLAN_INSTALL = "pip install 'jlong[gpu-plan]' (the CUDA plugin matching jaxlib, and cuDNN)"
