@@ -24,8 +24,7 @@ import yaml
 from jlong.errors import JlongError
 from jlong.gpu_memory import DEFAULT_GPU_MEMORY_FRACTION
 from jlong.hf_config import read_hf_config
-
-DType = Literal["float32", "bfloat16", "float16"]
+from jlong.options import AttentionImpl, DType, RematName
 
 
 @dataclass(frozen=True)
@@ -83,14 +82,14 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    impl: Literal["auto", "cudnn", "blockwise", "reference"] = "auto"
+    impl: AttentionImpl = "auto"
     heads_per_stage: int | None = None  # U; None = mesh.sp, 0 = all heads
     block_size: int = 512  # query/key block of the blockwise kernel
 
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    remat: Literal["none", "full", "save_inputs", "offload_inputs", "save_attention"] = "none"
+    remat: RematName = "none"
     mlp_tile: int = 0  # tokens per tile of each device's sequence shard, 0 = untiled
     loss_tile: int = 0
 

@@ -13,6 +13,7 @@ from typing import Callable
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import SingleDeviceSharding
 from safetensors import safe_open
 from safetensors.flax import save_file
 
@@ -72,6 +73,22 @@ def _layer_tensor_map(config: ModelConfig) -> dict[str, tuple[str, Callable, Cal
     return {name: table[name] for name in layer_param_shapes(config)}
 
 
+def _param_sources(config: ModelConfig) -> dict[tuple[str, ...], tuple[list[str], Callable]]:
+    """Each jlong parameter (its path in the parameter dict) -> the HF tensors
+    it is built from (one per layer for stacked layer parameters) and the
+    HF -> jlong layout change of one tensor."""
+    sources = {
+        ("embed",): (["model.embed_tokens.weight"], lambda w: w),
+        ("final_norm",): (["model.norm.weight"], lambda w: w),
+    }
+    if not config.tie_word_embeddings:
+        sources[("lm_head",)] = (["lm_head.weight"], lambda w: w.T)
+    for name, (suffix, to_jlong, _) in _layer_tensor_map(config).items():
+        names = [f"model.layers.{i}.{suffix}" for i in range(config.num_hidden_layers)]
+        sources[("layers", name)] = (names, to_jlong)
+    return sources
+
+
 def _expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for name, (suffix, _, to_hf) in _layer_tensor_map(config).items():
@@ -111,30 +128,77 @@ def _safetensors_files(path: Path) -> dict[str, Path]:
     return files
 
 
-def read_hf_tensors(path: str | Path, config: ModelConfig) -> dict[str, np.ndarray]:
-    """The tensors the config needs, shape-checked, as numpy arrays."""
-    path = Path(path)
-    files = _safetensors_files(path)
-    expected = _expected_hf_shapes(config)
-    missing = [name for name in expected if name not in files]
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise JlongError(f"{path}: checkpoint lacks tensors {', '.join(missing[:3])}{more}")
-    tensors = {}
-    by_file: dict[Path, list[str]] = {}
-    for name in expected:
-        by_file.setdefault(files[name], []).append(name)
-    for file, names in by_file.items():
-        with safe_open(file, framework="flax") as f:
-            for name in names:
-                tensor = np.asarray(f.get_tensor(name))
-                if tensor.shape != expected[name]:
-                    raise JlongError(
-                        f"{file.name}: tensor {name} has shape {tensor.shape}, "
-                        f"but config.json implies {expected[name]}"
-                    )
-                tensors[name] = tensor
-    return tensors
+class _Checkpoint:
+    """A checkpoint's safetensors files, checked against the config's shapes
+    before anything is read, and read one tensor at a time."""
+
+    def __init__(self, path: Path, config: ModelConfig):
+        self.files = _safetensors_files(path)
+        expected = _expected_hf_shapes(config)
+        missing = [name for name in expected if name not in self.files]
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise JlongError(f"{path}: checkpoint lacks tensors {', '.join(missing[:3])}{more}")
+        for name, shape in expected.items():
+            with safe_open(self.files[name], framework="numpy") as f:
+                found = tuple(f.get_slice(name).get_shape())
+            if found != shape:
+                raise JlongError(
+                    f"{self.files[name].name}: tensor {name} has shape {found}, but config.json implies {shape}"
+                )
+
+    def tensor(self, name: str) -> np.ndarray:
+        with safe_open(self.files[name], framework="numpy") as f:
+            return f.get_tensor(name)
+
+
+def load_hf_params(path: str | Path, config: ModelConfig, abstract_params: dict) -> dict:
+    """A checkpoint's weights as jlong's parameter dict, each array built in
+    the sharding and dtype of its `abstract_params` entry (ShapeDtypeStructs
+    with shardings).
+
+    Nothing passes whole through one device, and the host holds one HF tensor
+    at a time beside the shards being filled: each tensor is read, laid out,
+    cut into the pieces the devices hold and dropped."""
+    checkpoint = _Checkpoint(Path(path), config)
+    params: dict = {}
+    for keys, (names, to_jlong) in _param_sources(config).items():
+        node = params
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        target = abstract_params
+        for key in keys:
+            target = target[key]
+        stacked = keys[0] == "layers"
+        node[keys[-1]] = _placed(target, [lambda n=n: to_jlong(checkpoint.tensor(n)) for n in names], stacked)
+    return params
+
+
+def _placed(target: jax.ShapeDtypeStruct, read: list[Callable[[], np.ndarray]], stacked: bool) -> jax.Array:
+    """An array shaped, typed and sharded like `target`, filled from `read`:
+    one reader for the whole array, or one per entry of its leading (layers)
+    axis when `stacked`. Devices that hold the same piece share one buffer."""
+    dtype = np.dtype(target.dtype)
+    pieces: dict[tuple, tuple[tuple[slice, ...], np.ndarray, list]] = {}  # bounds -> (index, buffer, devices)
+    for device, index in target.sharding.addressable_devices_indices_map(target.shape).items():
+        key = tuple(s.indices(n)[:2] for s, n in zip(index, target.shape))
+        if key not in pieces:
+            shape = tuple(stop - start for start, stop in key)
+            pieces[key] = (tuple(slice(start, stop) for start, stop in key), np.empty(shape, dtype), [])
+        pieces[key][2].append(device)
+    if stacked:
+        for layer, read_layer in enumerate(read):
+            tensor = read_layer()
+            for index, buffer, _ in pieces.values():
+                if index[0].start <= layer < index[0].stop:
+                    buffer[layer - index[0].start] = tensor[index[1:]]
+    else:
+        tensor = read[0]()
+        for index, buffer, _ in pieces.values():
+            buffer[...] = tensor[index]
+    del tensor
+    shards = [jax.device_put(buffer, device) for _, buffer, devices in pieces.values() for device in devices]
+    return jax.make_array_from_single_device_arrays(target.shape, target.sharding, shards)
 
 
 def from_hf(
@@ -143,25 +207,18 @@ def from_hf(
     param_dtype: str = "float32",
     options: ForwardOptions = ForwardOptions(),
 ) -> Transformer:
-    """A jlong Transformer holding a Hugging Face checkpoint's weights."""
+    """A jlong Transformer holding a Hugging Face checkpoint's weights, on the default device."""
     config = model_config_from_hf(path)
-    tensors = read_hf_tensors(path, config)
     model = nnx.eval_shape(
         lambda: Transformer(config, rngs=nnx.Rngs(0), param_dtype=param_dtype, options=options)
     )
-
-    def put(param: nnx.Param, array: np.ndarray):
-        param.set_value(jax.numpy.asarray(array, dtype=param_dtype))
-
-    L = config.num_hidden_layers
-    for name, (suffix, to_jlong, _) in _layer_tensor_map(config).items():
-        stacked = np.stack([to_jlong(tensors[f"model.layers.{i}.{suffix}"]) for i in range(L)])
-        put(getattr(model.layers, name), stacked)
-    put(model.embed, tensors["model.embed_tokens.weight"])
-    put(model.final_norm, tensors["model.norm.weight"])
-    if not config.tie_word_embeddings:
-        put(model.lm_head, tensors["lm_head.weight"].T)
-    return model
+    graphdef, state = nnx.split(model)
+    device = SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), nnx.to_pure_dict(state)
+    )
+    nnx.replace_by_pure_dict(state, load_hf_params(path, config, abstract))
+    return nnx.merge(graphdef, state)
 
 
 # --------------------------------------------------------------------------

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jlong.config import MeshConfig, ModelConfig
+from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy
 from jlong.model.transformer import (
     ATTENTION_PARAMS,
     MLP_PARAMS,
@@ -23,21 +22,17 @@ from jlong.model.transformer import (
     attention_block,
     layer_param_shapes,
     mlp_block,
-    output_logits,
 )
-from jlong.parallel.mesh import ACTIVATION_RULES, make_mesh
-from jlong.sharding import constrain, partition_spec, use_rules
-from jlong.train.loss import cross_entropy, tiled_cross_entropy
+from jlong.parallel.placement import HIDDEN, TOKENS, compute_sharding, computing_on, constrain, make_mesh, replicated
 
 
 class _Probe:
     def __init__(self, model: ModelConfig, seq_len: int, sp: int, dtype: str, devices=None):
         self.mesh = make_mesh(MeshConfig(sp=sp), (jax.devices() if devices is None else devices)[:sp])
         self.model, self.dtype = model, dtype
-        self.replicated = NamedSharding(self.mesh, P())
-        activation = partition_spec(("batch", "seq", "embed"), ACTIVATION_RULES)
-        self.x = jax.ShapeDtypeStruct((1, seq_len, model.hidden_size), dtype, sharding=NamedSharding(self.mesh, activation))
-        self.tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32, sharding=NamedSharding(self.mesh, P(None, "sp")))
+        self.replicated = replicated(self.mesh)
+        self.x = jax.ShapeDtypeStruct((1, seq_len, model.hidden_size), dtype, sharding=compute_sharding(self.mesh, HIDDEN))
+        self.tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32, sharding=compute_sharding(self.mesh, TOKENS))
 
     def layer_params(self, names):
         shapes = layer_param_shapes(self.model)
@@ -51,9 +46,9 @@ class _Probe:
         cotangent is shaped like x, or a scalar 1 for a scalar block."""
 
         def forward_backward(params, x, *extra):
-            with use_rules(self.mesh, ACTIVATION_RULES):
+            with computing_on(self.mesh):
                 out, pullback = jax.vjp(lambda p, x: block(p, x, *extra), params, x)
-                cotangent = jnp.ones_like(out) if out.ndim == 0 else constrain(jnp.ones_like(out), ("batch", "seq", "embed"))
+                cotangent = jnp.ones_like(out) if out.ndim == 0 else constrain(jnp.ones_like(out), HIDDEN)
                 return pullback(cotangent)
 
         compiled = jax.jit(forward_backward).lower(params, self.x, *extra).compile()

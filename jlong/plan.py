@@ -30,12 +30,10 @@ import jax
 import jax.numpy as jnp
 
 from jlong.config import Config
-from jlong.model.remat import offloads_layer_inputs
-from jlong.parallel.mesh import batch_sharding, make_mesh
+from jlong.model.remat import remat_policy
+from jlong.parallel.placement import make_mesh
 from jlong.targets import GIB, PlanTarget, node_shape
-from jlong.train.optimizer import make_optimizer
-from jlong.train.state import Model
-from jlong.train.step import make_train_step, opt_state_layout
+from jlong.train.program import TrainProgram
 
 # XLA:CPU computes 16-bit matmuls in float32 (converted operands, float32
 # result); a GPU does not. Without this pass the CPU keeps them 16-bit.
@@ -95,34 +93,26 @@ class MemoryPlan:
 
 @dataclasses.dataclass(frozen=True)
 class CompiledStep:
-    """The train step compiled for a plan, with the abstract inputs it took."""
+    """A training program's step, compiled for a plan."""
 
-    config: Config  # as compiled (bfloat16 swapped for float16 on CPU)
+    program: TrainProgram  # its config as compiled (bfloat16 swapped for float16 on CPU)
     compiled: jax.stages.Compiled
-    params: dict
-    opt_state: object
-    batch: dict
-    on_cpu: bool
     target: PlanTarget
     own_devices: list | None  # a running program's devices, when it compiled for them
 
+    @property
+    def on_cpu(self) -> bool:
+        return self.program.mesh.devices.flat[0].platform == "cpu"
+
 
 def compile_train_step(config: Config, target: PlanTarget = PlanTarget(), devices=None) -> CompiledStep:
-    """Lowers and compiles the train step of `config` for its mesh on `target`
-    (or on `devices`, a running program's own) with abstract inputs."""
+    """Compiles the training program of `config` for its mesh on `target` (or
+    on `devices`, a running program's own) with abstract inputs."""
     mesh = _planning_mesh(config, target, devices)
     on_cpu = mesh.devices.flat[0].platform == "cpu"
-    if on_cpu:
-        config = _without_bfloat16(config)
-    model = Model(config, mesh)
-    optimizer = make_optimizer(config.train)
-    opt_shardings, abstract_opt_state = opt_state_layout(optimizer, model)
-    abstract_params = model.abstract_params()
-    batch = abstract_batch(config, mesh)
-    step = make_train_step(model, optimizer, opt_shardings)
-    options = CPU_COMPILER_OPTIONS if on_cpu else None
-    compiled = step.lower(abstract_params, abstract_opt_state, batch).compile(compiler_options=options)
-    return CompiledStep(config, compiled, abstract_params, abstract_opt_state, batch, on_cpu, target, devices)
+    program = TrainProgram(_without_bfloat16(config) if on_cpu else config, mesh)
+    compiled = program.compile(CPU_COMPILER_OPTIONS if on_cpu else None)
+    return CompiledStep(program, compiled, target, devices)
 
 
 def plan(config: Config, target: PlanTarget = PlanTarget(), devices=None) -> MemoryPlan:
@@ -134,13 +124,14 @@ def plan(config: Config, target: PlanTarget = PlanTarget(), devices=None) -> Mem
 
 def plan_of(step: CompiledStep) -> MemoryPlan:
     """The memory plan of a step compiled by `compile_train_step`."""
-    config, target, devices = step.config, step.target, step.own_devices
+    program, target, devices = step.program, step.target, step.own_devices
+    config = program.config
     analysis = step.compiled.memory_analysis()
-    parameters = shard_bytes(step.params)
+    parameters = shard_bytes(program.abstract_params)
     gradients = parameters  # one gradient per parameter, placed like it
     layer_inputs = saved_layer_input_bytes(config)
     if step.on_cpu:  # see the module docstring
-        host_offload = layer_inputs if offloads_layer_inputs(config.memory.remat) else 0
+        host_offload = layer_inputs if remat_policy(config.memory.remat).offloads_layer_inputs else 0
         temporaries = analysis.temp_size_in_bytes - host_offload
     else:
         host_offload = analysis.host_temp_size_in_bytes + analysis.host_argument_size_in_bytes
@@ -156,8 +147,8 @@ def plan_of(step: CompiledStep) -> MemoryPlan:
         compiler=compiler,
         parameters=parameters,
         gradients=gradients,
-        optimizer_state=shard_bytes(step.opt_state),
-        inputs=shard_bytes(step.batch),
+        optimizer_state=shard_bytes(program.abstract_opt_state),
+        inputs=shard_bytes(program.abstract_batch),
         temporaries=max(temporaries - gradients, 0),
         saved_layer_inputs=layer_inputs,
         host_offload=host_offload,
@@ -170,9 +161,8 @@ def plan_of(step: CompiledStep) -> MemoryPlan:
 def state_bytes(config: Config, target: PlanTarget = PlanTarget(), devices=None) -> int:
     """Parameters + gradients + optimizer state per device: what any sequence
     length needs before its first activation. Nothing is compiled."""
-    model = Model(config, _planning_mesh(config, target, devices))
-    _, abstract_opt_state = opt_state_layout(make_optimizer(config.train), model)
-    return 2 * shard_bytes(model.abstract_params()) + shard_bytes(abstract_opt_state)
+    program = TrainProgram(config, _planning_mesh(config, target, devices))
+    return 2 * shard_bytes(program.abstract_params) + shard_bytes(program.abstract_opt_state)
 
 
 def _planning_mesh(config: Config, target: PlanTarget, devices):
@@ -195,16 +185,6 @@ def _without_bfloat16(config: Config) -> Config:
     )
 
 
-def abstract_batch(config: Config, mesh) -> dict[str, jax.ShapeDtypeStruct]:
-    """The shapes `jlong.data.sources.Batches` gives, without reading data."""
-    shape = (config.train.batch_size, config.train.seq_len)
-    keys = ["inputs", "targets"]
-    if config.data.eos_id is not None:
-        keys += ["segment_ids", "positions"]
-    sharding = batch_sharding(mesh)
-    return {key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for key in keys}
-
-
 def shard_bytes(tree) -> int:
     """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard)."""
     total = 0
@@ -217,7 +197,7 @@ def shard_bytes(tree) -> int:
 def saved_layer_input_bytes(config: Config) -> int:
     """One [B, S/sp, D] layer input per layer in the compute dtype, on each device,
     for the policies that keep exactly the layer inputs."""
-    if config.memory.remat not in ("save_inputs", "offload_inputs", "save_attention"):
+    if not remat_policy(config.memory.remat).keeps_layer_inputs:
         return 0
     mesh, train, model = config.mesh, config.train, config.model
     local_tokens = train.batch_size // (mesh.data * mesh.fsdp) * train.seq_len // mesh.sp

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jlong.attention import kernels
 from jlong.attention.kernels import attend, blockwise_attention, choose_kernel, reference_attention
 
 
@@ -78,12 +79,15 @@ def test_blockwise_memory_is_linear_in_sequence():
     assert large <= 4.5 * small, (small, large)
 
 
-def test_auto_on_cpu_uses_blockwise():
+def test_auto_on_cpu_runs_the_blockwise_kernel(monkeypatch):
+    ran = []
+    for name in ("blockwise_attention", "reference_attention"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name, **kw: ran.append(_name) or _real(*a, **kw))
     q, k, v = _inputs(40, 4, 2)
-    np.testing.assert_allclose(
-        jax.jit(lambda q, k, v: attend(q, k, v, impl="auto", block_size=16))(q, k, v),
-        reference_attention(q, k, v), rtol=1e-5, atol=1e-5
-    )
+    out = jax.jit(lambda q, k, v: attend(q, k, v, impl="auto", block_size=16))(q, k, v)
+    assert ran == ["blockwise_attention"]
+    np.testing.assert_allclose(out, reference_attention(q, k, v), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(

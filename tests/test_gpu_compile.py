@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from jlong.config import load_config
-from jlong.model.remat import REMAT_CHOICES
+from jlong.options import REMAT_NAMES
 from jlong.plan import compile_train_step, plan, plan_of, saved_layer_input_bytes
 from jlong.targets import (
     GPUS,
@@ -70,7 +70,7 @@ def test_whole_stack_compiles_for_h100s_with_cudnn_all_to_all_and_host_offload()
 
 
 @needs_gpu_compiler
-@pytest.mark.parametrize("remat", [r for r in REMAT_CHOICES if r != "offload_inputs"])  # that one: above
+@pytest.mark.parametrize("remat", [r for r in REMAT_NAMES if r != "offload_inputs"])  # that one: above
 def test_every_remat_policy_compiles_for_h100s(remat):
     config = whole_stack(f"memory.remat={remat}")
     result = plan(config, H100)

@@ -5,14 +5,15 @@ import jax
 import numpy as np
 import pytest
 
+from helpers import SMALL_MODEL, assert_same_result, loss_and_grads
+
 from jlong.config import ModelConfig, load_config
 from jlong.errors import JlongError
 from jlong.memory_probe import loss_temp_bytes, mlp_temp_bytes
-from jlong.model.remat import REMAT_CHOICES
-from jlong.parallel.mesh import make_mesh
-from jlong.plan import plan
-from jlong.train.state import Model
-from test_train_parallel import SMALL_MODEL, _at, loss_and_grads
+from jlong.options import REMAT_NAMES
+from jlong.parallel.placement import make_mesh
+from jlong.plan import plan, shard_bytes
+from jlong.train.program import TrainProgram
 
 SHARDED = ["mesh.fsdp=2", "mesh.sp=4"]  # each device holds 16 of the 64 tokens
 PLAIN = ["attention.heads_per_stage=0"]  # Ulysses with every head in one stage
@@ -29,17 +30,8 @@ def knobs_off():
     return sharded_result(*PLAIN)
 
 
-def assert_same_result(got, want):
-    (loss, grads), (want_loss, want_grads) = got, want
-    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-    for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
-        np.testing.assert_allclose(
-            leaf, _at(want_grads, path), rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path)
-        )
-
-
 KNOBS = {
-    **{f"remat={policy}": [f"memory.remat={policy}"] for policy in REMAT_CHOICES if policy != "none"},
+    **{f"remat={policy}": [f"memory.remat={policy}"] for policy in REMAT_NAMES if policy != "none"},
     "mlp_tile=4": ["memory.mlp_tile=4"],
     "loss_tile=4": ["memory.loss_tile=4"],
     "upipe U=C": ["attention.heads_per_stage=4"],
@@ -128,7 +120,7 @@ def test_offloaded_layer_inputs_are_host_bytes():
 def test_plan_splits_parameters_and_optimizer_state_over_fsdp():
     result = _planned("model.num_hidden_layers=2", "mesh.sp=1", "mesh.fsdp=8", "train.seq_len=512", "train.batch_size=8")
     config = load_config(None, [*SMALL_MODEL[:5], "model.num_key_value_heads=8"])
-    whole = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(Model(config, make_mesh(config.mesh, jax.devices()[:1])).abstract_params()))
+    whole = shard_bytes(TrainProgram(config, make_mesh(config.mesh, jax.devices()[:1])).abstract_params)
     assert whole / 8 <= result.parameters < whole / 4  # sharded, but for the small replicated norms
     assert result.optimizer_state >= 2 * result.parameters  # AdamW's two float32 moments
     parts = ("parameters", "gradients", "optimizer_state", "inputs", "temporaries")

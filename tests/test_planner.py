@@ -6,7 +6,7 @@ import math
 
 import jax
 import pytest
-from test_cli_errors import run_cli
+from helpers import assert_one_line_error, run_cli
 
 from jlong.config import load_config
 from jlong.errors import JlongError
@@ -110,11 +110,7 @@ def test_bad_plan_input_exits_2(args, message, tmp_path):
     config = tmp_path / "small.yaml"
     config.write_text("{}\n")
     command, *rest = args
-    result = run_cli(command, str(config), *SMALL_LONG, *rest)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], result.stderr
-    assert "Traceback" not in result.stderr
+    assert_one_line_error(run_cli(command, str(config), *SMALL_LONG, *rest), message)
 
 
 def test_plan_on_a_mesh_without_enough_devices_is_refused():

@@ -1,37 +1,14 @@
 """Sharded training equals the single-device computation; FSDP divides memory."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_same_result, loss_and_grads, small_config
 
-from jlong.config import load_config
 from jlong.data.sources import Batches
-from jlong.parallel.mesh import make_mesh
-from jlong.train.loop import place_batch
-from jlong.train.optimizer import make_optimizer
-from jlong.train.state import Model
-from jlong.train.step import make_loss_fn, make_train_step, opt_state_layout
-
-SMALL_MODEL = [
-    "model.vocab_size=128", "model.hidden_size=64", "model.intermediate_size=128",
-    "model.num_hidden_layers=2", "model.num_attention_heads=8", "model.num_key_value_heads=4",
-    "train.seq_len=64", "train.batch_size=8", "train.compute_dtype=float32", "attention.block_size=16",
-    "data.source=synthetic",
-]
-
-
-def small_config(*overrides):
-    return load_config(None, [*SMALL_MODEL, *overrides])
-
-
-def loss_and_grads(config, devices):
-    mesh = make_mesh(config.mesh, devices)
-    model = Model(config, mesh)
-    params = model.init_params(seed=0)
-    batch = place_batch(Batches(config).batch(1), mesh)
-    loss, grads = jax.jit(jax.value_and_grad(make_loss_fn(model)))(params, batch)
-    return float(loss), jax.tree.map(np.asarray, grads)
+from jlong.parallel.placement import make_mesh
+from jlong.plan import state_bytes
+from jlong.train.program import TrainProgram
 
 
 @pytest.fixture(scope="module")
@@ -43,17 +20,7 @@ def single_device_result():
 def test_sharded_step_equals_single_device(mesh, single_device_result):
     data, fsdp, sp = mesh
     config = small_config(f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.sp={sp}")
-    loss, grads = loss_and_grads(config, jax.devices())
-    want_loss, want_grads = single_device_result
-    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-    for path, got in jax.tree_util.tree_leaves_with_path(grads):
-        np.testing.assert_allclose(got, _at(want_grads, path), rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
-
-
-def _at(tree, path):
-    for key in path:
-        tree = tree[key.key]
-    return tree
+    assert_same_result(loss_and_grads(config, jax.devices()), single_device_result)
 
 
 def test_packed_documents_under_sequence_parallelism():
@@ -64,20 +31,23 @@ def test_packed_documents_under_sequence_parallelism():
     np.testing.assert_allclose(sharded, single, rtol=1e-5)
 
 
-def _state_bytes_per_device(fsdp):
-    """Compiled argument bytes of the train step (params + optimizer state + batch)."""
-    config = small_config("model.hidden_size=256", "model.intermediate_size=512", f"mesh.fsdp={fsdp}")
-    mesh = make_mesh(config.mesh, jax.devices()[:fsdp])
-    model = Model(config, mesh)
-    optimizer = make_optimizer(config.train)
-    opt_shardings, abstract_opt = opt_state_layout(optimizer, model)
-    step = make_train_step(model, optimizer, opt_shardings)
-    batch = {k: jax.ShapeDtypeStruct(v.shape, jnp.int32) for k, v in Batches(config).batch(1).items()}
-    compiled = step.lower(model.abstract_params(), abstract_opt, batch).compile()
-    return compiled.memory_analysis().argument_size_in_bytes
+@pytest.mark.parametrize("packed", [[], ["data.eos_id=7"]], ids=["plain", "packed"])
+def test_the_step_is_built_for_the_batches_the_data_gives(packed):
+    config = small_config(*packed, "mesh.fsdp=2", "mesh.sp=4")
+    program = TrainProgram(config, make_mesh(config.mesh))
+    batch = Batches(config).batch(1)
+    assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
+        k: (v.shape, v.dtype) for k, v in program.abstract_batch.items()
+    }
+    placed = program.place_batch(batch)
+    assert all(placed[k].sharding == program.abstract_batch[k].sharding for k in batch)
 
 
 def test_fsdp_divides_parameter_and_optimizer_bytes():
-    full = _state_bytes_per_device(1)
+    def per_device(fsdp):
+        config = small_config("model.hidden_size=256", "model.intermediate_size=512", f"mesh.fsdp={fsdp}")
+        return state_bytes(config, devices=jax.devices()[:fsdp])
+
+    full = per_device(1)
     for fsdp in (2, 4, 8):
-        assert _state_bytes_per_device(fsdp) == pytest.approx(full / fsdp, rel=0.05), fsdp
+        assert per_device(fsdp) == pytest.approx(full / fsdp, rel=0.05), fsdp

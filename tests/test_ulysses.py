@@ -6,16 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from helpers import leaf_at
 
 from jlong.attention.kernels import reference_attention
 from jlong.attention.ulysses import StagePlan
 from jlong.config import MeshConfig, ModelConfig
 from jlong.model.layers import apply_rope, rms_norm, rope_inverse_frequencies
 from jlong.model.transformer import ForwardOptions, attention_block
-from jlong.parallel.mesh import ACTIVATION_RULES, make_mesh
-from jlong.sharding import use_rules
+from jlong.parallel.placement import HIDDEN, TOKENS, compute_sharding, computing_on, make_mesh
 
 
 @pytest.mark.parametrize(
@@ -102,11 +100,10 @@ def _sharded(model, params, inputs, mesh_config, heads_per_stage, impl="blockwis
     x, cotangent, positions, segment_ids = inputs
     mesh = make_mesh(mesh_config, jax.devices())
     options = ForwardOptions(attention_impl=impl, block_size=16, heads_per_stage=heads_per_stage)
-    tokens = NamedSharding(mesh, P(("data", "fsdp"), "sp"))
-    hidden = NamedSharding(mesh, P(("data", "fsdp"), "sp", None))
+    tokens, hidden = compute_sharding(mesh, TOKENS), compute_sharding(mesh, HIDDEN)
 
     def block(p, x, pos, seg):
-        with use_rules(mesh, ACTIVATION_RULES):
+        with computing_on(mesh):
             return attention_block(p, x, pos, seg, model, options)
 
     placed = [jax.device_put(x, hidden), jax.device_put(positions, tokens),
@@ -121,15 +118,9 @@ def _assert_close(got, want):
     names = ["output", "d_params", "d_x"]
     for name, g, w in zip(names, got, want):
         for path, w_leaf in jax.tree_util.tree_leaves_with_path(w):
-            g_leaf = np.asarray(_at(g, path))
+            g_leaf = np.asarray(leaf_at(g, path))
             atol = 1e-5 * float(np.abs(w_leaf).max())
             np.testing.assert_allclose(g_leaf, w_leaf, rtol=1e-5, atol=atol, err_msg=name + jax.tree_util.keystr(path))
-
-
-def _at(tree, path):
-    for key in path:
-        tree = tree[key.key]
-    return tree
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed"])

@@ -24,8 +24,7 @@ from einops import rearrange
 from jax.ad_checkpoint import checkpoint_name
 
 from jlong.errors import JlongError
-
-IMPLEMENTATIONS = ("auto", "cudnn", "blockwise", "reference")
+from jlong.options import ATTENTION_IMPLS, AttentionImpl
 
 # Names of the blockwise kernel's saved output and log-sum-exp, for remat
 # policies that keep them (and so skip re-running the attention forward).
@@ -36,32 +35,32 @@ ATTENTION_LSE = "attention_lse"
 _MASKED = -1e30
 
 
-def attend(q, k, v, segment_ids=None, *, impl: str = "auto", block_size: int = 512):
+def attend(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS=None, *, impl: AttentionImpl = "auto", block_size: int = 512):
     """Causal attention of q [B,S,H,d] over k, v [B,S,K,d]; see the module doc."""
     if impl == "auto":
-        impl = "cudnn" if cudnn_applies(q, segment_ids) else "blockwise"
+        impl = "cudnn" if cudnn_applies(q_BSHd, segment_ids_BS) else "blockwise"
     if impl == "reference":
-        return reference_attention(q, k, v, segment_ids)
+        return reference_attention(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS)
     if impl == "blockwise":
-        return blockwise_attention(q, k, v, segment_ids, block_size=block_size)
+        return blockwise_attention(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS, block_size=block_size)
     if impl == "cudnn":
-        if segment_ids is not None:
+        if segment_ids_BS is not None:
             raise JlongError(
                 "attention.impl=cudnn cannot mask packed documents (segment ids); "
                 "use attention.impl=auto or blockwise"
             )
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-    raise JlongError(f"attention.impl must be one of {', '.join(IMPLEMENTATIONS)}, got {impl!r}")
+        return jax.nn.dot_product_attention(q_BSHd, k_BSKd, v_BSKd, is_causal=True, implementation="cudnn")
+    raise JlongError(f"attention.impl must be one of {', '.join(ATTENTION_IMPLS)}, got {impl!r}")
 
 
-def cudnn_applies(q, segment_ids) -> bool:
+def cudnn_applies(q_BSHd, segment_ids_BS) -> bool:
     """Whether the cuDNN fused kernel can run these inputs on this backend."""
-    kernel = choose_kernel("auto", platform=jax.default_backend(), dtype=q.dtype, seq_len=q.shape[1],
-                           head_dim=q.shape[-1], packed=segment_ids is not None)
+    kernel = choose_kernel("auto", platform=jax.default_backend(), dtype=q_BSHd.dtype, seq_len=q_BSHd.shape[1],
+                           head_dim=q_BSHd.shape[-1], packed=segment_ids_BS is not None)
     return kernel == "cudnn"
 
 
-def choose_kernel(impl: str, *, platform: str, dtype, seq_len: int, head_dim: int, packed: bool) -> str:
+def choose_kernel(impl: AttentionImpl, *, platform: str, dtype, seq_len: int, head_dim: int, packed: bool) -> str:
     """The kernel `impl` stands for on `platform` ("gpu" or "cpu"): `auto` is
     cuDNN where it applies (16-bit inputs, an even sequence length, head_dim
     <= 256 and a multiple of 8, no packed documents), blockwise elsewhere."""
@@ -78,9 +77,9 @@ def choose_kernel(impl: str, *, platform: str, dtype, seq_len: int, head_dim: in
     return "cudnn" if cudnn else "blockwise"
 
 
-def _group_queries(q, num_kv_heads: int):
+def _group_queries(q_BSHd, num_kv_heads: int):
     """[B, S, H, d] -> [B, S, K, G, d]: query heads grouped by their kv head."""
-    return rearrange(q, "b s (k g) d -> b s k g d", k=num_kv_heads)
+    return rearrange(q_BSHd, "b s (k g) d -> b s k g d", k=num_kv_heads)
 
 
 def _visible(q_index, k_index, q_segments, k_segments):
@@ -91,144 +90,146 @@ def _visible(q_index, k_index, q_segments, k_segments):
     return mask[:, None, None]
 
 
-def reference_attention(q, k, v, segment_ids=None):
+def reference_attention(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS=None):
     """Materialises the full score matrix; the ground truth for tests."""
-    B, S, H, d = q.shape
-    qg = _group_queries(q, k.shape[2])
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (d**-0.5)
+    S, d = q_BSHd.shape[1], q_BSHd.shape[3]
+    q_BSKGd = _group_queries(q_BSHd, k_BSKd.shape[2])
+    scores_BKGSS = jnp.einsum("bqkgd,bskd->bkgqs", q_BSKGd, k_BSKd, preferred_element_type=jnp.float32) * (d**-0.5)
     index = jnp.arange(S)
-    scores = jnp.where(_visible(index, index, segment_ids, segment_ids), scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
-    o = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return rearrange(o, "b q k g d -> b q (k g) d").astype(q.dtype)
+    scores_BKGSS = jnp.where(_visible(index, index, segment_ids_BS, segment_ids_BS), scores_BKGSS, _MASKED)
+    probs_BKGSS = jax.nn.softmax(scores_BKGSS, axis=-1)
+    o_BSKGd = jnp.einsum("bkgqs,bskd->bqkgd", probs_BKGSS.astype(v_BSKd.dtype), v_BSKd,
+                         preferred_element_type=jnp.float32)
+    return rearrange(o_BSKGd, "b q k g d -> b q (k g) d").astype(q_BSHd.dtype)
 
 
 # --------------------------------------------------------------------------
 # Blockwise (flash-style) attention
+#
+# Shape letters: n blocks of T tokens (S = n*T), G query heads per kv head.
 
 
-def blockwise_attention(q, k, v, segment_ids=None, *, block_size: int = 512):
+def blockwise_attention(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS=None, *, block_size: int = 512):
     """Flash-style attention; S need not be a multiple of the block size."""
-    S = q.shape[1]
+    S = q_BSHd.shape[1]
     block = min(block_size, S)
     padded = -(-S // block) * block
     if padded != S:
         # Padding goes at the end, so causality hides it from every real query;
         # the padded queries' outputs are dropped below.
         pad = [(0, 0), (0, padded - S)]
-        q, k, v = (jnp.pad(x, pad + [(0, 0), (0, 0)]) for x in (q, k, v))
-        if segment_ids is not None:
-            segment_ids = jnp.pad(segment_ids, pad, constant_values=-1)
-    o = _flash(q, k, v, segment_ids, block)
-    return o[:, :S]
+        q_BSHd, k_BSKd, v_BSKd = (jnp.pad(x, pad + [(0, 0), (0, 0)]) for x in (q_BSHd, k_BSKd, v_BSKd))
+        if segment_ids_BS is not None:
+            segment_ids_BS = jnp.pad(segment_ids_BS, pad, constant_values=-1)
+    o_BSHd = _flash(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS, block)
+    return o_BSHd[:, :S]
 
 
 def _blocks(x, block):
-    """[B, S, ...] -> [B, S/block, block, ...]."""
+    """[B, S, ...] -> [B, n, T, ...]."""
     return x.reshape(x.shape[0], x.shape[1] // block, block, *x.shape[2:])
 
 
-def _block_scores(q_blk, k_blk, i, j, seg, block, scale):
-    """Masked scores [B, K, G, bq, bk] of query block i against key block j."""
-    s = jnp.einsum("bqkgd,bskd->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
+def _block_scores(q_BTKGd, k_BTKd, i, j, seg_BnT, block, scale):
+    """Masked scores [B, K, G, T, T] of query block i against key block j, and the mask."""
+    s_BKGTT = jnp.einsum("bqkgd,bskd->bkgqs", q_BTKGd, k_BTKd, preferred_element_type=jnp.float32) * scale
     q_index = i * block + jnp.arange(block)
     k_index = j * block + jnp.arange(block)
     q_seg = k_seg = None
-    if seg is not None:
-        q_seg, k_seg = seg[:, i], seg[:, j]
+    if seg_BnT is not None:
+        q_seg, k_seg = seg_BnT[:, i], seg_BnT[:, j]
     mask = _visible(q_index, k_index, q_seg, k_seg)
-    return jnp.where(mask, s, _MASKED), mask
+    return jnp.where(mask, s_BKGTT, _MASKED), mask
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, segment_ids, block):
-    o, _ = _flash_forward(q, k, v, segment_ids, block)
-    return o
+def _flash(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS, block):
+    o_BSHd, _ = _flash_forward(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS, block)
+    return o_BSHd
 
 
-def _flash_forward(q, k, v, segment_ids, block):
-    B, S, H, d = q.shape
-    K = k.shape[2]
+def _flash_forward(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS, block):
+    B, S, H, d = q_BSHd.shape
+    K = k_BSKd.shape[2]
     scale = d**-0.5
-    qb = _blocks(_group_queries(q, K), block)  # [B, n, bq, K, G, d]
-    kb, vb = _blocks(k, block), _blocks(v, block)  # [B, n, bk, K, d]
-    seg = None if segment_ids is None else _blocks(segment_ids, block)
+    q_BnTKGd = _blocks(_group_queries(q_BSHd, K), block)
+    k_BnTKd, v_BnTKd = _blocks(k_BSKd, block), _blocks(v_BSKd, block)
+    seg_BnT = None if segment_ids_BS is None else _blocks(segment_ids_BS, block)
 
     def query_block(i):
-        q_blk = qb[:, i]
+        q_BTKGd = q_BnTKGd[:, i]
         # zeros_like(q...) rather than zeros: inside shard_map a loop carry must
         # vary over the mesh axes its inputs vary over.
-        stats = jnp.zeros_like(q_blk, jnp.float32, (B, K, H // K, block))  # running max / sum
-        acc = jnp.zeros_like(q_blk, jnp.float32, (B, K, H // K, block, d))
+        stats_BKGT = jnp.zeros_like(q_BTKGd, jnp.float32, (B, K, H // K, block))  # running max / sum
+        acc_BKGTd = jnp.zeros_like(q_BTKGd, jnp.float32, (B, K, H // K, block, d))
 
         def key_block(j, carry):
-            m, l, acc = carry
-            s, mask = _block_scores(q_blk, kb[:, j], i, j, seg, block, scale)
-            m_new = jnp.maximum(m, s.max(-1))
-            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-            correction = jnp.exp(m - m_new)
-            l = l * correction + p.sum(-1)
-            pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), vb[:, j],
-                            preferred_element_type=jnp.float32)
-            return m_new, l, acc * correction[..., None] + pv
+            m_BKGT, l_BKGT, acc_BKGTd = carry
+            s_BKGTT, mask = _block_scores(q_BTKGd, k_BnTKd[:, j], i, j, seg_BnT, block, scale)
+            m_new = jnp.maximum(m_BKGT, s_BKGTT.max(-1))
+            p_BKGTT = jnp.where(mask, jnp.exp(s_BKGTT - m_new[..., None]), 0.0)
+            correction = jnp.exp(m_BKGT - m_new)
+            l_BKGT = l_BKGT * correction + p_BKGTT.sum(-1)
+            pv_BKGTd = jnp.einsum("bkgqs,bskd->bkgqd", p_BKGTT.astype(v_BSKd.dtype), v_BnTKd[:, j],
+                                  preferred_element_type=jnp.float32)
+            return m_new, l_BKGT, acc_BKGTd * correction[..., None] + pv_BKGTd
 
-        m0 = stats + _MASKED
-        m, l, acc = jax.lax.fori_loop(0, i + 1, key_block, (m0, stats, acc))
-        o = acc / l[..., None]
-        return rearrange(o, "b k g q d -> b q (k g) d").astype(q.dtype), m + jnp.log(l)
+        m0 = stats_BKGT + _MASKED
+        m_BKGT, l_BKGT, acc_BKGTd = jax.lax.fori_loop(0, i + 1, key_block, (m0, stats_BKGT, acc_BKGTd))
+        o_BKGTd = acc_BKGTd / l_BKGT[..., None]
+        return rearrange(o_BKGTd, "b k g q d -> b q (k g) d").astype(q_BSHd.dtype), m_BKGT + jnp.log(l_BKGT)
 
-    o, lse = jax.lax.map(query_block, jnp.arange(S // block))
-    o = checkpoint_name(rearrange(o, "n b q h d -> b (n q) h d"), ATTENTION_OUT)
-    lse = checkpoint_name(lse, ATTENTION_LSE)
-    return o, (q, k, v, segment_ids, o, lse)  # lse: [n, B, K, G, bq]
+    o_nBTHd, lse_nBKGT = jax.lax.map(query_block, jnp.arange(S // block))
+    o_BSHd = checkpoint_name(rearrange(o_nBTHd, "n b q h d -> b (n q) h d"), ATTENTION_OUT)
+    lse_nBKGT = checkpoint_name(lse_nBKGT, ATTENTION_LSE)
+    return o_BSHd, (q_BSHd, k_BSKd, v_BSKd, segment_ids_BS, o_BSHd, lse_nBKGT)
 
 
-def _flash_backward(block, residuals, do):
-    q, k, v, segment_ids, o, lse = residuals
-    B, S, H, d = q.shape
-    K = k.shape[2]
+def _flash_backward(block, residuals, do_BSHd):
+    q_BSHd, k_BSKd, v_BSKd, segment_ids_BS, o_BSHd, lse_nBKGT = residuals
+    B, S, H, d = q_BSHd.shape
+    K = k_BSKd.shape[2]
     n = S // block
     scale = d**-0.5
-    qb = _blocks(_group_queries(q, K), block)
-    dob = _blocks(_group_queries(do, K), block)
-    kb, vb = _blocks(k, block), _blocks(v, block)
-    seg = None if segment_ids is None else _blocks(segment_ids, block)
+    q_BnTKGd = _blocks(_group_queries(q_BSHd, K), block)
+    do_BnTKGd = _blocks(_group_queries(do_BSHd, K), block)
+    k_BnTKd, v_BnTKd = _blocks(k_BSKd, block), _blocks(v_BSKd, block)
+    seg_BnT = None if segment_ids_BS is None else _blocks(segment_ids_BS, block)
     # delta_i = rowsum(dO_i * O_i): the softmax Jacobian's correction term.
-    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
-    delta = rearrange(delta, "b (n q) (k g) -> n b k g q", n=n, k=K)
+    delta_BSH = jnp.sum(do_BSHd.astype(jnp.float32) * o_BSHd.astype(jnp.float32), axis=-1)
+    delta_nBKGT = rearrange(delta_BSH, "b (n q) (k g) -> n b k g q", n=n, k=K)
 
     def probs_and_dscores(i, j):
-        s, mask = _block_scores(qb[:, i], kb[:, j], i, j, seg, block, scale)
-        p = jnp.where(mask, jnp.exp(s - lse[i][..., None]), 0.0)
-        dp = jnp.einsum("bqkgd,bskd->bkgqs", dob[:, i], vb[:, j], preferred_element_type=jnp.float32)
-        return p, p * (dp - delta[i][..., None])
+        s_BKGTT, mask = _block_scores(q_BnTKGd[:, i], k_BnTKd[:, j], i, j, seg_BnT, block, scale)
+        p_BKGTT = jnp.where(mask, jnp.exp(s_BKGTT - lse_nBKGT[i][..., None]), 0.0)
+        dp_BKGTT = jnp.einsum("bqkgd,bskd->bkgqs", do_BnTKGd[:, i], v_BnTKd[:, j], preferred_element_type=jnp.float32)
+        return p_BKGTT, p_BKGTT * (dp_BKGTT - delta_nBKGT[i][..., None])
 
     def dq_block(i):
-        def step(j, dq):
-            _, ds = probs_and_dscores(i, j)
-            return dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, kb[:, j].astype(jnp.float32))
+        def step(j, dq_BTKGd):
+            _, ds_BKGTT = probs_and_dscores(i, j)
+            return dq_BTKGd + jnp.einsum("bkgqs,bskd->bqkgd", ds_BKGTT, k_BnTKd[:, j].astype(jnp.float32))
 
-        dq = jax.lax.fori_loop(0, i + 1, step, jnp.zeros_like(qb[:, 0], jnp.float32))
-        return dq * scale
+        dq_BTKGd = jax.lax.fori_loop(0, i + 1, step, jnp.zeros_like(q_BnTKGd[:, 0], jnp.float32))
+        return dq_BTKGd * scale
 
     def dkv_block(j):
         def step(i, carry):
-            dk, dv = carry
-            p, ds = probs_and_dscores(i, j)
-            dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p, dob[:, i].astype(jnp.float32))
-            dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, qb[:, i].astype(jnp.float32))
-            return dk, dv
+            dk_BTKd, dv_BTKd = carry
+            p_BKGTT, ds_BKGTT = probs_and_dscores(i, j)
+            dv_BTKd = dv_BTKd + jnp.einsum("bkgqs,bqkgd->bskd", p_BKGTT, do_BnTKGd[:, i].astype(jnp.float32))
+            dk_BTKd = dk_BTKd + jnp.einsum("bkgqs,bqkgd->bskd", ds_BKGTT, q_BnTKGd[:, i].astype(jnp.float32))
+            return dk_BTKd, dv_BTKd
 
-        zeros = jnp.zeros_like(kb[:, 0], jnp.float32)
-        dk, dv = jax.lax.fori_loop(j, n, step, (zeros, zeros))
-        return dk * scale, dv
+        zeros_BTKd = jnp.zeros_like(k_BnTKd[:, 0], jnp.float32)
+        dk_BTKd, dv_BTKd = jax.lax.fori_loop(j, n, step, (zeros_BTKd, zeros_BTKd))
+        return dk_BTKd * scale, dv_BTKd
 
-    dq = rearrange(jax.lax.map(dq_block, jnp.arange(n)), "n b q k g d -> b (n q) (k g) d")
-    dk, dv = jax.lax.map(dkv_block, jnp.arange(n))
-    dk = rearrange(dk, "n b s k d -> b (n s) k d")
-    dv = rearrange(dv, "n b s k d -> b (n s) k d")
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    dq_BSHd = rearrange(jax.lax.map(dq_block, jnp.arange(n)), "n b q k g d -> b (n q) (k g) d")
+    dk_nBTKd, dv_nBTKd = jax.lax.map(dkv_block, jnp.arange(n))
+    dk_BSKd = rearrange(dk_nBTKd, "n b s k d -> b (n s) k d")
+    dv_BSKd = rearrange(dv_nBTKd, "n b s k d -> b (n s) k d")
+    return dq_BSHd.astype(q_BSHd.dtype), dk_BSKd.astype(k_BSKd.dtype), dv_BSKd.astype(v_BSKd.dtype), None
 
 
 _flash.defvjp(_flash_forward, _flash_backward)

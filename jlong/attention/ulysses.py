@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jlong.attention.kernels import ATTENTION_LSE, ATTENTION_OUT, attend
-from jlong.sharding import sequence_shards
+from jlong.parallel.placement import HIDDEN, REPLICATED, TOKENS, sequence_shards
 
 
 def _is_cudnn_attention_forward(primitive, *_, **__) -> bool:
@@ -112,10 +112,10 @@ class HeadProjections:
     """The model's side of attention, for a range of heads on a sequence shard.
     Each takes the attention weights first:
 
-    - qkv(params, x, positions, q_heads, kv_heads) -> (q, k, v), each
-      [B, S, count, d] with RoPE applied, for head ranges (first, count); a
-      range may be None and its outputs are then None
-    - output(params, o, first, count) -> o [B, S, count, d] @ Wo[heads], float32 [B, S, D]
+    - qkv(params, x_BSD, positions_BS, q_heads, kv_heads) -> (q, k, v), each
+      [B, S, count, d] with RoPE applied, for head ranges (first, count)
+    - output(params, o_BSUd, first, count) -> o @ Wo[heads] [B, S, D], in the
+      compute dtype
     """
 
     qkv: Callable
@@ -125,9 +125,9 @@ class HeadProjections:
 def staged_attention(params, x_BSD, positions_BS, segment_ids_BS, *, projections, heads, impl, block_size):
     """Self-attention of x [B, S, D] (output projection included), in UPipe stages.
 
-    `heads` is (H, K, U). Under `use_rules` whose `seq` axis maps to a mesh
-    axis, this runs as a shard_map over the mesh with Ulysses exchanges over
-    that axis; otherwise the same stages run on the whole array.
+    `heads` is (H, K, U). Under `computing_on(mesh)` this runs per device
+    (shard_map) with Ulysses exchanges over the sequence's mesh axis;
+    otherwise the same stages run on the whole array.
     """
     H, K, U = heads
     shards = sequence_shards()
@@ -139,14 +139,17 @@ def staged_attention(params, x_BSD, positions_BS, segment_ids_BS, *, projections
         impl=impl,
         block_size=block_size,
     )
-    run = shards.map(run, ("replicated", "hidden", "tokens", "tokens"), "hidden")
+    run = shards.map(run, (REPLICATED, HIDDEN, TOKENS, TOKENS), HIDDEN)
     return run(params, x_BSD, positions_BS, segment_ids_BS)
 
 
-def _run_stages(params, x, positions, segment_ids, *, plan, sp_axis, projections, impl, block_size):
-    """The per-device program: x [B, S/C, D] -> attention output [B, S/C, D]."""
-    if sp_axis is not None and segment_ids is not None:
-        segment_ids = jax.lax.all_gather(segment_ids, sp_axis, axis=1, tiled=True)
+def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, projections, impl, block_size):
+    """The per-device program: x [B, S/C, D] -> attention output [B, S/C, D].
+    Shape letters: s = S/C (this device's shard), U heads per stage, u = U/C
+    heads per device, r kv slots per device, w the kv heads a stage projects."""
+    segment_ids_BS = segment_ids_Bs
+    if sp_axis is not None and segment_ids_Bs is not None:
+        segment_ids_BS = jax.lax.all_gather(segment_ids_Bs, sp_axis, axis=1, tiled=True)
     to_heads = functools.partial(_exchange, axis=sp_axis, split=2, concat=1)
     to_sequence = functools.partial(_exchange, axis=sp_axis, split=1, concat=2)
     U = plan.heads_per_stage
@@ -156,19 +159,19 @@ def _run_stages(params, x, positions, segment_ids, *, plan, sp_axis, projections
     # The accumulator y goes in and out of the checkpointed stage so the stage
     # output is added in place; the backward pass needs no copy of it.
     @functools.partial(jax.checkpoint, policy=KEEP_ATTENTION_OUTPUT)
-    def add_stage(y, stage):
-        q, k, v = projections.qkv(params, x, positions, (stage * U, U), (first_kv[stage], width))
-        k, v = (to_heads(jnp.take(t, slots[stage], axis=2)) for t in (k, v))  # [B, S, r, d]
-        o = attend(to_heads(q), k, v, segment_ids, impl=impl, block_size=block_size)  # [B, S, U/C, d]
-        return y + projections.output(params, to_sequence(o), stage * U, U), None
+    def add_stage(y_BsD, stage):
+        q_BsUd, k_Bswd, v_Bswd = projections.qkv(params, x_BsD, positions_Bs, (stage * U, U), (first_kv[stage], width))
+        k_BSrd, v_BSrd = (to_heads(jnp.take(t, slots[stage], axis=2)) for t in (k_Bswd, v_Bswd))
+        o_BSud = attend(to_heads(q_BsUd), k_BSrd, v_BSrd, segment_ids_BS, impl=impl, block_size=block_size)
+        return y_BsD + projections.output(params, to_sequence(o_BSud), stage * U, U), None
 
     # zeros_like(x): inside shard_map a scan carry must vary over x's mesh axes.
     # The sum is kept in the compute dtype: a float32 one would be the largest
     # buffer of the layer at long context ([B, S/C, D], 4 bytes a value), for
     # the rounding of a handful of stage additions.
-    y = jnp.zeros_like(x)
-    y, _ = jax.lax.scan(add_stage, y, jnp.arange(plan.num_stages))
-    return y
+    y_BsD = jnp.zeros_like(x_BsD)
+    y_BsD, _ = jax.lax.scan(add_stage, y_BsD, jnp.arange(plan.num_stages))
+    return y_BsD
 
 
 def _exchange(x, *, axis, split, concat):

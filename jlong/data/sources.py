@@ -96,6 +96,16 @@ class SyntheticTokens:
         return out
 
 
+def batch_layout(config: Config) -> dict[str, tuple[tuple[int, int], np.dtype]]:
+    """(shape, dtype) of each array of a step's batch: what `Batches.batch`
+    gives and what the compiled step is built for."""
+    keys = ["inputs", "targets"]
+    if config.data.eos_id is not None:
+        keys += ["segment_ids", "positions"]
+    shape = (config.train.batch_size, config.train.seq_len)
+    return {key: (shape, np.dtype(np.int32)) for key in keys}
+
+
 class Batches:
     """The global batch of each step, with document structure when packed."""
 
@@ -103,13 +113,14 @@ class Batches:
         source = {"tokens": TokenFile, "synthetic": SyntheticTokens}[config.data.source]
         self.source = source(config)
         self.eos_id = config.data.eos_id
+        self.layout = batch_layout(config)
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         sequences = self.source.sequences(step)
-        batch = {"inputs": sequences[:, :-1], "targets": sequences[:, 1:]}
+        arrays = {"inputs": sequences[:, :-1], "targets": sequences[:, 1:]}
         if self.eos_id is not None:
-            batch.update(document_structure(batch["inputs"], self.eos_id))
-        return batch
+            arrays.update(document_structure(arrays["inputs"], self.eos_id))
+        return {key: arrays[key] for key in self.layout}
 
 
 def document_structure(inputs_BS: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:

@@ -19,43 +19,67 @@ and composes with the checkpointed UPipe stages inside attention:
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from jlong.attention.ulysses import KEEP_ATTENTION_OUTPUT
+from jlong.options import REMAT_NAMES, RematName
 
 LAYER_INPUT = "layer_input"
 
 _policies = jax.checkpoint_policies
-POLICIES = {
-    "full": _policies.nothing_saveable,
-    "save_inputs": _policies.save_only_these_names(LAYER_INPUT),
-    "offload_inputs": _policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[],
-        names_which_can_be_offloaded=[LAYER_INPUT],
-        offload_src="device",
-        offload_dst="pinned_host",
-    ),
-    "save_attention": _policies.save_from_both_policies(
-        _policies.save_only_these_names(LAYER_INPUT), KEEP_ATTENTION_OUTPUT
-    ),
+
+
+@dataclasses.dataclass(frozen=True)
+class RematPolicy:
+    name: RematName
+    jax_policy: Callable | None  # None: the layer is not checkpointed at all
+    keeps_layer_inputs: bool = False  # one [B, S/C, D] input per layer lives until the backward pass
+    offloads_layer_inputs: bool = False  # ... in host memory rather than on the device
+
+    def wrap(self, layer_fn):
+        """`layer_fn` under this policy."""
+        if self.jax_policy is None:
+            return layer_fn
+        # prevent_cse=False: inside a scan, CSE cannot merge the recomputation
+        # with the forward pass, and the barriers it would add cost speed.
+        return jax.checkpoint(layer_fn, policy=self.jax_policy, prevent_cse=False)
+
+
+REMAT_POLICIES: dict[str, RematPolicy] = {
+    policy.name: policy
+    for policy in (
+        RematPolicy("none", None),
+        RematPolicy("full", _policies.nothing_saveable),
+        RematPolicy("save_inputs", _policies.save_only_these_names(LAYER_INPUT), keeps_layer_inputs=True),
+        RematPolicy(
+            "offload_inputs",
+            _policies.save_and_offload_only_these_names(
+                names_which_can_be_saved=[],
+                names_which_can_be_offloaded=[LAYER_INPUT],
+                offload_src="device",
+                offload_dst="pinned_host",
+            ),
+            keeps_layer_inputs=True,
+            offloads_layer_inputs=True,
+        ),
+        RematPolicy(
+            "save_attention",
+            _policies.save_from_both_policies(_policies.save_only_these_names(LAYER_INPUT), KEEP_ATTENTION_OUTPUT),
+            keeps_layer_inputs=True,
+        ),
+    )
 }
-REMAT_CHOICES = ("none", *POLICIES)
+assert tuple(REMAT_POLICIES) == REMAT_NAMES, "every memory.remat choice has exactly one policy"
+
+
+def remat_policy(name: RematName) -> RematPolicy:
+    return REMAT_POLICIES[name]
 
 
 def name_layer_input(x):
     """Marks a layer's input as the value the input-saving policies keep."""
     return checkpoint_name(x, LAYER_INPUT)
-
-
-def checkpoint_layer(layer_fn, remat: str):
-    """`layer_fn` under the `memory.remat` policy (itself for `none`)."""
-    if remat == "none":
-        return layer_fn
-    # prevent_cse=False: inside a scan, CSE cannot merge the recomputation
-    # with the forward pass, and the barriers it would add cost speed.
-    return jax.checkpoint(layer_fn, policy=POLICIES[remat], prevent_cse=False)
-
-
-def offloads_layer_inputs(remat: str) -> bool:
-    return remat == "offload_inputs"

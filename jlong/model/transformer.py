@@ -3,7 +3,7 @@
 Layer parameters are stacked along a leading `layers` axis and the layers run
 as one `lax.scan`, so XLA compiles a single layer whatever the depth. Every
 parameter carries the logical axis names of its dimensions (`axes` metadata);
-`jlong.sharding` maps those names to mesh axes.
+`jlong.parallel.placement` maps those names to mesh axes.
 
 Weights keep the head axis explicit (q projection [D, H, d], output
 projection [H, d, D]) so attention can take any subset of heads.
@@ -19,12 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jlong.attention.kernels import choose_kernel
 from jlong.attention.ulysses import HeadProjections, staged_attention
-from jlong.config import ModelConfig
+from jlong.config import Config, ModelConfig
 from jlong.model.layers import apply_rope, rms_norm, rope_inverse_frequencies, swiglu
-from jlong.model.remat import checkpoint_layer, name_layer_input
+from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy
+from jlong.model.remat import name_layer_input, remat_policy
 from jlong.model.tiling import map_tiles
-from jlong.sharding import constrain, sequence_shards
+from jlong.options import AttentionImpl, DType, RematName
+from jlong.parallel.placement import HIDDEN, REPLICATED, constrain, sequence_shards
 
 INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
 
@@ -33,12 +36,32 @@ INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
 class ForwardOptions:
     """How the forward pass computes; none of it changes the parameters."""
 
-    compute_dtype: str = "float32"
-    attention_impl: str = "auto"
+    compute_dtype: DType = "float32"
+    attention_impl: AttentionImpl = "auto"
     block_size: int = 512
-    heads_per_stage: int = 0  # UPipe's U; 0 = all heads in one stage
-    remat: str = "none"  # a `jlong.model.remat` policy for each layer
+    heads_per_stage: int | None = None  # UPipe's U; None = all heads in one stage
+    remat: RematName = "none"  # the `jlong.model.remat` policy of each layer
     mlp_tile: int = 0  # tokens per sequence tile of the MLP on each device; 0 = untiled
+    loss_tile: int = 0  # the same for the output projection and the loss
+
+    @classmethod
+    def for_training(cls, config: Config, platform: str) -> ForwardOptions:
+        """The forward pass a run's config asks for on `platform` (its mesh's,
+        "gpu" or "cpu"), where `attention.impl=auto` becomes the kernel that
+        platform runs."""
+        return cls(
+            compute_dtype=config.train.compute_dtype,
+            attention_impl=choose_kernel(
+                config.attention.impl, platform=platform, dtype=config.train.compute_dtype,
+                seq_len=config.train.seq_len, head_dim=config.model.dim_per_head,
+                packed=config.data.eos_id is not None,
+            ),
+            block_size=config.attention.block_size,
+            heads_per_stage=config.heads_per_stage,
+            remat=config.memory.remat,
+            mlp_tile=config.memory.mlp_tile,
+            loss_tile=config.memory.loss_tile,
+        )
 
 
 def layer_param_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -124,7 +147,7 @@ class Transformer(nnx.Module):
         if positions_BS is None:
             positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
         embed_VD = constrain(self.embed.get_value().astype(dtype), ("vocab", "embed"))
-        x_BSD = constrain(jnp.take(embed_VD, tokens_BS, axis=0), ("batch", "seq", "embed"))
+        x_BSD = constrain(jnp.take(embed_VD, tokens_BS, axis=0), HIDDEN)
 
         layer_axes = {name: axes for name, (_, axes) in layer_param_shapes(config).items()}
 
@@ -135,7 +158,7 @@ class Transformer(nnx.Module):
             x_BSD = decoder_layer(params, x_BSD, positions_BS, segment_ids_BS, config, options)
             return x_BSD, None
 
-        layer = checkpoint_layer(one_layer, options.remat)
+        layer = remat_policy(options.remat).wrap(one_layer)
         x_BSD, _ = jax.lax.scan(layer, x_BSD, self.layers.arrays())
         return sequence_norm(x_BSD, self.final_norm.get_value(), config, options)
 
@@ -152,9 +175,15 @@ class Transformer(nnx.Module):
     def logits(self, hidden_BSD):
         return output_logits(hidden_BSD, self.output_weights(hidden_BSD.dtype))
 
-
-def output_logits(hidden_BSD, w_DV):
-    return jnp.einsum("bsd,dv->bsv", hidden_BSD, w_DV, preferred_element_type=jnp.float32)
+    def loss(self, batch: dict):
+        """Mean next-token cross-entropy of a batch (`inputs`, `targets`, and
+        optionally `loss_mask`, `segment_ids`, `positions`, each [B, S]); with
+        `loss_tile`, without the whole logits."""
+        hidden_BSD = self.hidden_states(batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
+        targets_BS, mask_BS = batch["targets"], batch.get("loss_mask")
+        if tile := self.options.loss_tile:
+            return tiled_cross_entropy(hidden_BSD, self.output_weights(hidden_BSD.dtype), targets_BS, mask_BS, tile=tile)
+        return cross_entropy(self.logits(hidden_BSD), targets_BS, mask_BS)
 
 
 def decoder_layer(p, x_BSD, positions_BS, segment_ids_BS, config, options):
@@ -162,8 +191,8 @@ def decoder_layer(p, x_BSD, positions_BS, segment_ids_BS, config, options):
     x_BSD = name_layer_input(x_BSD)
     h_BSD = sequence_norm(x_BSD, p["attn_norm"], config, options)
     x_BSD = x_BSD + attention_block(p, h_BSD, positions_BS, segment_ids_BS, config, options)
-    x_BSD = constrain(x_BSD, ("batch", "seq", "embed"))
-    return constrain(mlp_block(p, x_BSD, config, options), ("batch", "seq", "embed"))
+    x_BSD = constrain(x_BSD, HIDDEN)
+    return constrain(mlp_block(p, x_BSD, config, options), HIDDEN)
 
 
 MLP_PARAMS = ("mlp_norm", "w_gate", "w_up", "w_down")
@@ -193,7 +222,7 @@ def _per_sequence_tile(fn, params, x_BSD, tile: int):
     if not tile:
         return fn(params, x_BSD)
     per_device = functools.partial(map_tiles, fn, tile=tile)
-    return sequence_shards().map(per_device, ("replicated", "hidden"), "hidden")(params, x_BSD)
+    return sequence_shards().map(per_device, (REPLICATED, HIDDEN), HIDDEN)(params, x_BSD)
 
 
 def _residual_mlp(p, x_BSD, *, eps):
@@ -204,28 +233,18 @@ def _residual_mlp(p, x_BSD, *, eps):
 def project_qkv(p, h_BSD, positions_BS, q_heads, kv_heads, *, config):
     """q for the query heads `q_heads` = (first, count) and k, v for the kv
     heads `kv_heads`, each [B, S, count, d], with bias, q/k norm and RoPE.
-
-    One matmul computes all requested heads. Either range may be None; its
-    outputs are then None.
-    """
-    weights, biases, names = [], [], []
-    for name, heads in (("q", q_heads), ("k", kv_heads), ("v", kv_heads)):
-        if heads is not None:
-            names.append(name)
-            weights.append(_heads(p[f"w{name}"], *heads, axis=1))
-            if config.attention_bias:
-                biases.append(_heads(p[f"b{name}"], *heads, axis=0))
-    qkv = _project(h_BSD, jnp.concatenate(weights, axis=1))
+    One matmul computes all of them."""
+    ranges = {"q": q_heads, "k": kv_heads, "v": kv_heads}
+    weights = [_heads(p[f"w{name}"], *heads, axis=1) for name, heads in ranges.items()]
+    qkv_BSNd = _project(h_BSD, jnp.concatenate(weights, axis=1))
     if config.attention_bias:
-        qkv = qkv + jnp.concatenate(biases, axis=0)
-    out = dict(zip(names, jnp.split(qkv, np.cumsum([w.shape[1] for w in weights])[:-1], axis=2)))
+        qkv_BSNd = qkv_BSNd + jnp.concatenate([_heads(p[f"b{name}"], *heads, axis=0) for name, heads in ranges.items()])
+    q, k, v = jnp.split(qkv_BSNd, np.cumsum([w.shape[1] for w in weights])[:-1], axis=2)
     inv_freq = rope_inverse_frequencies(config)
-    for name in ("q", "k"):
-        if name in out:
-            if config.qk_norm:
-                out[name] = rms_norm(out[name], p[f"{name}_norm"], config.rms_norm_eps)
-            out[name] = apply_rope(out[name], positions_BS, inv_freq)
-    return out.get("q"), out.get("k"), out.get("v")
+    if config.qk_norm:
+        q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
+    return apply_rope(q, positions_BS, inv_freq), apply_rope(k, positions_BS, inv_freq), v
 
 
 def _project(x_BSD, w_DNd):

@@ -1,8 +1,11 @@
-"""The training loop: data, compiled step, metrics, checkpoints, resume."""
+"""The training loop, in three phases: `start` (restore or initialise, then
+compile), the steps (update, non-finite check, checkpoint), and a `Recorder`
+that owns the metrics, the run directory and the progress bar."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 
@@ -14,23 +17,12 @@ from jlong.checkpoint import Checkpoints
 from jlong.config import Config
 from jlong.data.sources import Batches
 from jlong.errors import JlongError
-from jlong.parallel.mesh import batch_sharding, make_mesh
+from jlong.oom import is_out_of_memory, out_of_memory_error
+from jlong.parallel.placement import make_mesh
 from jlong.train.flops import model_flops_per_token, peak_flops_per_device
-from jlong.train.oom import is_out_of_memory, out_of_memory_error
-from jlong.train.optimizer import learning_rate, make_optimizer
+from jlong.train.optimizer import learning_rate
+from jlong.train.program import TrainProgram
 from jlong.train.run_dir import RunDir
-from jlong.train.state import Model
-from jlong.train.step import make_train_step, opt_state_layout
-
-
-def place_batch(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
-    """The global numpy batch -> arrays sharded over the mesh (each process
-    builds only the shards its devices hold)."""
-    sharding = batch_sharding(mesh)
-    return {
-        key: jax.make_array_from_callback(value.shape, sharding, lambda index, v=value: v[index])
-        for key, value in batch.items()
-    }
 
 
 @contextlib.contextmanager
@@ -50,81 +42,125 @@ def local_value(x: jax.Array) -> float:
     return float(np.asarray(x.addressable_data(0)))
 
 
+@dataclasses.dataclass
+class Started:
+    """A run ready for its next step."""
+
+    program: TrainProgram
+    compiled: jax.stages.Compiled | None  # None when no step is left to run
+    params: dict
+    opt_state: object
+    step: int  # the last step done (0 for a fresh run)
+
+
+def start(config: Config, mesh, checkpoints: Checkpoints | None, last: int) -> Started:
+    """Restores the newest checkpoint (or initialises, from hf_path when set)
+    and compiles the step, when steps up to `last` remain."""
+    program = TrainProgram(config, mesh)
+    step = (checkpoints.latest_step() or 0) if checkpoints else 0
+    if step:
+        params, opt_state = checkpoints.restore(step, program.abstract_params, program.abstract_opt_state)
+    else:
+        hf_path = config.model.hf_path
+        params = program.load_hf_params(hf_path) if hf_path else program.init_params(config.train.seed)
+        opt_state = program.init_opt_state(params)
+    compiled = None
+    if step < last:
+        with explained_out_of_memory(config, mesh, "compiling the train step"):
+            compiled = program.compile()
+    return Started(program, compiled, params, opt_state, step)
+
+
 def train(config: Config, *, until_step: int | None = None) -> list[dict]:
     """Trains to train.steps (or `until_step`), resuming from the newest
     checkpoint in checkpoint.dir; returns this run's metric records."""
     last = min(config.train.steps, until_step or config.train.steps)
-    is_main = jax.process_index() == 0
+    batches = Batches(config)  # the data and the run directory are checked before anything is built
+    run_dir = RunDir(config) if config.run_dir and jax.process_index() == 0 else None
     mesh = make_mesh(config.mesh)
-    batches = Batches(config)  # validates the data before anything compiles
-    run_dir = RunDir(config) if config.run_dir and is_main else None
-
-    model = Model(config, mesh)
-    optimizer = make_optimizer(config.train)
-    opt_shardings, abstract_opt_state = opt_state_layout(optimizer, model)
     checkpoints = Checkpoints(config.checkpoint.dir, config.checkpoint.keep) if config.checkpoint.dir else None
-    start = (checkpoints.latest_step() or 0) if checkpoints else 0
-    if start:
-        params, opt_state = checkpoints.restore(start, model.abstract_params(), abstract_opt_state)
-    else:
-        hf_path = config.model.hf_path
-        params = model.load_hf_params(hf_path) if hf_path else model.init_params(config.train.seed)
-        opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
-    if run_dir:
-        run_dir.start(resumed_at=start)
-
-    tokens_per_step = config.train.batch_size * config.train.seq_len
-    flops_per_token = model_flops_per_token(config.model, config.train.seq_len)
-    peak_flops = (peak_flops_per_device() or 0.0) * jax.device_count()
-    train_step = make_train_step(model, optimizer, opt_shardings)
-    records = []
-    progress = tqdm(total=last, initial=start, disable=not is_main, desc="train", unit="step")
-    compiled = None
-    profiler = ProfileWindow(config)
     try:
-        for step in range(start + 1, last + 1):
-            batch = place_batch(batches.batch(step), mesh)
-            with explained_out_of_memory(config, mesh, "compiling the train step"):
-                if compiled is None:
-                    compiled = train_step.lower(params, opt_state, batch).compile()
-            profiler.at_step(step)
-            began = time.perf_counter()
-            with explained_out_of_memory(config, mesh, f"at step {step}"):
-                params, opt_state, metrics = compiled(params, opt_state, batch)
-                loss, grad_norm = local_value(metrics["loss"]), local_value(metrics["grad_norm"])
-            seconds = time.perf_counter() - began
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                good = checkpoints.latest_step() if checkpoints else None
-                kept = f"; the last good checkpoint is step {good}" if good else ""
-                raise JlongError(
-                    f"step {step}: loss {loss} / grad_norm {grad_norm} is not finite, training stopped "
-                    f"(lower train.lr or raise train.warmup_steps){kept}"
-                )
-            record = {
-                "step": step,
-                "loss": loss,
-                "grad_norm": grad_norm,
-                "lr": float(learning_rate(config.train, step)),
-                "tokens_per_s": tokens_per_step / seconds,
-                "step_time_s": seconds,
-            }
-            record.update(device_memory(), **mfu(record["tokens_per_s"], flops_per_token, peak_flops))
-            records.append(record)
-            if run_dir:
-                run_dir.log(record)
-            progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-            progress.update(1)
-            every = config.checkpoint.every
-            if checkpoints and ((every and step % every == 0) or step == last):
-                # The data position and RNG are functions of the step and seed; kept for readers.
-                extra = {"samples_seen": step * config.train.batch_size, "seed": config.train.seed}
-                checkpoints.save(step, params, opt_state, model=config.model, extra=extra)
+        run = start(config, mesh, checkpoints, last)
+        if run_dir:
+            run_dir.start(resumed_at=run.step)
+        with Recorder(config, run_dir, first=run.step, last=last) as recorder:
+            for step in range(run.step + 1, last + 1):
+                loss, grad_norm, seconds = _update(run, batches, step)
+                _check_finite(step, loss, grad_norm, checkpoints)
+                recorder.record(step, loss, grad_norm, seconds)
+                every = config.checkpoint.every
+                if checkpoints and ((every and step % every == 0) or step == last):
+                    # The data position and RNG are functions of the step and seed; kept for readers.
+                    extra = {"samples_seen": step * config.train.batch_size, "seed": config.train.seed}
+                    checkpoints.save(step, run.params, run.opt_state, model=config.model, extra=extra)
+        return recorder.records
     finally:
-        profiler.stop()
-        progress.close()
         if checkpoints:
             checkpoints.close()
-    return records
+
+
+def _update(run: Started, batches: Batches, step: int) -> tuple[float, float, float]:
+    """One optimizer step on `run`: (loss, grad_norm, seconds)."""
+    program = run.program
+    batch = program.place_batch(batches.batch(step))
+    began = time.perf_counter()
+    with explained_out_of_memory(program.config, program.mesh, f"at step {step}"):
+        run.params, run.opt_state, metrics = run.compiled(run.params, run.opt_state, batch)
+        loss, grad_norm = local_value(metrics["loss"]), local_value(metrics["grad_norm"])
+    run.step = step
+    return loss, grad_norm, time.perf_counter() - began
+
+
+def _check_finite(step: int, loss: float, grad_norm: float, checkpoints: Checkpoints | None) -> None:
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    good = checkpoints.latest_step() if checkpoints else None
+    kept = f"; the last good checkpoint is step {good}" if good else ""
+    raise JlongError(
+        f"step {step}: loss {loss} / grad_norm {grad_norm} is not finite, training stopped "
+        f"(lower train.lr or raise train.warmup_steps){kept}"
+    )
+
+
+class Recorder:
+    """Each step's metrics (with throughput, MFU on GPUs, peak device memory)
+    into the records, run_dir/metrics.jsonl and the progress bar; and the
+    profiler window of train.profile_*."""
+
+    def __init__(self, config: Config, run_dir: RunDir | None, *, first: int, last: int):
+        self.config, self.run_dir = config, run_dir
+        self.records: list[dict] = []
+        self.tokens_per_step = config.train.batch_size * config.train.seq_len
+        self.flops_per_token = model_flops_per_token(config.model, config.train.seq_len)
+        self.peak_flops = (peak_flops_per_device() or 0.0) * jax.device_count()
+        is_main = jax.process_index() == 0
+        self.progress = tqdm(total=last, initial=first, disable=not is_main, desc="train", unit="step")
+        self.profiler = ProfileWindow(config)
+        self.profiler.at_step(first + 1)
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.profiler.stop()
+        self.progress.close()
+
+    def record(self, step: int, loss: float, grad_norm: float, seconds: float) -> None:
+        record = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": float(learning_rate(self.config.train, step)),
+            "tokens_per_s": self.tokens_per_step / seconds,
+            "step_time_s": seconds,
+        }
+        record.update(device_memory(), **mfu(record["tokens_per_s"], self.flops_per_token, self.peak_flops))
+        self.records.append(record)
+        if self.run_dir:
+            self.run_dir.log(record)
+        self.progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        self.progress.update(1)
+        self.profiler.at_step(step + 1)
 
 
 class ProfileWindow:
@@ -139,6 +175,7 @@ class ProfileWindow:
         self.tracing = False
 
     def at_step(self, step: int) -> None:
+        """Called before step `step` runs."""
         if self.enabled and step == self.first:
             jax.profiler.start_trace(self.directory)
             self.tracing = True

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from jlong.config import Config
 from jlong.errors import JlongError
+from jlong.model.remat import remat_policy
+from jlong.plan import plan
+from jlong.targets import GIB, PlanTarget
 
-from jlong.targets import GIB
 _MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
 
 
@@ -22,9 +24,6 @@ def out_of_memory_error(config: Config, where: str, devices, capacity_bytes: int
 
 
 def _plan_summary(config: Config, devices, capacity_bytes: int | None) -> str:
-    from jlong.plan import plan
-    from jlong.targets import PlanTarget
-
     budget_gib = capacity_bytes / GIB if capacity_bytes else None
     try:
         result = plan(config, PlanTarget(budget_gib=budget_gib), devices=devices)
@@ -48,7 +47,7 @@ def lower_memory_settings(config: Config) -> list[str]:
     memory, mesh, model = config.memory, config.mesh, config.model
     local = config.train.seq_len // mesh.sp
     suggestions = []
-    if memory.remat != "offload_inputs":
+    if not remat_policy(memory.remat).offloads_layer_inputs:
         suggestions.append("memory.remat=offload_inputs")
     if not memory.loss_tile:
         suggestions.append(f"memory.loss_tile={_divisor_near(local, 1024)}")

@@ -8,8 +8,12 @@ import jax
 import jax.numpy as jnp
 
 from jlong.model.tiling import join_tiles, split_tiles
-from jlong.model.transformer import output_logits
-from jlong.sharding import sequence_shards
+from jlong.parallel.placement import HIDDEN, REPLICATED, TOKENS, sequence_shards
+
+
+def output_logits(hidden_BSD, w_DV):
+    """float32 logits [B, S, V] of hidden states through the output embedding."""
+    return jnp.einsum("bsd,dv->bsv", hidden_BSD, w_DV, preferred_element_type=jnp.float32)
 
 
 def cross_entropy(logits_BSV, targets_BS, mask_BS=None):
@@ -28,7 +32,7 @@ def tiled_cross_entropy(hidden_BSD, w_DV, targets_BS, mask_BS=None, *, tile: int
         mask_BS = jnp.ones(targets_BS.shape, jnp.bool_)
     shards = sequence_shards()
     per_device = functools.partial(_device_loss_sums, tile=tile, axes=shards.all_axes)
-    run = shards.map(per_device, ("hidden", "replicated", "tokens", "tokens"), "replicated")
+    run = shards.map(per_device, (HIDDEN, REPLICATED, TOKENS, TOKENS), REPLICATED)
     total, count = run(hidden_BSD, w_DV, targets_BS, mask_BS)
     return total / jnp.maximum(count, 1.0)
 

@@ -1,0 +1,14 @@
+"""The named choices shared by the configuration and the model, without jax:
+config.py validates against them, the model's code is typed by them."""
+
+from __future__ import annotations
+
+import typing
+from typing import Literal
+
+DType = Literal["float32", "bfloat16", "float16"]
+AttentionImpl = Literal["auto", "cudnn", "blockwise", "reference"]
+RematName = Literal["none", "full", "save_inputs", "offload_inputs", "save_attention"]
+
+ATTENTION_IMPLS: tuple[str, ...] = typing.get_args(AttentionImpl)
+REMAT_NAMES: tuple[str, ...] = typing.get_args(RematName)

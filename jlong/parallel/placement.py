@@ -1,0 +1,168 @@
+"""Where every array lives on the data x fsdp x sp mesh, decided by one table.
+
+Model code names the logical axes of its arrays (`batch`, `seq`, `embed`,
+`heads`, ...) and never a mesh axis. `LOGICAL_AXES` maps each logical axis to
+mesh axes twice:
+
+- at compute: activations split their batch over data x fsdp and their
+  sequence over sp; weight axes are whole (`GATHERED_AT_COMPUTE`: FSDP gathers
+  each layer's weights just before the layer runs);
+- at rest: parameters, gradients and optimizer state are split over every
+  device (ZeRO-3 over the whole group, as ALST and UPipe do: the sp ranks
+  hold different parameter shards too) along the first of their weight axes,
+  in the table's order, whose size the device count divides; a tensor with
+  none stays replicated.
+
+While `computing_on(mesh)` is active, `constrain` pins arrays to their
+compute placement and `per_device` runs functions on each device's shard
+(`shard_map` with specs from the same table); outside it both are no-ops, so
+the model also runs unsharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from jlong.config import MeshConfig
+from jlong.errors import JlongError
+
+MESH_AXES = ("data", "fsdp", "sp")
+BATCH_AXES = ("data", "fsdp")
+GATHERED_AT_COMPUTE = None  # a weight axis is whole on every device while its layer computes
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisRule:
+    at_compute: str | tuple[str, ...] | None
+    rest_order: int | None = None  # parameters: preference for carrying the FSDP shard; None = never
+
+
+LOGICAL_AXES: dict[str, AxisRule] = {
+    "batch": AxisRule(at_compute=BATCH_AXES),
+    "seq": AxisRule(at_compute="sp"),
+    "embed": AxisRule(GATHERED_AT_COMPUTE, rest_order=0),
+    "mlp": AxisRule(GATHERED_AT_COMPUTE, rest_order=1),
+    "vocab": AxisRule(GATHERED_AT_COMPUTE, rest_order=2),
+    "heads": AxisRule(GATHERED_AT_COMPUTE, rest_order=3),
+    "kv_heads": AxisRule(GATHERED_AT_COMPUTE, rest_order=4),
+    "head_dim": AxisRule(GATHERED_AT_COMPUTE),
+    "layers": AxisRule(GATHERED_AT_COMPUTE),  # the scan over layers takes one at a time
+}
+
+Axes = tuple[str, ...]
+REPLICATED: Axes = ()  # as a `per_device` spec: the same value on every device
+
+TOKENS: Axes = ("batch", "seq")
+HIDDEN: Axes = ("batch", "seq", "embed")
+
+
+def _rule(axis: str) -> AxisRule:
+    try:
+        return LOGICAL_AXES[axis]
+    except KeyError:
+        raise ValueError(f"unknown logical axis {axis!r}; the placement table has {', '.join(LOGICAL_AXES)}") from None
+
+
+def compute_spec(axes: Axes) -> PartitionSpec:
+    """The PartitionSpec of an array with these logical axes while computing."""
+    return PartitionSpec(*(_rule(axis).at_compute for axis in axes))
+
+
+def rest_spec(shape: tuple[int, ...], axes: Axes, num_devices: int) -> PartitionSpec:
+    """The PartitionSpec of a parameter (its gradient, its optimizer moments) at rest."""
+    candidates = sorted((_rule(a).rest_order, i) for i, a in enumerate(axes) if _rule(a).rest_order is not None)
+    for _, i in candidates:
+        if shape[i] % num_devices == 0:
+            return PartitionSpec(*(MESH_AXES if j == i else None for j in range(len(shape))))
+    return PartitionSpec()
+
+
+def make_mesh(config: MeshConfig, devices=None) -> jax.sharding.Mesh:
+    """The data x fsdp x sp mesh over `devices` (default: all of them)."""
+    devices = jax.devices() if devices is None else list(devices)
+    if config.size != len(devices):
+        raise JlongError(
+            f"mesh.data x mesh.fsdp x mesh.sp = {config.data} x {config.fsdp} x {config.sp} = "
+            f"{config.size}, but {len(devices)} devices are visible; make the product {len(devices)}"
+        )
+    return jax.make_mesh(
+        (config.data, config.fsdp, config.sp), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices
+    )
+
+
+def compute_sharding(mesh, axes: Axes) -> NamedSharding:
+    return NamedSharding(mesh, compute_spec(axes))
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    """[batch, seq] token arrays: batch over data x fsdp, sequence over sp."""
+    return compute_sharding(mesh, TOKENS)
+
+
+def replicated(mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+# --------------------------------------------------------------------------
+# The mesh the model computes on
+
+_ACTIVE_MESH: contextvars.ContextVar = contextvars.ContextVar("jlong_compute_mesh", default=None)
+
+
+@contextlib.contextmanager
+def computing_on(mesh):
+    """Traced model code inside places its arrays on `mesh` by the table."""
+    token = _ACTIVE_MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _ACTIVE_MESH.reset(token)
+
+
+def constrain(x, axes: Axes):
+    """x pinned to its compute placement (itself without an active mesh)."""
+    mesh = _ACTIVE_MESH.get()
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, compute_sharding(mesh, axes))
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceShards:
+    """The active mesh as per-device code sees it: each device holds a shard
+    of the sequence (and of the batch)."""
+
+    mesh: jax.sharding.Mesh | None
+
+    @property
+    def size(self) -> int:
+        """C: how many shards the sequence is cut into."""
+        return 1 if self.mesh is None else self.mesh.shape[_rule("seq").at_compute]
+
+    @property
+    def collective_axis(self) -> str | None:
+        """The mesh axis of the sequence when it has more than one shard (else None)."""
+        return _rule("seq").at_compute if self.size > 1 else None
+
+    @property
+    def all_axes(self) -> tuple[str, ...]:
+        """Every mesh axis: a sum over the whole batch runs over all of them."""
+        return () if self.mesh is None else tuple(self.mesh.axis_names)
+
+    def map(self, fn, in_axes: tuple[Axes, ...], out_axes: Axes):
+        """`fn` on each device's shard: arguments and result split by their
+        logical axes (`REPLICATED` for whole ones). Without a mesh, `fn` itself."""
+        if self.mesh is None:
+            return fn
+        return jax.shard_map(
+            fn, mesh=self.mesh, in_specs=tuple(compute_spec(a) for a in in_axes), out_specs=compute_spec(out_axes)
+        )
+
+
+def sequence_shards() -> SequenceShards:
+    return SequenceShards(_ACTIVE_MESH.get())

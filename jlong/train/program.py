@@ -1,0 +1,132 @@
+"""The training program of a config on a mesh: the one object that knows the
+parameters' layout, the optimizer, the batch layout and the jitted step.
+
+The loop runs it, the planner compiles it (`jlong.plan`), the out-of-memory
+report plans it, and the tests check it; nothing else builds a train step.
+Parameters travel as a plain nested dict of arrays (what `nnx.to_pure_dict`
+gives); `bind` turns one back into a `Transformer` inside traced code.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from jlong.config import Config
+from jlong.data.sources import batch_layout
+from jlong.model.transformer import ForwardOptions, Transformer
+from jlong.parallel.placement import batch_sharding, computing_on, replicated, rest_spec
+from jlong.train.optimizer import make_optimizer
+
+
+def _with_shardings(shapes, shardings):
+    return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes, shardings)
+
+
+class TrainProgram:
+    """(params, opt_state, batch) -> (params, opt_state, {loss, grad_norm}),
+    jitted over `mesh` with donated parameters and optimizer state."""
+
+    def __init__(self, config: Config, mesh):
+        self.config, self.mesh = config, mesh
+        self.options = ForwardOptions.for_training(config, mesh.devices.flat[0].platform)
+        abstract_model = nnx.eval_shape(lambda: self._fresh_model(0))
+        self.graphdef, self._abstract_state = nnx.split(abstract_model)
+        self.param_shardings = self._param_shardings()
+        self.abstract_params = _with_shardings(nnx.to_pure_dict(self._abstract_state), self.param_shardings)
+
+        self.optimizer = make_optimizer(config.train)
+        opt_shapes = jax.eval_shape(self.optimizer.init, self.abstract_params)
+        # Adam's moments are placed like their parameters, counters replicated.
+        self.opt_shardings = optax.tree_utils.tree_map_params(
+            self.optimizer, lambda _, sharding: sharding, opt_shapes, self.param_shardings,
+            transform_non_params=lambda _: replicated(mesh),
+        )
+        self.abstract_opt_state = _with_shardings(opt_shapes, self.opt_shardings)
+
+        self.batch_sharding = batch_sharding(mesh)
+        self.abstract_batch = {
+            key: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
+            for key, (shape, dtype) in batch_layout(config).items()
+        }
+        metrics_sharding = {"loss": replicated(mesh), "grad_norm": replicated(mesh)}
+        self.step = jax.jit(
+            self._step,
+            in_shardings=(self.param_shardings, self.opt_shardings, self.batch_sharding),
+            out_shardings=(self.param_shardings, self.opt_shardings, metrics_sharding),
+            donate_argnums=(0, 1),
+        )
+
+    def _fresh_model(self, seed: int) -> Transformer:
+        return Transformer(
+            self.config.model, rngs=nnx.Rngs(seed), param_dtype=self.config.train.param_dtype, options=self.options
+        )
+
+    def _param_shardings(self) -> dict:
+        shardings: dict = {}
+        for path, variable in nnx.to_flat_state(self._abstract_state):
+            shape = variable.get_value().shape
+            node = shardings
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = NamedSharding(self.mesh, rest_spec(shape, variable.axes, self.mesh.size))
+        return shardings
+
+    # -- parameters and optimizer state
+
+    def init_params(self, seed: int) -> dict:
+        """Random initial parameters, created directly in their shards."""
+        init = jax.jit(lambda: nnx.to_pure_dict(nnx.state(self._fresh_model(seed))), out_shardings=self.param_shardings)
+        return init()
+
+    def load_hf_params(self, path: str) -> dict:
+        """A Hugging Face checkpoint's weights, read shard by shard into their places."""
+        from jlong.hf import load_hf_params
+
+        return load_hf_params(path, self.config.model, self.abstract_params)
+
+    def init_opt_state(self, params: dict):
+        return jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(params)
+
+    def bind(self, params: dict) -> Transformer:
+        state = jax.tree.map(lambda v: v, self._abstract_state)
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self.graphdef, state)
+
+    # -- the step
+
+    def loss(self, params: dict, batch: dict):
+        with computing_on(self.mesh):
+            return self.bind(params).loss(batch)
+
+    def _step(self, params, opt_state, batch):
+        loss, grads = jax.value_and_grad(self.loss)(params, batch)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
+
+    def lower(self) -> jax.stages.Lowered:
+        """The step lowered for the abstract parameters, state and batch: the
+        same program whatever values later run through it."""
+        return self.step.lower(self.abstract_params, self.abstract_opt_state, self.abstract_batch)
+
+    def compile(self, compiler_options: dict | None = None) -> jax.stages.Compiled:
+        return self.lower().compile(compiler_options=compiler_options)
+
+    def place_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """The global numpy batch -> arrays sharded over the mesh (each process
+        builds only the shards its devices hold)."""
+        return {
+            key: jax.make_array_from_callback(value.shape, self.batch_sharding, functools.partial(_index, value))
+            for key, value in batch.items()
+        }
+
+
+def _index(array: np.ndarray, index):
+    return array[index]

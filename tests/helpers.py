@@ -1,0 +1,111 @@
+"""What several test modules share: small configs, the single-device reference
+computation, training runs, and the command line run in-process."""
+
+import contextlib
+import io
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+import yaml
+
+from jlong.config import config_to_dict, load_config
+from jlong.data.sources import Batches
+from jlong.parallel.placement import make_mesh
+from jlong.train.program import TrainProgram
+
+SMALL_MODEL = [
+    "model.vocab_size=128", "model.hidden_size=64", "model.intermediate_size=128",
+    "model.num_hidden_layers=2", "model.num_attention_heads=8", "model.num_key_value_heads=4",
+    "train.seq_len=64", "train.batch_size=8", "train.compute_dtype=float32", "attention.block_size=16",
+    "data.source=synthetic",
+]
+MESH = ["mesh.fsdp=2", "mesh.sp=4"]
+
+
+def small_config(*overrides):
+    return load_config(None, [*SMALL_MODEL, *overrides])
+
+
+def loss_and_grads(config, devices):
+    """Loss and gradients of step 1's batch from seed-0 parameters, as numpy."""
+    program = TrainProgram(config, make_mesh(config.mesh, devices))
+    params = program.init_params(seed=0)
+    batch = program.place_batch(Batches(config).batch(1))
+    loss, grads = jax.jit(jax.value_and_grad(program.loss))(params, batch)
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+def leaf_at(tree, path):
+    for key in path:
+        tree = tree[key.key]
+    return tree
+
+
+def assert_same_result(got, want):
+    """(loss, grads) pairs equal to float32 rounding."""
+    (loss, grads), (want_loss, want_grads) = got, want
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
+        np.testing.assert_allclose(
+            leaf, leaf_at(want_grads, path), rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path)
+        )
+
+
+def run_config(tmp_path, *overrides):
+    """A short learning run on fsdp=2 x sp=4 with its run and checkpoint directories."""
+    return load_config(None, [
+        *SMALL_MODEL, *MESH, "train.steps=6", "train.warmup_steps=2", "train.lr=1e-2",
+        f"run_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}", *overrides,
+    ])
+
+
+def logged_losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_command(tmp_path, config, *flags):
+    """`jlong train` in a subprocess on `config` written to a file, and its
+    environment (the CLI gives the CPU as many devices as the mesh needs)."""
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config_to_dict(config)))
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    return [sys.executable, "-m", "jlong", "train", str(config_file), *flags], env
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(*args) -> CliResult:
+    """`jlong ARGS` in this process (its 8 CPU devices), with what it prints
+    and the environment variables it sets undone afterwards."""
+    from jlong.cli import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    environ = dict(os.environ)
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = main([str(a) for a in args])
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    return CliResult(code, stdout.getvalue(), stderr.getvalue())
+
+
+def assert_one_line_error(result: CliResult, message: str):
+    """Exit status 2 and a single `jlong: error:` line that holds `message`."""
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jlong: error: "), result.stderr
+    assert message in lines[0], lines[0]
+    assert "Traceback" not in result.stderr
+
