@@ -44,7 +44,7 @@ def describe_device() -> list[str]:
 
 def planned_bytes(config: str, overrides: list[str], target: str) -> int | None:
     result = jlong("plan", config, *overrides, "--json", "--target", target)
-    if result.returncode != 0:
+    if not result.stdout.strip():  # a plan over its budget still prints its bytes (and exits 2)
         print(f"    plan --target {target} failed: {result.stderr.strip()[-300:]}", flush=True)
         return None
     return json.loads(result.stdout)["device_total"]

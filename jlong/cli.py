@@ -169,6 +169,11 @@ def _plan(args) -> int:
     else:
         print(format_plan(result, config))
         print(f"device budget: {target.describe_budget(config.train.gpu_memory_fraction)}")
+    if not result.fits:
+        from jlong.memory_advice import over_budget_error
+
+        sys.stdout.flush()
+        raise over_budget_error(result, config)
     return 0
 
 
@@ -192,8 +197,12 @@ def _maxlen(args) -> int:
 
     found = longest_seq_len(config, target, on_probe=report)
     if not found.seq_len:
-        print(f"no length fits: even {granule(config):,} tokens are over the {found.bound_by} budget")
-        return 1
+        from jlong.maxlen import with_seq_len
+        from jlong.memory_advice import over_budget_error
+
+        shortest, result = min(found.probes)
+        sys.stdout.flush()
+        raise over_budget_error(result, with_seq_len(config, shortest))
     print(f"longest seq_len that fits: {found.seq_len:,} ({found.plan.device_total / GIB:.2f} GiB per device, "
           f"{found.plan.host_per_node / GIB:,.1f} GiB host per node); the {found.bound_by} budget binds")
     return 0

@@ -90,6 +90,8 @@ class AttentionConfig:
 @dataclass(frozen=True)
 class MemoryConfig:
     remat: RematName = "none"
+    layers_per_checkpoint: int = 1  # with save_inputs / offload_inputs: one kept input per this many layers
+    optimizer_offload: bool = False  # master parameters and AdamW moments in host memory
     mlp_tile: int = 0  # tokens per tile of each device's sequence shard, 0 = untiled
     loss_tile: int = 0
 
@@ -424,6 +426,7 @@ def validate(config: Config) -> None:
         raise JlongError(f"train.gpu_memory_fraction must be in (0, 1], got {train.gpu_memory_fraction:g}")
     _validate_head_split(config)
     _validate_tiles(config)
+    _validate_layer_groups(config)
     if config.data.source == "tokens" and not config.data.path:
         raise JlongError("data.source=tokens needs data.path, a 1-D integer .npy of token ids")
 
@@ -460,6 +463,23 @@ def _validate_tiles(config: Config) -> None:
                 f"memory.{key} ({tile}) must divide the {local} tokens each device holds "
                 f"(train.seq_len / mesh.sp); nearest that work: {', '.join(map(str, sorted(nearest)))}"
             )
+
+
+def _validate_layer_groups(config: Config) -> None:
+    k, layers, remat = config.memory.layers_per_checkpoint, config.model.num_hidden_layers, config.memory.remat
+    if k < 1:
+        raise JlongError(f"memory.layers_per_checkpoint must be positive, got {k}")
+    if k > 1 and remat not in ("save_inputs", "offload_inputs"):
+        raise JlongError(
+            f"memory.layers_per_checkpoint={k} groups the layer inputs that memory.remat keeps: "
+            f"use it with memory.remat=save_inputs or offload_inputs (got {remat})"
+        )
+    if layers % k:
+        workable = [g for g in range(1, layers + 1) if layers % g == 0]
+        raise JlongError(
+            f"memory.layers_per_checkpoint ({k}) must divide the {layers} layers; "
+            f"values that work: {', '.join(map(str, workable))}"
+        )
 
 
 def validate_model(m: ModelConfig) -> None:

@@ -94,8 +94,9 @@ def _check_budget_covers_states(config: Config, target: PlanTarget) -> None:
         raise JlongError(f"--budget-gib must be positive, got {budget_gib:g}")
     fixed = state_bytes(config, target)
     if fixed > budget_gib * GIB:
+        offload = "" if config.memory.optimizer_offload else "set memory.optimizer_offload=true, "
         raise JlongError(
             f"--budget-gib {budget_gib:g} is below the {fixed / GIB:.2f} GiB per device that parameters, "
-            "gradients and optimizer state need before any activation; raise the budget or spread the "
-            "model over more devices (mesh.fsdp)"
+            f"gradients and optimizer state need before any activation; {offload}raise the budget or spread "
+            "the model over more devices (mesh.fsdp)"
         )

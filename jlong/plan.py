@@ -46,7 +46,10 @@ class MemoryPlan:
     XLA's peak scratch minus the gradients: the activations kept for the
     backward pass and the working buffers of the busiest moment.
     `saved_layer_inputs` is the part of it (or of `host_offload`) that the
-    remat policy keeps per layer, counted from the shapes."""
+    remat policy keeps per layer, counted from the shapes. With the optimizer
+    offloaded, `parameters` and `gradients` are the compute-dtype copies the
+    step holds, and `host_states` (part of `host_offload`) the master
+    parameters and optimizer state in host memory."""
 
     target: str
     compiler: str
@@ -57,6 +60,7 @@ class MemoryPlan:
     temporaries: int
     saved_layer_inputs: int
     host_offload: int
+    host_states: int
     budget: int
     host_budget_per_node: int
     devices_per_node: int
@@ -111,7 +115,16 @@ def compile_train_step(config: Config, target: PlanTarget = PlanTarget(), device
     mesh = _planning_mesh(config, target, devices)
     on_cpu = mesh.devices.flat[0].platform == "cpu"
     program = TrainProgram(_without_bfloat16(config) if on_cpu else config, mesh)
-    compiled = program.compile(CPU_COMPILER_OPTIONS if on_cpu else None)
+    if on_cpu:
+        compiled = program.compile(CPU_COMPILER_OPTIONS)
+    else:
+        # A compile-only GPU executable cannot be loaded back from jax's
+        # persistent compilation cache (there is no device to load it on), so
+        # it is never written there.
+        from jax._src import config as jax_config
+
+        with jax_config.persistent_cache_min_compile_time_secs(float("inf")):
+            compiled = program.compile()
     return CompiledStep(program, compiled, target, devices)
 
 
@@ -127,15 +140,20 @@ def plan_of(step: CompiledStep) -> MemoryPlan:
     program, target, devices = step.program, step.target, step.own_devices
     config = program.config
     analysis = step.compiled.memory_analysis()
-    parameters = shard_bytes(program.abstract_params)
+    parameters = shard_bytes(program.abstract_compute_params)
     gradients = parameters  # one gradient per parameter, placed like it
+    host_states = host_state_bytes(program)
+    device_states = 0 if host_states else shard_bytes(program.abstract_opt_state)
     layer_inputs = saved_layer_input_bytes(config)
     if step.on_cpu:  # see the module docstring
-        host_offload = layer_inputs if remat_policy(config.memory.remat).offloads_layer_inputs else 0
-        temporaries = analysis.temp_size_in_bytes - host_offload
+        offloaded_inputs = layer_inputs if remat_policy(config.memory.remat).offloads_layer_inputs else 0
+        host_offload = offloaded_inputs + host_states
+        temporaries = analysis.temp_size_in_bytes - offloaded_inputs
     else:
         host_offload = analysis.host_temp_size_in_bytes + analysis.host_argument_size_in_bytes
         temporaries = analysis.temp_size_in_bytes + max(analysis.output_size_in_bytes - analysis.alias_size_in_bytes, 0)
+    # An offloaded optimizer's compute copies of the parameters are made inside the step.
+    in_temporaries = gradients + (parameters if host_states else 0)
     if devices is None:
         _, devices_per_node = node_shape(config.mesh.size, target.gpus_per_node)
         compiler = target.compiler()
@@ -147,11 +165,12 @@ def plan_of(step: CompiledStep) -> MemoryPlan:
         compiler=compiler,
         parameters=parameters,
         gradients=gradients,
-        optimizer_state=shard_bytes(program.abstract_opt_state),
+        optimizer_state=device_states,
         inputs=shard_bytes(program.abstract_batch),
-        temporaries=max(temporaries - gradients, 0),
+        temporaries=max(temporaries - in_temporaries, 0),
         saved_layer_inputs=layer_inputs,
         host_offload=host_offload,
+        host_states=host_states,
         budget=int(target.device_budget_gib(config.train.gpu_memory_fraction) * GIB),
         host_budget_per_node=int(target.host_budget_gib * GIB),
         devices_per_node=devices_per_node,
@@ -162,7 +181,15 @@ def state_bytes(config: Config, target: PlanTarget = PlanTarget(), devices=None)
     """Parameters + gradients + optimizer state per device: what any sequence
     length needs before its first activation. Nothing is compiled."""
     program = TrainProgram(config, _planning_mesh(config, target, devices))
-    return 2 * shard_bytes(program.abstract_params) + shard_bytes(program.abstract_opt_state)
+    device_states = 0 if program.offloads_optimizer else shard_bytes(program.abstract_opt_state)
+    return 2 * shard_bytes(program.abstract_compute_params) + device_states
+
+
+def host_state_bytes(program: TrainProgram) -> int:
+    """Master parameters and optimizer state per device in host memory (0 unless offloaded)."""
+    if not program.offloads_optimizer:
+        return 0
+    return shard_bytes(program.abstract_params) + shard_bytes(program.abstract_opt_state)
 
 
 def _planning_mesh(config: Config, target: PlanTarget, devices):
@@ -195,14 +222,19 @@ def shard_bytes(tree) -> int:
 
 
 def saved_layer_input_bytes(config: Config) -> int:
-    """One [B, S/sp, D] layer input per layer in the compute dtype, on each device,
-    for the policies that keep exactly the layer inputs."""
+    """One [B, S/sp, D] layer input per `layers_per_checkpoint` layers in the
+    compute dtype, on each device, for the policies that keep layer inputs."""
     if not remat_policy(config.memory.remat).keeps_layer_inputs:
         return 0
     mesh, train, model = config.mesh, config.train, config.model
     local_tokens = train.batch_size // (mesh.data * mesh.fsdp) * train.seq_len // mesh.sp
     itemsize = jnp.dtype(train.compute_dtype).itemsize
-    return model.num_hidden_layers * local_tokens * model.hidden_size * itemsize
+    kept = model.num_hidden_layers // config.memory.layers_per_checkpoint
+    return kept * local_tokens * model.hidden_size * itemsize
+
+
+def _groups(layers_per_checkpoint: int) -> str:
+    return f" (one input per {layers_per_checkpoint} layers)" if layers_per_checkpoint > 1 else ""
 
 
 def format_plan(result: MemoryPlan, config: Config) -> str:
@@ -213,7 +245,7 @@ def format_plan(result: MemoryPlan, config: Config) -> str:
         f"target {result.target}: {result.compiler}",
         f"seq_len {t.seq_len:,} x batch {t.batch_size} on mesh data={m.data} fsdp={m.fsdp} sp={m.sp}; "
         f"{t.compute_dtype} compute, {t.param_dtype} parameters",
-        f"remat {mem.remat}, mlp_tile {mem.mlp_tile or 'off'}, loss_tile {mem.loss_tile or 'off'}, "
+        f"remat {mem.remat}{_groups(mem.layers_per_checkpoint)}{', optimizer in host memory' if mem.optimizer_offload else ''}, mlp_tile {mem.mlp_tile or 'off'}, loss_tile {mem.loss_tile or 'off'}, "
         f"attention heads per stage {heads} of {config.model.num_attention_heads}",
     ]
     unit, size = ("GiB", GIB) if result.device_total >= GIB else ("MiB", 2**20)
@@ -228,6 +260,8 @@ def format_plan(result: MemoryPlan, config: Config) -> str:
     if result.saved_layer_inputs and not result.host_offload:
         rows.append(("  of which layer inputs", result.saved_layer_inputs))
     rows += [("device total", result.device_total), ("host (offloaded)", result.host_offload)]
+    if result.host_states:
+        rows.append(("  of which master + optimizer", result.host_states))
     lines += [f"  {name:<24}{value / size:>8.2f}" for name, value in rows]
     over = (result.device_total - result.budget) / GIB
     verdict = "fits" if result.fits_device else f"does NOT fit (over by {over:.2f} GiB)"

@@ -79,6 +79,27 @@ def test_every_remat_policy_compiles_for_h100s(remat):
 
 
 @needs_gpu_compiler
+def test_two_layers_per_checkpoint_halve_the_host_bytes_xla_gpu_places():
+    config = whole_stack("model.num_hidden_layers=4", "memory.layers_per_checkpoint=2")
+    result = plan(config, H100)
+    # 2 groups of 2 layers x 1 sequence per rank x 1024 local tokens x 256 x bf16
+    assert result.host_offload == saved_layer_input_bytes(config) == 2 * 1 * 1024 * 256 * 2
+
+
+@needs_gpu_compiler
+def test_offloaded_optimizer_keeps_its_states_in_host_memory_on_h100s():
+    on_device = plan(whole_stack(), H100)
+    offloaded = plan(whole_stack("memory.optimizer_offload=true"), H100)
+    assert offloaded.optimizer_state == 0 and offloaded.host_states > 0
+    # XLA:GPU's own host bytes hold the offloaded layer inputs and the master parameters and AdamW state
+    # (and, at the end of the step, fresh buffers for the layers' updated states: at most two thirds more).
+    layer_inputs = saved_layer_input_bytes(whole_stack())
+    assert layer_inputs + offloaded.host_states <= offloaded.host_offload <= layer_inputs + 5 / 3 * offloaded.host_states
+    assert offloaded.parameters == on_device.parameters // 2  # bfloat16 copies of float32 parameters
+    assert offloaded.device_total < on_device.device_total
+
+
+@needs_gpu_compiler
 def test_packed_documents_compile_for_h100s_with_the_blockwise_kernel():
     config = whole_stack("data.eos_id=0", "attention.impl=auto", "attention.block_size=512")
     hlo = compile_train_step(config, H100).compiled.as_text()

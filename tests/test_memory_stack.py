@@ -37,6 +37,9 @@ KNOBS = {
     "upipe U=C": ["attention.heads_per_stage=4"],
     "all, offloaded": [*ALL_KNOBS, "memory.remat=offload_inputs"],
     "all, save_attention": [*ALL_KNOBS, "memory.remat=save_attention"],
+    "save_inputs, 2 layers per checkpoint": ["memory.remat=save_inputs", "memory.layers_per_checkpoint=2"],
+    "all, offloaded, 2 layers per checkpoint": [*ALL_KNOBS, "memory.remat=offload_inputs",
+                                                "memory.layers_per_checkpoint=2"],
 }
 
 
@@ -133,6 +136,9 @@ def test_plan_splits_parameters_and_optimizer_state_over_fsdp():
         (["memory.mlp_tile=5"], "memory.mlp_tile (5) must divide the 16 tokens each device holds"),
         (["memory.loss_tile=12"], "nearest that work: 8, 16"),
         (["memory.remat=everything"], "memory.remat"),
+        (["memory.remat=save_inputs", "memory.layers_per_checkpoint=3"], "must divide the 2 layers; values that work: 1, 2"),
+        (["memory.layers_per_checkpoint=2"], "use it with memory.remat=save_inputs or offload_inputs (got none)"),
+        (["memory.layers_per_checkpoint=0"], "memory.layers_per_checkpoint must be positive"),
     ],
 )
 def test_bad_memory_settings_are_refused(overrides, message):

@@ -11,7 +11,7 @@ from helpers import assert_one_line_error, run_cli
 from jlong.config import load_config
 from jlong.errors import JlongError
 from jlong.maxlen import granule, longest_seq_len, with_seq_len
-from jlong.plan import GIB, plan, saved_layer_input_bytes
+from jlong.plan import GIB, plan, saved_layer_input_bytes, state_bytes
 from jlong.targets import PlanTarget
 
 # Llama-shaped and small, on sp=8 with the whole memory stack.
@@ -88,6 +88,31 @@ def test_maxlen_command_reports_the_search(tmp_path):
     assert "seq_len        8,192" in result.stdout and "over the device budget" in result.stdout
     assert "longest seq_len that fits: 16,384" in result.stdout
     assert "the device budget binds" in result.stdout
+
+
+def test_a_plan_over_both_budgets_prints_itself_and_exits_2_naming_them(tmp_path):
+    config = tmp_path / "small.yaml"
+    config.write_text("{}\n")
+    just_the_states = state_bytes(small_long("train.seq_len=1024")) / GIB * 1.001
+    result = run_cli("plan", config, *SMALL_LONG, "train.seq_len=1024", "--target", "cpu",
+                     "--budget-gib", f"{just_the_states:.9f}", "--host-budget-gib", "1e-6")
+    assert "device total" in result.stdout  # the plan itself, then the verdict
+    assert_one_line_error(result, "at train.seq_len=1,024, ")
+    line = result.stderr.strip()
+    assert "GiB over the device budget of" in line and "GiB over the host budget of" in line
+    assert "memory.remat=save_inputs (layer inputs stay on the devices)" in line  # for the host
+    assert "memory.remat=offload_inputs" not in line  # only knobs the config does not use yet
+
+
+def test_maxlen_where_no_length_fits_exits_2_with_the_shortest_plan(tmp_path):
+    config = tmp_path / "small.yaml"
+    config.write_text("{}\n")
+    just_the_states = state_bytes(small_long("train.seq_len=1024")) / GIB * 1.001
+    result = run_cli("maxlen", config, *SMALL_LONG, "train.seq_len=1024", "--target", "cpu",
+                     "--budget-gib", f"{just_the_states:.9f}")
+    assert "seq_len        1,024" in result.stdout
+    assert_one_line_error(result, "at train.seq_len=1,024, ")
+    assert "GiB over the device budget of" in result.stderr and "host budget" not in result.stderr
 
 
 @pytest.mark.parametrize(

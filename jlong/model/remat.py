@@ -15,6 +15,12 @@ and composes with the checkpointed UPipe stages inside attention:
 - `save_attention`: keeps each layer's input and its attention kernel's
   outputs (output and log-sum-exp), so the recomputed forward pass skips the
   attention kernel, the costliest part at long context.
+
+`memory.layers_per_checkpoint` = k > 1 (with `save_inputs` or
+`offload_inputs`) applies the policy to groups of k layers: one input is kept
+per group, k times fewer bytes, and the backward pass first recomputes the
+group's layers to get the other k - 1 inputs back (held on the device while
+that group's backward runs), then each layer as with k = 1.
 """
 
 from __future__ import annotations
@@ -83,3 +89,20 @@ def remat_policy(name: RematName) -> RematPolicy:
 def name_layer_input(x):
     """Marks a layer's input as the value the input-saving policies keep."""
     return checkpoint_name(x, LAYER_INPUT)
+
+
+def scan_layers(layer_fn, x, stacked_params: dict, policy: RematPolicy, layers_per_checkpoint: int = 1):
+    """x through every layer: `layer_fn(x, params) -> (x, None)` scanned over
+    the leading (layers) axis of `stacked_params`, under `policy`, with one
+    kept input per `layers_per_checkpoint` layers."""
+    k = layers_per_checkpoint
+    if k == 1:
+        body = policy.wrap(lambda x, params: layer_fn(name_layer_input(x), params))
+        return jax.lax.scan(body, x, stacked_params)[0]
+    each_layer = REMAT_POLICIES["full"].wrap(layer_fn)
+
+    def group(x, group_params):
+        return jax.lax.scan(each_layer, name_layer_input(x), group_params)[0], None
+
+    grouped = jax.tree.map(lambda w: w.reshape(w.shape[0] // k, k, *w.shape[1:]), stacked_params)
+    return jax.lax.scan(policy.wrap(group), x, grouped)[0]

@@ -24,7 +24,7 @@ from jlong.attention.ulysses import HeadProjections, staged_attention
 from jlong.config import Config, ModelConfig
 from jlong.model.layers import apply_rope, rms_norm, rope_inverse_frequencies, swiglu
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy
-from jlong.model.remat import name_layer_input, remat_policy
+from jlong.model.remat import remat_policy, scan_layers
 from jlong.model.tiling import map_tiles
 from jlong.options import AttentionImpl, DType, RematName
 from jlong.parallel.placement import HIDDEN, REPLICATED, constrain, sequence_shards
@@ -41,6 +41,7 @@ class ForwardOptions:
     block_size: int = 512
     heads_per_stage: int | None = None  # UPipe's U; None = all heads in one stage
     remat: RematName = "none"  # the `jlong.model.remat` policy of each layer
+    layers_per_checkpoint: int = 1  # k: the policy keeps one input per k layers
     mlp_tile: int = 0  # tokens per sequence tile of the MLP on each device; 0 = untiled
     loss_tile: int = 0  # the same for the output projection and the loss
 
@@ -59,6 +60,7 @@ class ForwardOptions:
             block_size=config.attention.block_size,
             heads_per_stage=config.heads_per_stage,
             remat=config.memory.remat,
+            layers_per_checkpoint=config.memory.layers_per_checkpoint,
             mlp_tile=config.memory.mlp_tile,
             loss_tile=config.memory.loss_tile,
         )
@@ -158,8 +160,8 @@ class Transformer(nnx.Module):
             x_BSD = decoder_layer(params, x_BSD, positions_BS, segment_ids_BS, config, options)
             return x_BSD, None
 
-        layer = remat_policy(options.remat).wrap(one_layer)
-        x_BSD, _ = jax.lax.scan(layer, x_BSD, self.layers.arrays())
+        policy = remat_policy(options.remat)
+        x_BSD = scan_layers(one_layer, x_BSD, self.layers.arrays(), policy, options.layers_per_checkpoint)
         return sequence_norm(x_BSD, self.final_norm.get_value(), config, options)
 
     def output_embedding(self):
@@ -188,7 +190,6 @@ class Transformer(nnx.Module):
 
 def decoder_layer(p, x_BSD, positions_BS, segment_ids_BS, config, options):
     """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(x))."""
-    x_BSD = name_layer_input(x_BSD)
     h_BSD = sequence_norm(x_BSD, p["attn_norm"], config, options)
     x_BSD = x_BSD + attention_block(p, h_BSD, positions_BS, segment_ids_BS, config, options)
     x_BSD = constrain(x_BSD, HIDDEN)

@@ -36,16 +36,22 @@ def decays(params) -> dict:
     return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
-def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
-    clip = optax.clip_by_global_norm(train.grad_clip) if train.grad_clip > 0 else optax.identity()
-    return optax.chain(
-        clip,
-        optax.adamw(
-            learning_rate_schedule(train),
-            b1=train.b1,
-            b2=train.b2,
-            eps=train.eps,
-            weight_decay=train.weight_decay,
-            mask=decays,
-        ),
+def clipping(train: TrainConfig) -> optax.GradientTransformation:
+    """Global-norm clipping (stateless); identity when train.grad_clip is 0."""
+    return optax.clip_by_global_norm(train.grad_clip) if train.grad_clip > 0 else optax.identity()
+
+
+def adamw(train: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with the schedule; elementwise, so it may update parameters piece by piece."""
+    return optax.adamw(
+        learning_rate_schedule(train),
+        b1=train.b1,
+        b2=train.b2,
+        eps=train.eps,
+        weight_decay=train.weight_decay,
+        mask=decays,
     )
+
+
+def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
+    return optax.chain(clipping(train), adamw(train))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -21,6 +22,7 @@ from jlong.config import Config
 from jlong.data.sources import batch_layout
 from jlong.model.transformer import ForwardOptions, Transformer
 from jlong.parallel.placement import batch_sharding, computing_on, replicated, rest_spec
+from jlong.train.host_optimizer import HostAdamW, in_memory
 from jlong.train.optimizer import make_optimizer
 
 
@@ -37,17 +39,34 @@ class TrainProgram:
         self.options = ForwardOptions.for_training(config, mesh.devices.flat[0].platform)
         abstract_model = nnx.eval_shape(lambda: self._fresh_model(0))
         self.graphdef, self._abstract_state = nnx.split(abstract_model)
-        self.param_shardings = self._param_shardings()
-        self.abstract_params = _with_shardings(nnx.to_pure_dict(self._abstract_state), self.param_shardings)
+        self.param_shardings = self._param_shardings()  # on the devices, where the step computes with them
+        param_shapes = nnx.to_pure_dict(self._abstract_state)
 
-        self.optimizer = make_optimizer(config.train)
-        opt_shapes = jax.eval_shape(self.optimizer.init, self.abstract_params)
-        # Adam's moments are placed like their parameters, counters replicated.
-        self.opt_shardings = optax.tree_utils.tree_map_params(
-            self.optimizer, lambda _, sharding: sharding, opt_shapes, self.param_shardings,
-            transform_non_params=lambda _: replicated(mesh),
-        )
+        self.offloads_optimizer = config.memory.optimizer_offload
+        if self.offloads_optimizer:
+            self.optimizer = HostAdamW(config.train)
+            # Between steps master parameters and optimizer state live in host memory.
+            self.rest_shardings = in_memory(self.param_shardings, "pinned_host")
+            opt_shapes = jax.eval_shape(self.optimizer.init, param_shapes)
+            self.opt_shardings = self.optimizer.state_shardings(opt_shapes, self.rest_shardings, replicated(mesh))
+        else:
+            self.optimizer = make_optimizer(config.train)
+            self.rest_shardings = self.param_shardings
+            opt_shapes = jax.eval_shape(self.optimizer.init, param_shapes)
+            # Adam's moments are placed like their parameters, counters replicated.
+            self.opt_shardings = optax.tree_utils.tree_map_params(
+                self.optimizer, lambda _, sharding: sharding, opt_shapes, self.param_shardings,
+                transform_non_params=lambda _: replicated(mesh),
+            )
+        self.abstract_params = _with_shardings(param_shapes, self.rest_shardings)
         self.abstract_opt_state = _with_shardings(opt_shapes, self.opt_shardings)
+        # What the forward and backward passes hold on each device: the compute
+        # dtype's copies when the optimizer is offloaded, the parameters otherwise.
+        compute_dtype = config.train.compute_dtype if self.offloads_optimizer else None
+        self.abstract_compute_params = jax.tree.map(
+            lambda s, sharding: jax.ShapeDtypeStruct(s.shape, compute_dtype or s.dtype, sharding=sharding),
+            param_shapes, self.param_shardings,
+        )
 
         self.batch_sharding = batch_sharding(mesh)
         self.abstract_batch = {
@@ -56,9 +75,9 @@ class TrainProgram:
         }
         metrics_sharding = {"loss": replicated(mesh), "grad_norm": replicated(mesh)}
         self.step = jax.jit(
-            self._step,
-            in_shardings=(self.param_shardings, self.opt_shardings, self.batch_sharding),
-            out_shardings=(self.param_shardings, self.opt_shardings, metrics_sharding),
+            self._offloaded_step if self.offloads_optimizer else self._step,
+            in_shardings=(self.rest_shardings, self.opt_shardings, self.batch_sharding),
+            out_shardings=(self.rest_shardings, self.opt_shardings, metrics_sharding),
             donate_argnums=(0, 1),
         )
 
@@ -81,14 +100,22 @@ class TrainProgram:
 
     def init_params(self, seed: int) -> dict:
         """Random initial parameters, created directly in their shards."""
-        init = jax.jit(lambda: nnx.to_pure_dict(nnx.state(self._fresh_model(seed))), out_shardings=self.param_shardings)
+        init = jax.jit(lambda: nnx.to_pure_dict(nnx.state(self._fresh_model(seed))), out_shardings=self.rest_shardings)
         return init()
 
     def load_hf_params(self, path: str) -> dict:
         """A Hugging Face checkpoint's weights, read shard by shard into their places."""
         from jlong.hf import load_hf_params
 
-        return load_hf_params(path, self.config.model, self.abstract_params)
+        on_devices = _with_shardings(self.abstract_params, self.param_shardings)
+        return self.at_rest(load_hf_params(path, self.config.model, on_devices), self.rest_shardings)
+
+    def at_rest(self, tree, shardings):
+        """`tree` moved where the step keeps it between steps (host memory for
+        an offloaded optimizer's parameters and state; a no-op otherwise)."""
+        if not self.offloads_optimizer:
+            return tree
+        return jax.device_put(tree, shardings, donate=True)
 
     def init_opt_state(self, params: dict):
         return jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(params)
@@ -103,6 +130,13 @@ class TrainProgram:
     def loss(self, params: dict, batch: dict):
         with computing_on(self.mesh):
             return self.bind(params).loss(batch)
+
+    def _offloaded_step(self, master, opt_state, batch):
+        params = self.optimizer.compute_copy(master, self.config.train.compute_dtype, self.param_shardings)
+        loss, grads = jax.value_and_grad(self.loss)(params, batch)
+        grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+        master, opt_state = self.optimizer.update(grads, grad_norm, opt_state, master)
+        return master, opt_state, {"loss": loss, "grad_norm": grad_norm}
 
     def _step(self, params, opt_state, batch):
         loss, grads = jax.value_and_grad(self.loss)(params, batch)

@@ -1,12 +1,13 @@
-"""Out of device memory, explained: the planner's per-device figures and the
-memory settings that would lower them."""
+"""Memory that runs out, explained in one line: a run out of device memory
+(with the planner's figures), a plan over its device or host budget, and in
+both cases the memory settings that would lower what is over."""
 
 from __future__ import annotations
 
 from jlong.config import Config
 from jlong.errors import JlongError
 from jlong.model.remat import remat_policy
-from jlong.plan import plan
+from jlong.plan import MemoryPlan, plan
 from jlong.targets import GIB, PlanTarget
 
 _MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
@@ -42,6 +43,38 @@ def _plan_summary(config: Config, devices, capacity_bytes: int | None) -> str:
     return f": the plan needs {result.device_total / GIB:.2f} GiB per device ({parts}){capacity}"
 
 
+def over_budget_error(result: MemoryPlan, config: Config) -> JlongError:
+    """One line: which budget a plan is over, by how much, and what would lower it."""
+    reasons, knobs = [], []
+    if not result.fits_device:
+        reasons.append(f"{result.device_total / GIB:.2f} GiB per device is {(result.device_total - result.budget) / GIB:.2f} "
+                       f"GiB over the device budget of {result.budget / GIB:.2f} GiB")
+        knobs += lower_memory_settings(config)
+    if not result.fits_host:
+        over = (result.host_per_node - result.host_budget_per_node) / GIB
+        reasons.append(f"{result.host_per_node / GIB:,.1f} GiB of host memory per node is {over:,.1f} GiB over the "
+                       f"host budget of {result.host_budget_per_node / GIB:,.0f} GiB")
+        knobs += lower_host_settings(config)
+    knobs = list(dict.fromkeys(knobs)) or ["a shorter train.seq_len or more devices"]
+    return JlongError(f"at train.seq_len={config.train.seq_len:,}, {' and '.join(reasons)}; "
+                      f"settings that lower it: {'; '.join(knobs)}")
+
+
+def lower_host_settings(config: Config) -> list[str]:
+    """The knobs that take bytes off the host, in the order they cost least."""
+    if not remat_policy(config.memory.remat).offloads_layer_inputs:
+        return []
+    knobs = [f"memory.layers_per_checkpoint={k}" for k in _larger_groups(config)[:1]]
+    return [*knobs, "memory.remat=save_inputs (layer inputs stay on the devices)",
+            "memory.remat=full (no layer inputs kept)"]
+
+
+def _larger_groups(config: Config) -> list[int]:
+    """layers_per_checkpoint values above the config's that divide its layers."""
+    layers, k = config.model.num_hidden_layers, config.memory.layers_per_checkpoint
+    return [g for g in range(k + 1, layers + 1) if layers % g == 0]
+
+
 def lower_memory_settings(config: Config) -> list[str]:
     """The memory knobs this config does not use yet, in the order they pay."""
     memory, mesh, model = config.memory, config.mesh, config.model
@@ -49,6 +82,8 @@ def lower_memory_settings(config: Config) -> list[str]:
     suggestions = []
     if not remat_policy(memory.remat).offloads_layer_inputs:
         suggestions.append("memory.remat=offload_inputs")
+    if not memory.optimizer_offload:
+        suggestions.append("memory.optimizer_offload=true")
     if not memory.loss_tile:
         suggestions.append(f"memory.loss_tile={_divisor_near(local, 1024)}")
     if not memory.mlp_tile:

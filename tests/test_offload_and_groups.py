@@ -1,0 +1,65 @@
+"""The host-memory knobs: `memory.optimizer_offload` (master parameters and
+AdamW state in host memory) and `memory.layers_per_checkpoint` train exactly
+as the plain run does, resume exactly, and move the bytes they should."""
+
+import jax
+import pytest
+from helpers import MESH, SMALL_MODEL, run_config
+
+from jlong.config import load_config
+from jlong.plan import plan
+from jlong.train.loop import train
+
+FOUR_LAYERS = ["model.num_hidden_layers=4", "train.steps=5"]
+VARIANTS = {
+    "optimizer offload": ["memory.optimizer_offload=true"],
+    "2 layers per checkpoint": ["memory.remat=save_inputs", "memory.layers_per_checkpoint=2"],
+    "4 layers per checkpoint, offloaded inputs": ["memory.remat=offload_inputs", "memory.layers_per_checkpoint=4"],
+    "all, with UPipe and tiles": ["memory.optimizer_offload=true", "memory.remat=offload_inputs",
+                                  "memory.layers_per_checkpoint=2", "attention.heads_per_stage=4",
+                                  "memory.mlp_tile=4", "memory.loss_tile=4"],
+}
+
+
+def losses_of(tmp_path, *overrides, until_step=None):
+    return [r["loss"] for r in train(run_config(tmp_path, *FOUR_LAYERS, *overrides), until_step=until_step)]
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    return losses_of(tmp_path_factory.mktemp("plain"), "attention.heads_per_stage=0")
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variant_trains_like_the_plain_run(variant, plain, tmp_path):
+    assert losses_of(tmp_path, *VARIANTS[variant]) == pytest.approx(plain, rel=1e-5)
+
+
+def test_offloaded_optimizer_resumes_exactly(plain, tmp_path):
+    overrides = ["memory.optimizer_offload=true", "memory.remat=save_inputs", "memory.layers_per_checkpoint=2",
+                 "checkpoint.every=2"]
+    first = losses_of(tmp_path, *overrides, until_step=2)
+    rest = losses_of(tmp_path, *overrides)
+    assert first + rest == pytest.approx(plain, rel=1e-5)
+    assert len(rest) == 3
+
+
+def test_offloaded_optimizer_plans_its_states_in_host_memory():
+    config = load_config(None, [*SMALL_MODEL, *MESH, "train.compute_dtype=bfloat16"])
+    on_device = plan(config, devices=jax.devices())
+    offloaded = plan(load_config(None, [*SMALL_MODEL, *MESH, "train.compute_dtype=bfloat16",
+                                        "memory.optimizer_offload=true"]), devices=jax.devices())
+    assert offloaded.optimizer_state == 0
+    assert offloaded.parameters == on_device.parameters // 2  # bfloat16 copies of the float32 parameters
+    # float32 master parameters and two float32 moments per parameter (and AdamW's step counters)
+    assert 3 * on_device.parameters <= offloaded.host_states <= 3 * on_device.parameters + 4096
+    assert offloaded.host_offload == offloaded.host_states
+    assert offloaded.device_total < on_device.device_total
+
+
+def test_layer_groups_keep_one_input_per_group():
+    config = load_config(None, [*SMALL_MODEL, *MESH, "model.num_hidden_layers=4", "memory.remat=offload_inputs",
+                                "memory.layers_per_checkpoint=2"])
+    result = plan(config, devices=jax.devices())
+    one_input = 4 * 16 * 64 * 4  # sequences per fsdp rank x tokens per sp rank x hidden x float32
+    assert result.saved_layer_inputs == result.host_offload == 2 * one_input
