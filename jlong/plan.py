@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ from jlong.config import Config
 from jlong.model.remat import remat_policy
 from jlong.parallel.placement import make_mesh
 from jlong.targets import GIB, PlanTarget, node_shape
+from jlong.train.host_optimizer import lives_on_host
 from jlong.train.program import TrainProgram
 
 # XLA:CPU computes 16-bit matmuls in float32 (converted operands, float32
@@ -143,7 +145,7 @@ def plan_of(step: CompiledStep) -> MemoryPlan:
     parameters = shard_bytes(program.abstract_compute_params)
     gradients = parameters  # one gradient per parameter, placed like it
     host_states = host_state_bytes(program)
-    device_states = 0 if host_states else shard_bytes(program.abstract_opt_state)
+    device_states = shard_bytes(program.abstract_opt_state, lambda leaf: not in_host_memory(program, leaf))
     layer_inputs = saved_layer_input_bytes(config)
     if step.on_cpu:  # see the module docstring
         offloaded_inputs = layer_inputs if remat_policy(config.memory.remat).offloads_layer_inputs else 0
@@ -153,7 +155,7 @@ def plan_of(step: CompiledStep) -> MemoryPlan:
         host_offload = analysis.host_temp_size_in_bytes + analysis.host_argument_size_in_bytes
         temporaries = analysis.temp_size_in_bytes + max(analysis.output_size_in_bytes - analysis.alias_size_in_bytes, 0)
     # An offloaded optimizer's compute copies of the parameters are made inside the step.
-    in_temporaries = gradients + (parameters if host_states else 0)
+    in_temporaries = gradients + (parameters if program.offloads_optimizer else 0)
     if devices is None:
         _, devices_per_node = node_shape(config.mesh.size, target.gpus_per_node)
         compiler = target.compiler()
@@ -181,15 +183,18 @@ def state_bytes(config: Config, target: PlanTarget = PlanTarget(), devices=None)
     """Parameters + gradients + optimizer state per device: what any sequence
     length needs before its first activation. Nothing is compiled."""
     program = TrainProgram(config, _planning_mesh(config, target, devices))
-    device_states = 0 if program.offloads_optimizer else shard_bytes(program.abstract_opt_state)
+    device_states = shard_bytes(program.abstract_opt_state, lambda leaf: not in_host_memory(program, leaf))
     return 2 * shard_bytes(program.abstract_compute_params) + device_states
+
+
+def in_host_memory(program: TrainProgram, leaf) -> bool:
+    """Whether a leaf of the program's parameters or optimizer state lives in host memory between steps."""
+    return program.offloads_optimizer and lives_on_host(leaf)
 
 
 def host_state_bytes(program: TrainProgram) -> int:
     """Master parameters and optimizer state per device in host memory (0 unless offloaded)."""
-    if not program.offloads_optimizer:
-        return 0
-    return shard_bytes(program.abstract_params) + shard_bytes(program.abstract_opt_state)
+    return shard_bytes((program.abstract_params, program.abstract_opt_state), lambda leaf: in_host_memory(program, leaf))
 
 
 def _planning_mesh(config: Config, target: PlanTarget, devices):
@@ -212,10 +217,11 @@ def _without_bfloat16(config: Config) -> Config:
     )
 
 
-def shard_bytes(tree) -> int:
-    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard)."""
+def shard_bytes(tree, where: Callable[[jax.ShapeDtypeStruct], bool] = lambda leaf: True) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the
+    largest shard); of the leaves `where` picks."""
     total = 0
-    for leaf in jax.tree.leaves(tree):
+    for leaf in filter(where, jax.tree.leaves(tree)):
         shape = leaf.sharding.shard_shape(leaf.shape)
         total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
     return total

@@ -49,10 +49,9 @@ def test_offloaded_optimizer_plans_its_states_in_host_memory():
     on_device = plan(config, devices=jax.devices())
     offloaded = plan(load_config(None, [*SMALL_MODEL, *MESH, "train.compute_dtype=bfloat16",
                                         "memory.optimizer_offload=true"]), devices=jax.devices())
-    assert offloaded.optimizer_state == 0
+    assert offloaded.optimizer_state < 1024  # AdamW's step counters only
     assert offloaded.parameters == on_device.parameters // 2  # bfloat16 copies of the float32 parameters
-    # float32 master parameters and two float32 moments per parameter (and AdamW's step counters)
-    assert 3 * on_device.parameters <= offloaded.host_states <= 3 * on_device.parameters + 4096
+    assert offloaded.host_states == 3 * on_device.parameters  # float32 masters and two float32 moments
     assert offloaded.host_offload == offloaded.host_states
     assert offloaded.device_total < on_device.device_total
 

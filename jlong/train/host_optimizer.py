@@ -35,11 +35,15 @@ def in_memory(shardings, kind: str):
     return jax.tree.map(lambda s: s.with_memory_kind(kind), shardings)
 
 
+def lives_on_host(leaf) -> bool:
+    """Which leaves of the parameters and state live in host memory: the
+    floating-point ones. The integer step counters stay on the devices (a few
+    bytes, and XLA:GPU refuses to schedule copies of integer host buffers)."""
+    return jnp.issubdtype(leaf.dtype, jnp.floating)
+
+
 def _to(space, tree):
-    """The floating-point arrays of `tree` moved to `space`; the integer step
-    counters stay on the devices (a few bytes, and XLA:GPU refuses to
-    schedule copies of integer buffers in host memory)."""
-    return jax.tree.map(lambda x: jax.device_put(x, space) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+    return jax.tree.map(lambda x: jax.device_put(x, space) if lives_on_host(x) else x, tree)
 
 
 def _split(tree: dict) -> tuple[dict, dict]:
