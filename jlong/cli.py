@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _config_arguments(maxlen)
     _plan_arguments(maxlen)
+    maxlen.add_argument(
+        "--search", nargs="+", metavar="KEY=V1,V2", default=[],
+        help="also search over these settings (every combination), e.g. --search "
+        "memory.layers_per_checkpoint=1,2,4 attention.heads_per_stage=8,16; reports the setting that "
+        "reaches the longest length. Put it after the config's overrides.",
+    )
     maxlen.set_defaults(handler=_maxlen)
 
     convert = commands.add_parser(
@@ -182,30 +188,55 @@ def _maxlen(args) -> int:
 
     config = load_config(args.config, args.overrides)
     target = _plan_target(config, args)
-    from jlong.maxlen import granule, longest_seq_len
+    from jlong.maxlen import granule, search_axes, settings, with_overrides
     from jlong.targets import GIB
 
     print(f"target {target.name}: {target.compiler()}", flush=True)
     print(f"budgets: {target.describe_budget(config.train.gpu_memory_fraction)}; "
           f"{target.host_budget_gib:,.0f} GiB host per node; lengths are multiples of {granule(config):,}",
           flush=True)
-
-    def report(seq_len, result):
-        verdict = "fits" if result.fits else "over the " + " and ".join(result.exceeded) + " budget"
-        print(f"  seq_len {seq_len:>12,}: {result.device_total / GIB:8.2f} GiB per device, "
-              f"{result.host_per_node / GIB:8.1f} GiB host per node  {verdict}", flush=True)
-
-    found = longest_seq_len(config, target, on_probe=report)
+    candidates = [(setting, with_overrides(config, setting)) for setting in settings(search_axes(args.search))]
+    results, refusal = [], None
+    for setting, candidate in candidates:
+        if args.search:
+            print(f"setting {' '.join(setting)}:", flush=True)
+        try:
+            results.append((setting, candidate, _search_one(candidate, target)))
+        except JlongError as err:  # states alone over the budget: this setting fits no length
+            if not args.search:
+                raise
+            refusal = err
+            print(f"  no length fits: {err}", flush=True)
+    if not results:
+        raise refusal
+    setting, candidate, found = max(results, key=lambda r: r[2].seq_len)
     if not found.seq_len:
         from jlong.maxlen import with_seq_len
         from jlong.memory_advice import over_budget_error
 
         shortest, result = min(found.probes)
         sys.stdout.flush()
-        raise over_budget_error(result, with_seq_len(config, shortest))
+        raise over_budget_error(result, with_seq_len(candidate, shortest))
+    if args.search:
+        for other, _, each in results:
+            print(f"  {' '.join(other)}: longest {each.seq_len:,}; the {each.bound_by} budget binds")
+        print(f"best setting: {' '.join(setting)}")
     print(f"longest seq_len that fits: {found.seq_len:,} ({found.plan.device_total / GIB:.2f} GiB per device, "
           f"{found.plan.host_per_node / GIB:,.1f} GiB host per node); the {found.bound_by} budget binds")
     return 0
+
+
+def _search_one(config, target):
+    """The longest length of one config, each probe printed as it is planned."""
+    from jlong.maxlen import longest_seq_len
+    from jlong.targets import GIB
+
+    def report(seq_len, result):
+        verdict = "fits" if result.fits else "over the " + " and ".join(result.exceeded) + " budget"
+        print(f"  seq_len {seq_len:>12,}: {result.device_total / GIB:8.2f} GiB per device, "
+              f"{result.host_per_node / GIB:8.1f} GiB host per node  {verdict}", flush=True)
+
+    return longest_seq_len(config, target, on_probe=report)
 
 
 def _plan_target(config, args):

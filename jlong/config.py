@@ -9,6 +9,7 @@ as a `JlongError` with one line that names the key and the fix.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
@@ -191,9 +192,10 @@ def load_preset(name: str) -> dict[str, Any]:
 # Loading
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Reads a YAML config, applies `a.b=value` overrides, validates."""
-    raw = _read_yaml(Path(path)) if path is not None else {}
+def load_config(path: str | Path | None, overrides: list[str] = (), *, base: dict | None = None) -> Config:
+    """Reads a YAML config (or starts from `base`, a config's dict), applies
+    `a.b=value` overrides, validates."""
+    raw = _read_yaml(Path(path)) if path is not None else copy.deepcopy(base or {})
     for override in overrides:
         _apply_override(raw, override)
     return config_from_dict(raw)

@@ -11,10 +11,11 @@ that the first length over the limit exceeds is the one that binds.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 
-from jlong.config import Config, validate
+from jlong.config import Config, config_to_dict, load_config, validate
 from jlong.errors import JlongError
 from jlong.plan import MemoryPlan, plan, state_bytes
 from jlong.targets import GIB, PlanTarget
@@ -84,6 +85,29 @@ def longest_seq_len(
     over = by_length[high * step]
     return MaxLen(seq_len=low * step, plan=by_length.get(low * step), probes=tuple(probes),
                   bound_by=" and ".join(over.exceeded))
+
+
+def search_axes(entries: list[str]) -> list[tuple[str, list[str]]]:
+    """`key=v1,v2,...` entries of `--search` -> (key, values) pairs."""
+    axes = []
+    for entry in entries:
+        key, sep, values = entry.partition("=")
+        choices = [v for v in values.split(",") if v]
+        if not sep or not key or not choices:
+            raise JlongError(f"--search {entry!r} must look like section.key=value1,value2,...")
+        axes.append((key, choices))
+    return axes
+
+
+def settings(axes: list[tuple[str, list[str]]]) -> list[list[str]]:
+    """Every combination of the axes' values, as lists of overrides."""
+    return [[f"{key}={value}" for (key, _), value in zip(axes, combination)]
+            for combination in itertools.product(*(values for _, values in axes))]
+
+
+def with_overrides(config: Config, overrides: list[str]) -> Config:
+    """`config` with `key=value` overrides applied, validated again."""
+    return load_config(None, overrides, base=config_to_dict(config))
 
 
 def _check_budget_covers_states(config: Config, target: PlanTarget) -> None:

@@ -81,11 +81,14 @@ def test_plan_command_prints_json_bytes(tmp_path):
 def test_maxlen_command_reports_the_search(tmp_path):
     config = tmp_path / "small.yaml"
     config.write_text("{}\n")
-    budget = math.ceil(plan(small_long("train.seq_len=16384")).device_total / GIB * 1e6) / 1e6
+    tiles = ["memory.mlp_tile=1024", "memory.loss_tile=1024"]  # lengths in granules of 8,192: four probes
+    budget = math.ceil(plan(small_long(*tiles, "train.seq_len=16384")).device_total / GIB * 1e6) / 1e6
     # Overrides after the options, in the order DESIGN.md gives.
-    result = run_cli("maxlen", str(config), "--target", "cpu", "--budget-gib", f"{budget:.6f}", *SMALL_LONG)
+    result = run_cli("maxlen", str(config), "--target", "cpu", "--budget-gib", f"{budget:.6f}", *SMALL_LONG, *tiles)
     assert result.returncode == 0, result.stderr
     assert "seq_len        8,192" in result.stdout and "over the device budget" in result.stdout
+    assert [line.split(":")[0].split()[-1] for line in result.stdout.splitlines() if "  seq_len" in line] == [
+        "8,192", "16,384", "32,768", "24,576"]
     assert "longest seq_len that fits: 16,384" in result.stdout
     assert "the device budget binds" in result.stdout
 
@@ -142,3 +145,26 @@ def test_plan_on_a_mesh_without_enough_devices_is_refused():
     config = small_long()
     with pytest.raises(JlongError, match="devices are visible"):
         plan(config, devices=jax.devices()[:4])
+
+
+def test_maxlen_searches_the_settings_left_open_and_names_the_best(tmp_path):
+    """Offloaded layer inputs bind the host budget at 64K with one input per
+    layer; one per two layers halves them and reaches further."""
+    config = tmp_path / "small.yaml"
+    config.write_text("{}\n")
+    base = small_long("memory.mlp_tile=4096", "memory.loss_tile=4096", "train.seq_len=65536")
+    host_budget_gib = 8 * saved_layer_input_bytes(base) / GIB  # a node of 8 at 64K, one input per layer
+    result = run_cli("maxlen", config, *SMALL_LONG, "memory.mlp_tile=4096", "memory.loss_tile=4096",
+                     "train.seq_len=65536", "--target", "cpu", "--budget-gib", "1000",
+                     "--host-budget-gib", f"{host_budget_gib:.9f}", "--search", "memory.layers_per_checkpoint=1,2")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "setting memory.layers_per_checkpoint=1:" in out and "setting memory.layers_per_checkpoint=2:" in out
+    assert "memory.layers_per_checkpoint=1: longest 65,536; the host budget binds" in out
+    assert "best setting: memory.layers_per_checkpoint=2" in out
+    assert "longest seq_len that fits: 131,072" in out
+
+
+def test_a_malformed_search_is_one_line():
+    assert_one_line_error(run_cli("maxlen", "configs/tiny.yaml", "--target", "cpu", "--search", "memory.remat"),
+                          "--search 'memory.remat' must look like section.key=value1,value2,...")
