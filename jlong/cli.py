@@ -214,7 +214,7 @@ def _maxlen(args) -> int:
         from jlong.maxlen import with_seq_len
         from jlong.memory_advice import over_budget_error
 
-        shortest, result = min(found.probes)
+        shortest, result = min(found.probes, key=lambda probe: probe[0])
         sys.stdout.flush()
         raise over_budget_error(result, with_seq_len(candidate, shortest))
     if args.search:

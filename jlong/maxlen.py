@@ -106,7 +106,9 @@ def settings(axes: list[tuple[str, list[str]]]) -> list[list[str]]:
 
 
 def with_overrides(config: Config, overrides: list[str]) -> Config:
-    """`config` with `key=value` overrides applied, validated again."""
+    """`config` with `key=value` overrides applied, validated again (itself without any)."""
+    if not overrides:
+        return config
     return load_config(None, overrides, base=config_to_dict(config))
 
 

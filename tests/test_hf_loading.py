@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import leaf_at
 
 import jlong
 from jlong.config import ModelConfig, load_config
@@ -47,17 +48,11 @@ def test_every_array_arrives_in_its_planned_sharding(checkpoint):
     planned = jax.tree_util.tree_leaves_with_path(program.param_shardings)
     assert len(planned) == len(jax.tree.leaves(params)) == 3 + 9  # embed, final norm, lm_head; 9 layer stacks
     for path, sharding in planned:
-        array = _at(params, path)
+        array = leaf_at(params, path)
         assert array.sharding == sharding, jax.tree_util.keystr(path)
-        np.testing.assert_array_equal(np.asarray(array), np.asarray(_at(unsharded, path)))
+        np.testing.assert_array_equal(np.asarray(array), np.asarray(leaf_at(unsharded, path)))
     # Every dimension here is a multiple of 8, so FSDP splits every array over all eight devices.
     assert all(len(s.device_set) == 8 and not s.is_fully_replicated for _, s in planned)
-
-
-def _at(tree, path):
-    for key in path:
-        tree = tree[key.key]
-    return tree
 
 
 PEAK_PROBE = textwrap.dedent("""

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from jlong.config import TrainConfig
-from jlong.train.optimizer import adamw
+from jlong.train.optimizer import adamw, state_shardings
 
 LAYERS = "layers"  # the parameter dict's entry of stacked [num_layers, ...] arrays
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
@@ -67,13 +67,8 @@ class HostAdamW:
         """Moments placed like their parameters (in host memory), counters
         replicated on the devices."""
         layers, rest = _split(param_shardings)
-
-        def like(state, shardings):
-            return optax.tree_utils.tree_map_params(
-                self.adamw, lambda _, sharding: sharding, state, shardings, transform_non_params=lambda _: replicated
-            )
-
-        return {LAYERS: like(state_shapes[LAYERS], layers), "rest": like(state_shapes["rest"], rest)}
+        return {LAYERS: state_shardings(self.adamw, state_shapes[LAYERS], layers, replicated),
+                "rest": state_shardings(self.adamw, state_shapes["rest"], rest, replicated)}
 
     def compute_copy(self, master: dict, dtype, device_shardings: dict) -> dict:
         """The master parameters on the devices in the compute dtype, one layer at a time."""

@@ -53,5 +53,14 @@ def adamw(train: TrainConfig) -> optax.GradientTransformation:
     )
 
 
+def state_shardings(optimizer: optax.GradientTransformation, state_shapes, param_shardings, counters_sharding):
+    """Shardings of `optimizer`'s state: the moments placed like their
+    parameters, everything else (step counters) in `counters_sharding`."""
+    return optax.tree_utils.tree_map_params(
+        optimizer, lambda _, sharding: sharding, state_shapes, param_shardings,
+        transform_non_params=lambda _: counters_sharding,
+    )
+
+
 def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
     return optax.chain(clipping(train), adamw(train))

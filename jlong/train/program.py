@@ -23,7 +23,7 @@ from jlong.data.sources import batch_layout
 from jlong.model.transformer import ForwardOptions, Transformer
 from jlong.parallel.placement import batch_sharding, computing_on, replicated, rest_spec
 from jlong.train.host_optimizer import HostAdamW, in_memory
-from jlong.train.optimizer import make_optimizer
+from jlong.train.optimizer import make_optimizer, state_shardings
 
 
 def _with_shardings(shapes, shardings):
@@ -53,11 +53,7 @@ class TrainProgram:
             self.optimizer = make_optimizer(config.train)
             self.rest_shardings = self.param_shardings
             opt_shapes = jax.eval_shape(self.optimizer.init, param_shapes)
-            # Adam's moments are placed like their parameters, counters replicated.
-            self.opt_shardings = optax.tree_utils.tree_map_params(
-                self.optimizer, lambda _, sharding: sharding, opt_shapes, self.param_shardings,
-                transform_non_params=lambda _: replicated(mesh),
-            )
+            self.opt_shardings = state_shardings(self.optimizer, opt_shapes, self.param_shardings, replicated(mesh))
         self.abstract_params = _with_shardings(param_shapes, self.rest_shardings)
         self.abstract_opt_state = _with_shardings(opt_shapes, self.opt_shardings)
         # What the forward and backward passes hold on each device: the compute
@@ -108,14 +104,10 @@ class TrainProgram:
         from jlong.hf import load_hf_params
 
         on_devices = _with_shardings(self.abstract_params, self.param_shardings)
-        return self.at_rest(load_hf_params(path, self.config.model, on_devices), self.rest_shardings)
-
-    def at_rest(self, tree, shardings):
-        """`tree` moved where the step keeps it between steps (host memory for
-        an offloaded optimizer's parameters and state; a no-op otherwise)."""
-        if not self.offloads_optimizer:
-            return tree
-        return jax.device_put(tree, shardings, donate=True)
+        params = load_hf_params(path, self.config.model, on_devices)
+        if self.offloads_optimizer:  # the masters live in host memory between steps
+            params = jax.device_put(params, self.rest_shardings, donate=True)
+        return params
 
     def init_opt_state(self, params: dict):
         return jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(params)
