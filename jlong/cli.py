@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 def _train(args) -> int:
     from jlong.config import load_config
     from jlong.gpu_memory import apply_memory_fraction
-    from jlong.train.multihost import initialize_distributed, process_count_requested
+    from jlong.train.multihost import initialize_distributed, process_count_requested, shutdown_distributed
 
     config = load_config(args.config, args.overrides)
     processes = process_count_requested(args.num_processes)
@@ -157,6 +157,7 @@ def _train(args) -> int:
     from jlong.train.loop import train
 
     train(config, until_step=args.until_step)
+    shutdown_distributed()
     return 0
 
 

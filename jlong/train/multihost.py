@@ -8,6 +8,7 @@ JAX_PROCESS_ID, or (under SLURM) by jax's own cluster detection.
 from __future__ import annotations
 
 import os
+import time
 
 from jlong.errors import JlongError
 
@@ -33,6 +34,35 @@ def initialize_distributed(coordinator: str | None, num_processes: int | None, p
         process_id = int(os.environ["JAX_PROCESS_ID"])
     # CPU processes need a collectives backend; accelerators ignore this.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # jlong never asks for preemption sync points; the service's long-poll
+    # RPCs would only be left pending in the coordinator at exit.
+    jax.config.update("jax_enable_preemption_service", False)
     if coordinator is None and "SLURM_PROCID" not in os.environ:
         raise JlongError("multi-process training needs --coordinator host:port (or JAX_COORDINATOR_ADDRESS)")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=count, process_id=process_id)
+
+
+# How long the coordinator keeps its service up after the shutdown barrier,
+# so that the other processes' last RPCs (heartbeats, error polls being
+# cancelled) finish before it stops: a gRPC server destroyed with requests
+# still queued aborts the process (seen once in CI, not reproducible here).
+_SERVICE_DRAIN_SECONDS = 2.0
+
+
+def shutdown_distributed() -> None:
+    """Leave a multi-process run in a fixed order after a successful run.
+
+    Every client passes jax's shutdown barrier; then the coordinator waits
+    for the stragglers' RPCs to drain before stopping its service.
+    """
+    import jax
+    from jax._src import distributed  # the service is not reachable through the public API
+
+    state = distributed.global_state
+    if state.client is None:
+        return
+    service, state.service = state.service, None
+    jax.distributed.shutdown()
+    if service is not None:
+        time.sleep(_SERVICE_DRAIN_SECONDS)
+        service.shutdown()
