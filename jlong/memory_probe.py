@@ -56,7 +56,7 @@ class _Probe:
 
 
 def attention_temp_bytes(model: ModelConfig, seq_len: int, sp: int, heads_per_stage: int, dtype="float32") -> int:
-    """The attention block (projections, exchanges, kernel, output projection) in UPipe stages of U heads."""
+    """The attention block (norm, projections, exchanges, kernel, output projection, residual) in UPipe stages of U heads."""
     probe = _Probe(model, seq_len, sp, dtype)
     options = ForwardOptions(compute_dtype=dtype, attention_impl="blockwise", heads_per_stage=heads_per_stage)
     block = lambda p, x, positions: attention_block(p, x, positions, None, model, options)  # noqa: E731

@@ -91,10 +91,12 @@ def test_offloaded_optimizer_keeps_its_states_in_host_memory_on_h100s():
     on_device = plan(whole_stack(), H100)
     offloaded = plan(whole_stack("memory.optimizer_offload=true"), H100)
     assert offloaded.optimizer_state < 1024 and offloaded.host_states > 0  # on the devices: step counters
-    # XLA:GPU's own host bytes hold the offloaded layer inputs and the master parameters and AdamW state
-    # (and, at the end of the step, fresh buffers for the layers' updated states: at most two thirds more).
+    # XLA:GPU's own host bytes hold the offloaded layer inputs and the master parameters and AdamW state,
+    # and, at the end of the step, fresh buffers for updated states that XLA does not update in place: at
+    # most one more copy of each (0.56-0.79 of the states in this small model, depending on the program;
+    # none in the committed long-context configs).
     layer_inputs = saved_layer_input_bytes(whole_stack())
-    assert layer_inputs + offloaded.host_states <= offloaded.host_offload <= layer_inputs + 5 / 3 * offloaded.host_states
+    assert layer_inputs + offloaded.host_states <= offloaded.host_offload <= layer_inputs + 2 * offloaded.host_states
     assert offloaded.parameters == on_device.parameters // 2  # bfloat16 copies of float32 parameters
     assert offloaded.device_total < on_device.device_total
 
@@ -117,17 +119,21 @@ def test_two_nodes_compile_as_one_mesh():
 
 
 @needs_gpu_compiler
-@pytest.mark.parametrize("name, seq_len", [("llama3-8b-5m", 5 * 2**20), ("qwen3-32b-3m", 3 * 2**20)])
+@pytest.mark.parametrize(
+    "name, seq_len", [("llama3-8b-5m", 5 * 2**20), ("llama3-8b-8m", 8 * 2**20), ("qwen3-32b-3m", 3 * 2**20)]
+)
 def test_the_long_context_configs_fit_their_default_budgets_on_h100(name, seq_len):
     config = load_config(REPO / "configs" / f"{name}.yaml")
     assert config.train.seq_len == seq_len
     result = plan(config, H100)
     assert result.budget == int(default_budget_gib("h100", config.train.gpu_memory_fraction) * 2**30)
     assert result.fits_device and result.fits_host, result
+    if name == "llama3-8b-5m":  # 60.54 GiB before the in-place tiles and the normed tiled projections
+        assert result.device_total < 50 * 2**30, result
     # XLA:GPU's host bytes: the policy's count of layer inputs, and the offloaded optimizer's states
-    # (with fresh buffers for the layers' updated states at the end of the step, at most two thirds more).
+    # (with fresh buffers for updated states that XLA does not update in place: at most one more copy).
     layer_inputs = saved_layer_input_bytes(config)
-    assert layer_inputs + result.host_states <= result.host_offload <= layer_inputs + 5 / 3 * result.host_states
+    assert layer_inputs + result.host_states <= result.host_offload <= layer_inputs + 2 * result.host_states
 
 
 def _text_proto_fields(text: str) -> dict[str, str]:

@@ -42,7 +42,7 @@ def _model(H, K, qkv_extras=False):
 
 def _params(model, seed=0):
     D, H, K, d = model.hidden_size, model.num_attention_heads, model.kv_heads, model.dim_per_head
-    shapes = {"wq": (D, H, d), "wk": (D, K, d), "wv": (D, K, d), "wo": (H, d, D)}
+    shapes = {"attn_norm": (D,), "wq": (D, H, d), "wk": (D, K, d), "wv": (D, K, d), "wo": (H, d, D)}
     if model.attention_bias:
         shapes.update(bq=(H, d), bk=(K, d), bv=(K, d))
     if model.qk_norm:
@@ -56,10 +56,11 @@ def _params(model, seed=0):
 
 
 def _plain_attention_block(p, x, positions, segment_ids, model):
-    """The textbook computation, written out independently of jlong's stages."""
-    q = jnp.einsum("bsd,dhk->bshk", x, p["wq"])
-    k = jnp.einsum("bsd,dhk->bshk", x, p["wk"])
-    v = jnp.einsum("bsd,dhk->bshk", x, p["wv"])
+    """The textbook x + attention(norm(x)), written out independently of jlong's stages."""
+    h = rms_norm(x, p["attn_norm"], model.rms_norm_eps)
+    q = jnp.einsum("bsd,dhk->bshk", h, p["wq"])
+    k = jnp.einsum("bsd,dhk->bshk", h, p["wk"])
+    v = jnp.einsum("bsd,dhk->bshk", h, p["wv"])
     if model.attention_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if model.qk_norm:
@@ -67,7 +68,7 @@ def _plain_attention_block(p, x, positions, segment_ids, model):
     inv_freq = rope_inverse_frequencies(model)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     o = reference_attention(q, k, v, segment_ids)
-    return jnp.einsum("bshk,hkd->bsd", o, p["wo"])
+    return x + jnp.einsum("bshk,hkd->bsd", o, p["wo"])
 
 
 def _inputs(model, batch=4, seq=64, packed=False, seed=1):
@@ -99,7 +100,8 @@ def _reference(model, params, inputs):
 def _sharded(model, params, inputs, mesh_config, heads_per_stage, impl="blockwise"):
     x, cotangent, positions, segment_ids = inputs
     mesh = make_mesh(mesh_config, jax.devices())
-    options = ForwardOptions(attention_impl=impl, block_size=16, heads_per_stage=heads_per_stage)
+    # mlp_tile: the normed projections run in tiles of 4 of each shard's 8+ tokens.
+    options = ForwardOptions(attention_impl=impl, block_size=16, heads_per_stage=heads_per_stage, mlp_tile=4)
     tokens, hidden = compute_sharding(mesh, TOKENS), compute_sharding(mesh, HIDDEN)
 
     def block(p, x, pos, seg):

@@ -4,12 +4,14 @@ Each device holds a sequence shard x [B, S/C, D] (C = the sp degree). The
 query heads are taken U at a time (a `lax.scan` over H/U stages, so every
 stage reuses the same buffers). For each stage:
 
-1. project the stage's q (and the k, v it needs) on the local shard, with
-   RoPE at the shard's global positions;
+1. project the stage's q (and the k, v it needs) from the normed local
+   shard, tile by tile (the normed shard never exists whole), with RoPE at
+   the shard's global positions;
 2. all-to-all: [B, S/C, U, d] -> [B, S, U/C, d] (whole sequence, U/C heads);
 3. causal attention over the whole sequence;
 4. all-to-all back: [B, S, U/C, d] -> [B, S/C, U, d];
-5. add its output projection, o @ Wo[stage heads], into the [B, S/C, D] result.
+5. add its output projection, o @ Wo[stage heads], into the residual stream
+   [B, S/C, D] (the block returns x + attention).
 
 Attention buffers hold U/C heads per device instead of H/C (U = H is plain
 Ulysses). Each stage is rematerialised with a policy that keeps only the
@@ -112,8 +114,10 @@ class HeadProjections:
     """The model's side of attention, for a range of heads on a sequence shard.
     Each takes the attention weights first:
 
-    - qkv(params, x_BSD, positions_BS, q_heads, kv_heads) -> (q, k, v), each
-      [B, S, count, d] with RoPE applied, for head ranges (first, count)
+    - qkv(params, x_BSD, positions_BS, q_heads, kv_heads, sink_BSD) ->
+      (q, k, v, sink): q, k, v each [B, S, count, d] with RoPE applied, for
+      head ranges (first, count), and the gradient sink unchanged, into whose
+      gradient the backward pass adds x's (x itself gets none)
     - output(params, o_BSUd, first, count) -> o @ Wo[heads] [B, S, D], in the
       compute dtype
     """
@@ -123,7 +127,8 @@ class HeadProjections:
 
 
 def staged_attention(params, x_BSD, positions_BS, segment_ids_BS, *, projections, heads, impl, block_size):
-    """Self-attention of x [B, S, D] (output projection included), in UPipe stages.
+    """x + self-attention of x [B, S, D] (the projections normalise x first;
+    output projection included), in UPipe stages.
 
     `heads` is (H, K, U). Under `computing_on(mesh)` this runs per device
     (shard_map) with Ulysses exchanges over the sequence's mesh axis;
@@ -144,7 +149,7 @@ def staged_attention(params, x_BSD, positions_BS, segment_ids_BS, *, projections
 
 
 def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, projections, impl, block_size):
-    """The per-device program: x [B, S/C, D] -> attention output [B, S/C, D].
+    """The per-device program: x [B, S/C, D] -> x + attention output [B, S/C, D].
     Shape letters: s = S/C (this device's shard), U heads per stage, u = U/C
     heads per device, r kv slots per device, w the kv heads a stage projects."""
     segment_ids_BS = segment_ids_Bs
@@ -156,21 +161,31 @@ def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, p
     width, first_kv, slots = plan.kv_window
     first_kv, slots = jnp.asarray(first_kv), jnp.asarray(slots)
 
-    # The accumulator y goes in and out of the checkpointed stage so the stage
+    # The projections read x without differentiating it; the stages pass a
+    # gradient sink along instead (x's value, otherwise unused), into whose
+    # gradient each stage's backward pass adds its part of x's gradient in
+    # place (see `HeadProjections.qkv`): one [B, S/C, D] sum over the stages,
+    # with no per-stage gradient of x beside it.
+    x_input_BsD = jax.lax.stop_gradient(x_BsD)
+
+    # The stream y goes in and out of the checkpointed stage so the stage
     # output is added in place; the backward pass needs no copy of it.
     @functools.partial(jax.checkpoint, policy=KEEP_ATTENTION_OUTPUT)
-    def add_stage(y_BsD, stage):
-        q_BsUd, k_Bswd, v_Bswd = projections.qkv(params, x_BsD, positions_Bs, (stage * U, U), (first_kv[stage], width))
+    def add_stage(carry, stage):
+        y_BsD, sink_BsD = carry
+        q_BsUd, k_Bswd, v_Bswd, sink_BsD = projections.qkv(
+            params, x_input_BsD, positions_Bs, (stage * U, U), (first_kv[stage], width), sink_BsD
+        )
         k_BSrd, v_BSrd = (to_heads(jnp.take(t, slots[stage], axis=2)) for t in (k_Bswd, v_Bswd))
         o_BSud = attend(to_heads(q_BsUd), k_BSrd, v_BSrd, segment_ids_BS, impl=impl, block_size=block_size)
-        return y_BsD + projections.output(params, to_sequence(o_BSud), stage * U, U), None
+        return (y_BsD + projections.output(params, to_sequence(o_BSud), stage * U, U), sink_BsD), None
 
-    # zeros_like(x): inside shard_map a scan carry must vary over x's mesh axes.
-    # The sum is kept in the compute dtype: a float32 one would be the largest
-    # buffer of the layer at long context ([B, S/C, D], 4 bytes a value), for
-    # the rounding of a handful of stage additions.
-    y_BsD = jnp.zeros_like(x_BsD)
-    y_BsD, _ = jax.lax.scan(add_stage, y_BsD, jnp.arange(plan.num_stages))
+    # The stages add into the residual stream itself (no zero-filled sum,
+    # which XLA would share between the forward and backward pass and keep
+    # alive in between), in the compute dtype: a float32 sum would be the
+    # largest buffer of the layer at long context, for the rounding of a
+    # handful of additions.
+    (y_BsD, _), _ = jax.lax.scan(add_stage, (x_BsD, x_BsD), jnp.arange(plan.num_stages))
     return y_BsD
 
 

@@ -25,7 +25,7 @@ from jlong.config import Config, ModelConfig
 from jlong.model.layers import apply_rope, rms_norm, rope_inverse_frequencies, swiglu
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy
 from jlong.model.remat import remat_policy, scan_layers
-from jlong.model.tiling import map_tiles
+from jlong.model.tiling import map_tiles, map_tiles_gradient_into
 from jlong.options import AttentionImpl, DType, RematName
 from jlong.parallel.placement import HIDDEN, REPLICATED, constrain, sequence_shards
 
@@ -190,9 +190,7 @@ class Transformer(nnx.Module):
 
 def decoder_layer(p, x_BSD, positions_BS, segment_ids_BS, config, options):
     """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(x))."""
-    h_BSD = sequence_norm(x_BSD, p["attn_norm"], config, options)
-    x_BSD = x_BSD + attention_block(p, h_BSD, positions_BS, segment_ids_BS, config, options)
-    x_BSD = constrain(x_BSD, HIDDEN)
+    x_BSD = constrain(attention_block(p, x_BSD, positions_BS, segment_ids_BS, config, options), HIDDEN)
     return constrain(mlp_block(p, x_BSD, config, options), HIDDEN)
 
 
@@ -231,20 +229,36 @@ def _residual_mlp(p, x_BSD, *, eps):
     return x_BSD + swiglu(h_BSD, p["w_gate"], p["w_up"], p["w_down"])
 
 
-def project_qkv(p, h_BSD, positions_BS, q_heads, kv_heads, *, config):
+def project_qkv(p, x_BSD, positions_BS, q_heads, kv_heads, sink_BSD, *, config, tile):
     """q for the query heads `q_heads` = (first, count) and k, v for the kv
-    heads `kv_heads`, each [B, S, count, d], with bias, q/k norm and RoPE.
-    One matmul computes all of them."""
+    heads `kv_heads`, each [B, S, count, d], of the normed x, with bias, q/k
+    norm and RoPE; and the gradient sink, which passes through and collects
+    x's gradient. One matmul computes q, k and v, `tile` tokens at a time
+    (0: the whole shard at once), so the normed x never exists whole."""
     ranges = {"q": q_heads, "k": kv_heads, "v": kv_heads}
-    weights = [_heads(p[f"w{name}"], *heads, axis=1) for name, heads in ranges.items()]
-    qkv_BSNd = _project(h_BSD, jnp.concatenate(weights, axis=1))
+    weights = {
+        "norm": p["attn_norm"],
+        "qkv": jnp.concatenate([_heads(p[f"w{name}"], *heads, axis=1) for name, heads in ranges.items()], axis=1),
+    }
     if config.attention_bias:
-        qkv_BSNd = qkv_BSNd + jnp.concatenate([_heads(p[f"b{name}"], *heads, axis=0) for name, heads in ranges.items()])
-    q, k, v = jnp.split(qkv_BSNd, np.cumsum([w.shape[1] for w in weights])[:-1], axis=2)
+        weights["bias"] = jnp.concatenate([_heads(p[f"b{name}"], *heads, axis=0) for name, heads in ranges.items()])
+    if config.qk_norm:
+        weights.update(q_norm=p["q_norm"], k_norm=p["k_norm"])
+    counts = tuple(heads[1] for heads in ranges.values())
+    normed_qkv = functools.partial(_normed_qkv, config=config, counts=counts)
+    qkv, sink_BSD = map_tiles_gradient_into(normed_qkv, weights, x_BSD, positions_BS, sink_BSD, tile or x_BSD.shape[1])
+    return *qkv, sink_BSD
+
+
+def _normed_qkv(w, x_BSD, positions_BS, *, config, counts):
+    qkv_BSNd = _project(rms_norm(x_BSD, w["norm"], config.rms_norm_eps), w["qkv"])
+    if "bias" in w:
+        qkv_BSNd = qkv_BSNd + w["bias"]
+    q, k, v = jnp.split(qkv_BSNd, np.cumsum(counts)[:-1], axis=2)
     inv_freq = rope_inverse_frequencies(config)
     if config.qk_norm:
-        q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
+        q = rms_norm(q, w["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, w["k_norm"], config.rms_norm_eps)
     return apply_rope(q, positions_BS, inv_freq), apply_rope(k, positions_BS, inv_freq), v
 
 
@@ -267,18 +281,20 @@ def project_out(p, o_BSHd, first, count):
     return jnp.einsum("bshk,hkd->bsd", o_BSHd, wo)
 
 
-ATTENTION_PARAMS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm")
+ATTENTION_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm")
 
 
-def attention_block(p, h_BSD, positions_BS, segment_ids_BS, config, options):
-    """Self-attention of the normed input, in Ulysses/UPipe head stages."""
+def attention_block(p, x_BSD, positions_BS, segment_ids_BS, config, options):
+    """x + self-attention of norm(x), in Ulysses/UPipe head stages."""
     H = config.num_attention_heads
     return staged_attention(
         {name: p[name] for name in ATTENTION_PARAMS if name in p},
-        h_BSD,
+        x_BSD,
         positions_BS,
         segment_ids_BS,
-        projections=HeadProjections(qkv=functools.partial(project_qkv, config=config), output=project_out),
+        projections=HeadProjections(
+            qkv=functools.partial(project_qkv, config=config, tile=options.mlp_tile), output=project_out
+        ),
         heads=(H, config.kv_heads, options.heads_per_stage or H),
         impl=options.attention_impl,
         block_size=options.block_size,
