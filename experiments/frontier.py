@@ -24,7 +24,7 @@ from jlong.plan import plan  # noqa: E402
 from jlong.targets import GIB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ["configs/llama3-8b-5m.yaml", "configs/qwen3-32b-3m.yaml"]
+CONFIGS = ["configs/llama3-8b-5m.yaml", "configs/llama3-8b-8m.yaml", "configs/qwen3-32b-3m.yaml"]
 
 
 def row(path: str, overrides: list[str], target) -> list:
