@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--search", nargs="+", metavar="KEY=V1,V2", default=[],
         help="also search over these settings (every combination), e.g. --search "
         "memory.layers_per_checkpoint=1,2,4 attention.heads_per_stage=8,16; reports the setting that "
-        "reaches the longest length. Put it after the config's overrides.",
+        "reaches the longest length. mesh.ring=1,2,4 alone keeps the devices (sp takes the rest). "
+        "Put it after the config's overrides.",
     )
     maxlen.set_defaults(handler=_maxlen)
 
@@ -196,14 +197,14 @@ def _maxlen(args) -> int:
     print(f"budgets: {target.describe_budget(config.train.gpu_memory_fraction)}; "
           f"{target.host_budget_gib:,.0f} GiB host per node; lengths are multiples of {granule(config):,}",
           flush=True)
-    candidates = [(setting, with_overrides(config, setting)) for setting in settings(search_axes(args.search))]
     results, refusal = [], None
-    for setting, candidate in candidates:
+    for setting in settings(search_axes(args.search)):
         if args.search:
             print(f"setting {' '.join(setting)}:", flush=True)
         try:
+            candidate = with_overrides(config, setting)
             results.append((setting, candidate, _search_one(candidate, target)))
-        except JlongError as err:  # states alone over the budget: this setting fits no length
+        except JlongError as err:  # an invalid setting, or states alone over the budget: it fits no length
             if not args.search:
                 raise
             refusal = err
@@ -251,11 +252,11 @@ def _plan_target(config, args):
         raise JlongError(f"--host-budget-gib must be positive, got {args.host_budget_gib:g}")
     if args.devices is not None and args.devices != config.mesh.size:
         m = config.mesh
-        fill = args.devices / (m.data * m.sp)
+        fill = args.devices / (m.data * m.ring * m.sp)
         hint = f"; mesh.fsdp={fill:g} fills them" if fill == int(fill) and fill >= 1 else ""
         raise JlongError(
-            f"--devices {args.devices}, but the mesh data x fsdp x sp = {m.data} x {m.fsdp} x {m.sp} "
-            f"= {m.size}{hint}"
+            f"--devices {args.devices}, but the mesh data x fsdp x ring x sp = {m.data} x {m.fsdp} x {m.ring} x "
+            f"{m.sp} = {m.size}{hint}"
         )
     target = PlanTarget(resolve_target(args.target), args.budget_gib, args.host_budget_gib, args.gpus_per_node)
     node_shape(config.mesh.size, target.gpus_per_node)  # whole nodes, before anything compiles

@@ -74,11 +74,23 @@ class ModelConfig:
 class MeshConfig:
     data: int = 1
     fsdp: int = 1
-    sp: int = 1
+    ring: int = 1  # ring attention across these groups of sp devices (context parallel, e.g. across nodes)
+    sp: int = 1  # Ulysses: heads exchanged all-to-all within a group of sp devices
 
     @property
     def size(self) -> int:
-        return self.data * self.fsdp * self.sp
+        return self.data * self.fsdp * self.ring * self.sp
+
+    @property
+    def sequence_shards(self) -> int:
+        """How many pieces each sequence is cut into, one per device: ring x sp."""
+        return self.ring * self.sp
+
+    @property
+    def sequence_granule(self) -> int:
+        """What seq_len must be a multiple of: one token per device, and with a
+        ring, the zigzag layout's 2 x ring chunks (`jlong.parallel.zigzag`)."""
+        return self.sp * (2 * self.ring if self.ring > 1 else 1)
 
 
 @dataclass(frozen=True)
@@ -390,6 +402,7 @@ def validate(config: Config) -> None:
         {
             "mesh.data": mesh.data,
             "mesh.fsdp": mesh.fsdp,
+            "mesh.ring": mesh.ring,
             "mesh.sp": mesh.sp,
             "attention.block_size": att.block_size,
             "train.steps": train.steps,
@@ -416,12 +429,17 @@ def validate(config: Config) -> None:
             f"train.batch_size ({train.batch_size}) must be a multiple of mesh.data x mesh.fsdp "
             f"({batch_split}): each of those ranks takes whole sequences"
         )
-    if train.seq_len % mesh.sp:
-        lower = train.seq_len // mesh.sp * mesh.sp
+    granule = mesh.sequence_granule
+    if train.seq_len % granule:
+        lower = train.seq_len // granule * granule
+        what = f"mesh.sp ({mesh.sp})" if mesh.ring == 1 else (
+            f"2 x mesh.ring x mesh.sp ({granule}: the zigzag layout cuts the sequence into 2 x ring chunks, "
+            f"each split over sp)")
         raise JlongError(
-            f"train.seq_len ({train.seq_len}) must be a multiple of mesh.sp ({mesh.sp}); "
-            f"nearest valid: {lower or mesh.sp} or {lower + mesh.sp}"
+            f"train.seq_len ({train.seq_len}) must be a multiple of {what}; "
+            f"nearest valid: {lower or granule} or {lower + granule}"
         )
+    _validate_ring_blocks(config)
     if not train.lr > 0:
         raise JlongError(f"train.lr must be positive, got {train.lr}")
     if not 0 < train.gpu_memory_fraction <= 1:
@@ -453,9 +471,21 @@ def _validate_head_split(config: Config) -> None:
         raise JlongError("train.profile_steps writes its trace into run_dir: set run_dir")
 
 
+def _validate_ring_blocks(config: Config) -> None:
+    """Ring attention walks each ring chunk (seq_len / ring tokens) in whole blocks."""
+    if config.mesh.ring == 1:
+        return
+    chunk, block = config.train.seq_len // config.mesh.ring, config.attention.block_size
+    if chunk % min(block, chunk):
+        raise JlongError(
+            f"attention.block_size ({block}) must divide the {chunk} tokens of each ring chunk "
+            f"(train.seq_len / mesh.ring) with ring attention"
+        )
+
+
 def _validate_tiles(config: Config) -> None:
-    """Tiles cut each device's shard of seq_len / mesh.sp tokens evenly."""
-    local = config.train.seq_len // config.mesh.sp
+    """Tiles cut each device's shard of seq_len / (ring x sp) tokens evenly."""
+    local = config.train.seq_len // config.mesh.sequence_shards
     for key in ("mlp_tile", "loss_tile"):
         tile = getattr(config.memory, key)
         if tile and local % tile:
@@ -463,7 +493,7 @@ def _validate_tiles(config: Config) -> None:
             nearest = sorted(divisors, key=lambda t: abs(t - tile))[:2]
             raise JlongError(
                 f"memory.{key} ({tile}) must divide the {local} tokens each device holds "
-                f"(train.seq_len / mesh.sp); nearest that work: {', '.join(map(str, sorted(nearest)))}"
+                f"(train.seq_len / (mesh.ring x mesh.sp)); nearest that work: {', '.join(map(str, sorted(nearest)))}"
             )
 
 

@@ -32,9 +32,15 @@ class MaxLen:
 
 
 def granule(config: Config) -> int:
-    """seq_len must be a multiple of this: sp, times every tile size in use."""
+    """seq_len must be a multiple of this: the mesh's sequence granule, with
+    every device's shard a multiple of each tile in use and, with a ring,
+    every ring chunk a multiple of the attention block."""
+    mesh = config.mesh
     tiles = [t for t in (config.memory.mlp_tile, config.memory.loss_tile) if t]
-    return config.mesh.sp * math.lcm(1, *tiles)
+    multiples = [mesh.sequence_granule, mesh.sequence_shards * math.lcm(1, *tiles)]
+    if mesh.ring > 1:
+        multiples.append(mesh.ring * config.attention.block_size)
+    return math.lcm(*multiples)
 
 
 def with_seq_len(config: Config, seq_len: int) -> Config:
@@ -106,9 +112,18 @@ def settings(axes: list[tuple[str, list[str]]]) -> list[list[str]]:
 
 
 def with_overrides(config: Config, overrides: list[str]) -> Config:
-    """`config` with `key=value` overrides applied, validated again (itself without any)."""
+    """`config` with `key=value` overrides applied, validated again (itself
+    without any). A ring degree given without an sp degree keeps the mesh's
+    devices: sp becomes what the ring leaves (`mesh.ring=2` on 4 x 8 = 32
+    devices: ring 2 x sp 16)."""
     if not overrides:
         return config
+    given = dict(override.partition("=")[::2] for override in overrides)
+    if "mesh.ring" in given and "mesh.sp" not in given and given["mesh.ring"].isdigit():
+        mesh = config.mesh
+        others = int(given.get("mesh.data", mesh.data)) * int(given.get("mesh.fsdp", mesh.fsdp)) * int(given["mesh.ring"])
+        if others and mesh.size % others == 0:
+            overrides = [*overrides, f"mesh.sp={mesh.size // others}"]
     return load_config(None, overrides, base=config_to_dict(config))
 
 

@@ -228,12 +228,12 @@ def shard_bytes(tree, where: Callable[[jax.ShapeDtypeStruct], bool] = lambda lea
 
 
 def saved_layer_input_bytes(config: Config) -> int:
-    """One [B, S/sp, D] layer input per `layers_per_checkpoint` layers in the
+    """One [B, S/(ring x sp), D] layer input per `layers_per_checkpoint` layers in the
     compute dtype, on each device, for the policies that keep layer inputs."""
     if not remat_policy(config.memory.remat).keeps_layer_inputs:
         return 0
     mesh, train, model = config.mesh, config.train, config.model
-    local_tokens = train.batch_size // (mesh.data * mesh.fsdp) * train.seq_len // mesh.sp
+    local_tokens = train.batch_size // (mesh.data * mesh.fsdp) * train.seq_len // mesh.sequence_shards
     itemsize = jnp.dtype(train.compute_dtype).itemsize
     kept = model.num_hidden_layers // config.memory.layers_per_checkpoint
     return kept * local_tokens * model.hidden_size * itemsize
@@ -249,7 +249,7 @@ def format_plan(result: MemoryPlan, config: Config) -> str:
     heads = config.heads_per_stage
     lines = [
         f"target {result.target}: {result.compiler}",
-        f"seq_len {t.seq_len:,} x batch {t.batch_size} on mesh data={m.data} fsdp={m.fsdp} sp={m.sp}; "
+        f"seq_len {t.seq_len:,} x batch {t.batch_size} on mesh data={m.data} fsdp={m.fsdp} ring={m.ring} sp={m.sp}; "
         f"{t.compute_dtype} compute, {t.param_dtype} parameters",
         f"remat {mem.remat}{_groups(mem.layers_per_checkpoint)}{', optimizer in host memory' if mem.optimizer_offload else ''}, mlp_tile {mem.mlp_tile or 'off'}, loss_tile {mem.loss_tile or 'off'}, "
         f"attention heads per stage {heads} of {config.model.num_attention_heads}",

@@ -119,6 +119,17 @@ def test_two_nodes_compile_as_one_mesh():
 
 
 @needs_gpu_compiler
+def test_ring_attention_across_two_nodes_keeps_ulysses_inside_each():
+    step = compile_train_step(whole_stack("mesh.fsdp=1", "mesh.ring=2"), PlanTarget("h100", gpus_per_node=4))
+    hlo = step.compiled.as_text()
+    assert "collective-permute" in hlo and "all-to-all" in hlo
+    mesh = step.compiled.input_shardings[0][0]["embed"].mesh
+    for ring_rank in range(2):  # each sp group (Ulysses' all-to-all) is one node's 4 GPUs
+        assert len({d.process_index for d in mesh.devices[0, 0, ring_rank]}) == 1
+    assert {d.process_index for d in mesh.devices[0, 0, :, 0]} == {0, 1}  # the ring spans the nodes
+
+
+@needs_gpu_compiler
 @pytest.mark.parametrize(
     "name, seq_len", [("llama3-8b-5m", 5 * 2**20), ("llama3-8b-8m", 8 * 2**20), ("qwen3-32b-3m", 3 * 2**20)]
 )

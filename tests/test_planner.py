@@ -124,7 +124,7 @@ def test_maxlen_where_no_length_fits_exits_2_with_the_shortest_plan(tmp_path):
         (["plan", "--budget-gib", "0"], "--budget-gib must be positive"),
         (["plan", "--budget-gib", "-3"], "--budget-gib must be positive"),
         (["maxlen", "--target", "cpu", "--budget-gib", "0.001"], "below the"),
-        (["plan", "--devices", "4"], "--devices 4, but the mesh data x fsdp x sp = 1 x 1 x 8 = 8"),
+        (["plan", "--devices", "4"], "--devices 4, but the mesh data x fsdp x ring x sp = 1 x 1 x 1 x 8 = 8"),
         (["plan", "mesh.sp=16"], "not divisible by mesh.sp"),
         (["plan", "memory.mlp_tile=100"], "memory.mlp_tile (100) must divide"),
         (["plan", "--target", "h10"], "unknown --target 'h10' (did you mean 'h100'?)"),

@@ -66,8 +66,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_train_like_one(tmp_path, uninterrupted):
-    config = run_config(tmp_path, "checkpoint.dir=null")
+@pytest.mark.parametrize("mesh", [[], ["mesh.fsdp=1", "mesh.ring=2"]], ids=["fsdp-sp", "ring-across-processes"])
+def test_two_processes_train_like_one(tmp_path, uninterrupted, mesh):
+    """4 CPU devices per process; with mesh.ring=2 (x sp=4) the ring's two ranks are the two processes."""
+    config = run_config(tmp_path, "checkpoint.dir=null", *mesh)
     port = _free_port()
     processes = []
     for rank in range(2):

@@ -45,6 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jlong.attention.kernels import ATTENTION_LSE, ATTENTION_OUT, attend
+from jlong.attention.ring import ring_attention
+from jlong.parallel.zigzag import chunk_token_index, shard_token_index
 from jlong.parallel.placement import HIDDEN, REPLICATED, TOKENS, sequence_shards
 
 
@@ -131,30 +133,41 @@ def staged_attention(params, x_BSD, positions_BS, segment_ids_BS, *, projections
     output projection included), in UPipe stages.
 
     `heads` is (H, K, U). Under `computing_on(mesh)` this runs per device
-    (shard_map) with Ulysses exchanges over the sequence's mesh axis;
-    otherwise the same stages run on the whole array.
+    (shard_map) with Ulysses exchanges over the sp mesh axis and, with a
+    ring, ring attention over the ring axis on the zigzag layout
+    (`jlong.parallel.zigzag`); otherwise the same stages run on the whole
+    array. Without `positions`, each token's position is its index in the
+    sequence.
     """
     H, K, U = heads
     shards = sequence_shards()
     run = functools.partial(
         _run_stages,
-        plan=StagePlan(H, K, shards.size, U),
-        sp_axis=shards.collective_axis,
+        plan=StagePlan(H, K, shards.ulysses_size, U),
+        sp_axis=shards.ulysses_axis,
+        ring=(shards.ring_axis, shards.ring_size),
         projections=projections,
-        impl=impl,
+        kernel=functools.partial(attend, impl=impl, block_size=block_size),
         block_size=block_size,
     )
     run = shards.map(run, (REPLICATED, HIDDEN, TOKENS, TOKENS), HIDDEN)
     return run(params, x_BSD, positions_BS, segment_ids_BS)
 
 
-def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, projections, impl, block_size):
+def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, ring, projections, kernel, block_size):
     """The per-device program: x [B, S/C, D] -> x + attention output [B, S/C, D].
     Shape letters: s = S/C (this device's shard), U heads per stage, u = U/C
     heads per device, r kv slots per device, w the kv heads a stage projects."""
-    segment_ids_BS = segment_ids_Bs
-    if sp_axis is not None and segment_ids_Bs is not None:
-        segment_ids_BS = jax.lax.all_gather(segment_ids_Bs, sp_axis, axis=1, tiled=True)
+    ring_axis, ring_size = ring
+    seq_len = x_BsD.shape[1] * plan.devices * ring_size
+    if positions_Bs is None:
+        index_s = shard_token_index(seq_len, ring_axis, ring_size, sp_axis, plan.devices)
+        positions_Bs = jnp.broadcast_to(index_s, x_BsD.shape[:2])
+    if ring_axis is not None:
+        # The ring chunk's tokens (what this device holds after the exchange) by their sequence index.
+        chunk_index = chunk_token_index(jax.lax.axis_index(ring_axis), ring_size, seq_len)
+        kernel = functools.partial(_ring_kernel, index=chunk_index, axis=ring_axis, size=ring_size, block_size=block_size)
+    segment_ids_BS = _gather_sequence(segment_ids_Bs, sp_axis)
     to_heads = functools.partial(_exchange, axis=sp_axis, split=2, concat=1)
     to_sequence = functools.partial(_exchange, axis=sp_axis, split=1, concat=2)
     U = plan.heads_per_stage
@@ -177,7 +190,7 @@ def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, p
             params, x_input_BsD, positions_Bs, (stage * U, U), (first_kv[stage], width), sink_BsD
         )
         k_BSrd, v_BSrd = (to_heads(jnp.take(t, slots[stage], axis=2)) for t in (k_Bswd, v_Bswd))
-        o_BSud = attend(to_heads(q_BsUd), k_BSrd, v_BSrd, segment_ids_BS, impl=impl, block_size=block_size)
+        o_BSud = kernel(to_heads(q_BsUd), k_BSrd, v_BSrd, segment_ids_BS)
         return (y_BsD + projections.output(params, to_sequence(o_BSud), stage * U, U), sink_BsD), None
 
     # The stages add into the residual stream itself (no zero-filled sum,
@@ -187,6 +200,17 @@ def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, p
     # handful of additions.
     (y_BsD, _), _ = jax.lax.scan(add_stage, (x_BsD, x_BsD), jnp.arange(plan.num_stages))
     return y_BsD
+
+
+def _ring_kernel(q_BSud, k_BSrd, v_BSrd, segment_ids_BS, *, index, axis, size, block_size):
+    return ring_attention(q_BSud, k_BSrd, v_BSrd, index, segment_ids_BS, axis=axis, size=size, block_size=block_size)
+
+
+def _gather_sequence(x_Bs, axis):
+    """[B, S/C] per-token values -> [B, S] of the sp group (None stays None)."""
+    if axis is None or x_Bs is None:
+        return x_Bs
+    return jax.lax.all_gather(x_Bs, axis, axis=1, tiled=True)
 
 
 def _exchange(x, *, axis, split, concat):

@@ -28,6 +28,7 @@ from jlong.model.remat import remat_policy, scan_layers
 from jlong.model.tiling import map_tiles, map_tiles_gradient_into
 from jlong.options import AttentionImpl, DType, RematName
 from jlong.parallel.placement import HIDDEN, REPLICATED, constrain, sequence_shards
+from jlong.parallel.zigzag import SequenceLayout
 
 INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
 
@@ -140,14 +141,17 @@ class Transformer(nnx.Module):
             )
 
     def __call__(self, tokens_BS, segment_ids_BS=None, positions_BS=None):
-        return self.logits(self.hidden_states(tokens_BS, segment_ids_BS, positions_BS))
+        layout = _sequence_layout()
+        hidden_BSD = self.hidden_states(*map(layout.lay_out, (tokens_BS, segment_ids_BS, positions_BS)))
+        return layout.restore(self.logits(hidden_BSD))
 
     def hidden_states(self, tokens_BS, segment_ids_BS=None, positions_BS=None):
-        """The final-normed hidden states [B, S, D] in the compute dtype."""
+        """The final-normed hidden states [B, S, D] in the compute dtype, of
+        tokens in the model's layout: in sequence order, or zigzag over the
+        ring (`jlong.parallel.zigzag`). Without `positions`, each token's
+        position is its index in the sequence."""
         config, options = self.config, self.options
         dtype = jnp.dtype(options.compute_dtype)
-        if positions_BS is None:
-            positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
         embed_VD = constrain(self.embed.get_value().astype(dtype), ("vocab", "embed"))
         x_BSD = constrain(jnp.take(embed_VD, tokens_BS, axis=0), HIDDEN)
 
@@ -180,7 +184,10 @@ class Transformer(nnx.Module):
     def loss(self, batch: dict):
         """Mean next-token cross-entropy of a batch (`inputs`, `targets`, and
         optionally `loss_mask`, `segment_ids`, `positions`, each [B, S]); with
-        `loss_tile`, without the whole logits."""
+        `loss_tile`, without the whole logits. A mean over tokens: the same
+        in any layout of the sequence."""
+        layout = _sequence_layout()
+        batch = {name: layout.lay_out(array) for name, array in batch.items()}
         hidden_BSD = self.hidden_states(batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
         targets_BS, mask_BS = batch["targets"], batch.get("loss_mask")
         if tile := self.options.loss_tile:
@@ -188,9 +195,15 @@ class Transformer(nnx.Module):
         return cross_entropy(self.logits(hidden_BSD), targets_BS, mask_BS)
 
 
+def _sequence_layout():
+    """Zigzag over the active mesh's ring (in order without one)."""
+    return SequenceLayout(sequence_shards().ring_size)
+
+
 def decoder_layer(p, x_BSD, positions_BS, segment_ids_BS, config, options):
     """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(x))."""
-    x_BSD = constrain(attention_block(p, x_BSD, positions_BS, segment_ids_BS, config, options), HIDDEN)
+    x_BSD = attention_block(p, x_BSD, positions_BS, segment_ids_BS, config, options)
+    x_BSD = constrain(x_BSD, HIDDEN)
     return constrain(mlp_block(p, x_BSD, config, options), HIDDEN)
 
 
@@ -285,7 +298,9 @@ ATTENTION_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_no
 
 
 def attention_block(p, x_BSD, positions_BS, segment_ids_BS, config, options):
-    """x + self-attention of norm(x), in Ulysses/UPipe head stages."""
+    """x + self-attention of norm(x), in Ulysses/UPipe head stages (and with
+    a ring, ring attention across the sp groups). Positions default to the
+    tokens' indices in the sequence."""
     H = config.num_attention_heads
     return staged_attention(
         {name: p[name] for name in ATTENTION_PARAMS if name in p},

@@ -1,11 +1,13 @@
-"""Where every array lives on the data x fsdp x sp mesh, decided by one table.
+"""Where every array lives on the data x fsdp x ring x sp mesh, decided by one table.
 
 Model code names the logical axes of its arrays (`batch`, `seq`, `embed`,
 `heads`, ...) and never a mesh axis. `LOGICAL_AXES` maps each logical axis to
 mesh axes twice:
 
 - at compute: activations split their batch over data x fsdp and their
-  sequence over sp; weight axes are whole (`GATHERED_AT_COMPUTE`: FSDP gathers
+  sequence over ring x sp (sp the minor axis: consecutive devices, one node,
+  hold consecutive shards and exchange heads all-to-all; ring attention runs
+  across the sp groups); weight axes are whole (`GATHERED_AT_COMPUTE`: FSDP gathers
   each layer's weights just before the layer runs);
 - at rest: parameters, gradients and optimizer state are split over every
   device (ZeRO-3 over the whole group, as ALST and UPipe do: the sp ranks
@@ -31,7 +33,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jlong.config import MeshConfig
 from jlong.errors import JlongError
 
-MESH_AXES = ("data", "fsdp", "sp")
+MESH_AXES = ("data", "fsdp", "ring", "sp")
 BATCH_AXES = ("data", "fsdp")
 GATHERED_AT_COMPUTE = None  # a weight axis is whole on every device while its layer computes
 
@@ -44,7 +46,7 @@ class AxisRule:
 
 LOGICAL_AXES: dict[str, AxisRule] = {
     "batch": AxisRule(at_compute=BATCH_AXES),
-    "seq": AxisRule(at_compute="sp"),
+    "seq": AxisRule(at_compute=("ring", "sp")),
     "embed": AxisRule(GATHERED_AT_COMPUTE, rest_order=0),
     "mlp": AxisRule(GATHERED_AT_COMPUTE, rest_order=1),
     "vocab": AxisRule(GATHERED_AT_COMPUTE, rest_order=2),
@@ -83,16 +85,15 @@ def rest_spec(shape: tuple[int, ...], axes: Axes, num_devices: int) -> Partition
 
 
 def make_mesh(config: MeshConfig, devices=None) -> jax.sharding.Mesh:
-    """The data x fsdp x sp mesh over `devices` (default: all of them)."""
+    """The data x fsdp x ring x sp mesh over `devices` (default: all of them)."""
     devices = jax.devices() if devices is None else list(devices)
     if config.size != len(devices):
         raise JlongError(
-            f"mesh.data x mesh.fsdp x mesh.sp = {config.data} x {config.fsdp} x {config.sp} = "
-            f"{config.size}, but {len(devices)} devices are visible; make the product {len(devices)}"
+            f"mesh.data x mesh.fsdp x mesh.ring x mesh.sp = {config.data} x {config.fsdp} x {config.ring} x "
+            f"{config.sp} = {config.size}, but {len(devices)} devices are visible; make the product {len(devices)}"
         )
-    return jax.make_mesh(
-        (config.data, config.fsdp, config.sp), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices
-    )
+    shape = (config.data, config.fsdp, config.ring, config.sp)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
 def compute_sharding(mesh, axes: Axes) -> NamedSharding:
@@ -140,14 +141,26 @@ class SequenceShards:
     mesh: jax.sharding.Mesh | None
 
     @property
-    def size(self) -> int:
-        """C: how many shards the sequence is cut into."""
-        return 1 if self.mesh is None else self.mesh.shape[_rule("seq").at_compute]
+    def ulysses_size(self) -> int:
+        """C: the sp degree, over which attention exchanges heads all-to-all."""
+        return self._size("sp")
 
     @property
-    def collective_axis(self) -> str | None:
-        """The mesh axis of the sequence when it has more than one shard (else None)."""
-        return _rule("seq").at_compute if self.size > 1 else None
+    def ulysses_axis(self) -> str | None:
+        """The sp mesh axis when it has more than one device (else None)."""
+        return "sp" if self.ulysses_size > 1 else None
+
+    @property
+    def ring_size(self) -> int:
+        """R: how many sp groups pass keys and values around in ring attention."""
+        return self._size("ring")
+
+    @property
+    def ring_axis(self) -> str | None:
+        return "ring" if self.ring_size > 1 else None
+
+    def _size(self, axis: str) -> int:
+        return 1 if self.mesh is None else self.mesh.shape[axis]
 
     @property
     def all_axes(self) -> tuple[str, ...]:

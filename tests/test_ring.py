@@ -1,0 +1,186 @@
+"""Ring attention (mesh.ring) equals plain attention: the kernel, the
+Ulysses x ring attention block, and the whole training step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import MESH, assert_same_result, loss_and_grads, small_config
+from jax.sharding import AxisType, PartitionSpec
+from test_ulysses import _assert_close, _inputs, _model, _params, _reference, _value_and_grads
+
+from jlong.attention.kernels import reference_attention
+from jlong.attention.ring import ring_attention
+from jlong.attention.ulysses import KEEP_ATTENTION_OUTPUT
+from jlong.config import MeshConfig
+from jlong.errors import JlongError
+from jlong.model.transformer import ForwardOptions, attention_block
+from jlong.parallel.placement import HIDDEN, TOKENS, compute_sharding, computing_on, make_mesh
+from jlong.parallel.zigzag import SequenceLayout, chunk_token_index, zigzag_order
+
+MESHES = {
+    "ring2-sp4": MeshConfig(ring=2, sp=4),
+    "ring4-sp2": MeshConfig(ring=4, sp=2),
+    "ring8": MeshConfig(ring=8),
+    "fsdp2-ring2-sp2": MeshConfig(fsdp=2, ring=2, sp=2),
+}
+
+
+def test_zigzag_gives_each_ring_rank_an_early_and_a_late_chunk():
+    order = zigzag_order(16, ring=4)
+    assert sorted(order) == list(range(16))
+    assert order.reshape(4, 2, 2)[:, :, 0].tolist() == [[0, 14], [2, 12], [4, 10], [6, 8]]
+    for rank in range(4):  # what each rank computes for itself
+        assert chunk_token_index(rank, 4, 16).tolist() == order.reshape(4, 4)[rank].tolist()
+    layout = SequenceLayout(ring=4)
+    x = np.arange(32).reshape(2, 16)
+    assert (np.asarray(layout.lay_out(x)) == x[:, order]).all()
+    assert (np.asarray(layout.restore(layout.lay_out(x))) == x).all()
+
+
+def _ring_only(R, q, k, v, segments, block):
+    """ring_attention over a mesh of R devices, on the zigzag layout, results back in order."""
+    order = zigzag_order(q.shape[1], R)
+    mesh = jax.make_mesh((R,), ("ring",), axis_types=(AxisType.Auto,), devices=jax.devices()[:R])
+    spec = PartitionSpec(None, "ring")
+
+    def per_device(q, k, v, index, segments):
+        return ring_attention(q, k, v, index, segments, axis="ring", size=R, block_size=block)
+
+    run = jax.shard_map(per_device, mesh=mesh, in_specs=(spec, spec, spec, PartitionSpec("ring"), spec),
+                        out_specs=spec)
+    laid = lambda x: None if x is None else x[:, order]  # noqa: E731
+    out, pullback = jax.vjp(jax.jit(lambda q, k, v: run(q, k, v, jnp.asarray(order), laid(segments))),
+                            laid(q), laid(k), laid(v))
+    restore = np.argsort(order)
+    return lambda do: [np.asarray(x)[:, restore] for x in (out, *pullback(laid(do)))]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed"])
+@pytest.mark.parametrize("kv_heads", [1, 4])
+@pytest.mark.parametrize("R", [2, 4, 8])
+def test_ring_kernel_equals_reference_attention(R, kv_heads, packed):
+    B, S, H, d = 2, 64, 4, 8
+    keys = jax.random.split(jax.random.PRNGKey(R), 4)
+    q = jax.random.normal(keys[0], (B, S, H, d))
+    k, v = (jax.random.normal(key, (B, S, kv_heads, d)) for key in keys[1:3])
+    do = jax.random.normal(keys[3], q.shape)
+    segments = None
+    if packed:
+        segments = jnp.asarray(np.cumsum(np.random.default_rng(R).random((B, S)) < 0.1, axis=1), jnp.int32)
+    out, pullback = jax.vjp(lambda q, k, v: reference_attention(q, k, v, segments), q, k, v)
+    want = [out, *pullback(do)]
+    got = _ring_only(R, q, k, v, segments, block=4)(do)
+    for name, g, w in zip(["out", "dq", "dk", "dv"], got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()), err_msg=name)
+
+
+def _ring_block(model, params, inputs, mesh_config, heads_per_stage):
+    """attention_block on a ring mesh: inputs laid out zigzag, results back in order."""
+    x, cotangent, positions, segment_ids = inputs
+    mesh = make_mesh(mesh_config, jax.devices())
+    layout = SequenceLayout(mesh_config.ring)
+    options = ForwardOptions(attention_impl="blockwise", block_size=16, heads_per_stage=heads_per_stage, mlp_tile=4)
+    tokens, hidden = compute_sharding(mesh, TOKENS), compute_sharding(mesh, HIDDEN)
+
+    def block(p, x, pos, seg):
+        with computing_on(mesh):
+            return attention_block(p, x, pos, seg, model, options)
+
+    placed = [jax.device_put(layout.lay_out(x), hidden), jax.device_put(layout.lay_out(positions), tokens),
+              None if segment_ids is None else jax.device_put(layout.lay_out(segment_ids), tokens),
+              jax.device_put(layout.lay_out(cotangent), hidden)]
+    out, d_params, d_x = jax.jit(_value_and_grads, static_argnums=0)(block, params, *placed)
+    return layout.restore(out), d_params, layout.restore(d_x)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed"])
+@pytest.mark.parametrize("kv_heads", [1, 8])
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_ulysses_ring_attention_equals_single_device(mesh, kv_heads, packed):
+    """32 query heads; U in {C, H}."""
+    model = _model(32, kv_heads)
+    params = _params(model)
+    inputs = _inputs(model, packed=packed)
+    want = _reference(model, params, inputs)
+    for U in (MESHES[mesh].sp, 32):
+        _assert_close(_ring_block(model, params, inputs, MESHES[mesh], U), want)
+
+
+@pytest.fixture(scope="module")
+def single_device_step():
+    return loss_and_grads(small_config(), jax.devices()[:1])
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_ring_step_equals_single_device(mesh, single_device_step):
+    m = MESHES[mesh]
+    config = small_config(f"mesh.fsdp={m.fsdp}", f"mesh.ring={m.ring}", f"mesh.sp={m.sp}")
+    assert_same_result(loss_and_grads(config, jax.devices()), single_device_step)
+
+
+def test_ring_step_with_packed_documents_equals_single_device():
+    packed = ["data.eos_id=7"]
+    single, _ = loss_and_grads(small_config(*packed), jax.devices()[:1])
+    ring, _ = loss_and_grads(small_config(*packed, "mesh.ring=2", "mesh.sp=4"), jax.devices())
+    np.testing.assert_allclose(ring, single, rtol=1e-5)
+
+
+def _ring_temp_bytes(seq_len, R):
+    """Compiled per-device temporaries of two stages of ring attention, forward + backward (float32, 4 heads
+    of 64)."""
+    mesh = jax.make_mesh((R,), ("ring",), axis_types=(AxisType.Auto,), devices=jax.devices()[:R])
+    spec = PartitionSpec(None, "ring")
+    shard = jax.sharding.NamedSharding(mesh, spec)
+    index = jax.ShapeDtypeStruct((seq_len,), jnp.int32, sharding=jax.sharding.NamedSharding(mesh, PartitionSpec("ring")))
+    q = jax.ShapeDtypeStruct((1, seq_len, 4, 64), jnp.float32, sharding=shard)
+
+    def per_device(q, k, v, index):
+        return ring_attention(q, k, v, index, None, axis="ring", size=R, block_size=256)
+
+    run = jax.shard_map(per_device, mesh=mesh, in_specs=(spec, spec, spec, PartitionSpec("ring")), out_specs=spec)
+
+    def stages(q, k, v, index):
+        # As the model runs it: checkpointed attention stages in a scan.
+        def stage(x, _):
+            return x + jax.checkpoint(run, policy=KEEP_ATTENTION_OUTPUT)(x, k, v, index), None
+
+        return jax.lax.scan(stage, q, jnp.arange(2))[0]
+
+    def forward_backward(q, k, v, index):
+        out, pullback = jax.vjp(lambda q, k, v: stages(q, k, v, index), q, k, v)
+        return pullback(out)
+
+    return jax.jit(forward_backward).lower(q, q, q, index).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_ring_temporaries_grow_linearly_in_length_and_fall_with_the_ring():
+    doubled = _ring_temp_bytes(32768, 4) / _ring_temp_bytes(16384, 4)
+    assert 1.5 < doubled <= 2.1, doubled
+    by_ring = [_ring_temp_bytes(32768, R) for R in (2, 4, 8)]
+    assert by_ring[0] > by_ring[1] > by_ring[2], by_ring
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["mesh.fsdp=1", "mesh.ring=2", "train.seq_len=72"],
+     "train.seq_len (72) must be a multiple of 2 x mesh.ring x mesh.sp (16: the zigzag layout"),
+    (["mesh.fsdp=1", "mesh.ring=2", "attention.block_size=24"], "attention.block_size (24) must divide the 32 tokens"),
+    (["mesh.ring=0"], "mesh.ring must be positive"),
+])
+def test_bad_ring_settings_are_one_line_errors(overrides, message):
+    with pytest.raises(JlongError) as error:
+        small_config(*MESH, *overrides)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_ring_larger_than_the_devices_is_an_error():
+    with pytest.raises(JlongError, match="= 16, but 8 devices are visible; make the product 8"):
+        make_mesh(MeshConfig(ring=4, sp=4), jax.devices())
+
+
+def test_searching_the_ring_degree_keeps_the_devices():
+    from jlong.maxlen import with_overrides
+
+    config = small_config("mesh.fsdp=1", "mesh.sp=8")
+    assert with_overrides(config, ["mesh.ring=2"]).mesh == MeshConfig(ring=2, sp=4)
+    assert with_overrides(config, ["mesh.ring=4", "mesh.sp=2"]).mesh == MeshConfig(ring=4, sp=2)
