@@ -33,6 +33,13 @@ def provenance(command: str, compiler: str | None = None) -> str:
     )
 
 
+def publish(name: str, text: str) -> int:
+    """Prints a result and writes it to experiments/results/NAME; exit status 0."""
+    print(text)
+    write_result(name, text)
+    return 0
+
+
 def write_result(name: str, text: str) -> Path:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / name

@@ -24,7 +24,10 @@ from jlong.plan import plan  # noqa: E402
 from jlong.targets import GIB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ["configs/llama3-8b-5m.yaml", "configs/llama3-8b-8m.yaml", "configs/qwen3-32b-3m.yaml"]
+CONFIGS = [
+    "configs/llama3-8b-5m.yaml", "configs/llama3-8b-8m.yaml", "configs/qwen3-32b-3m.yaml",
+    "configs/llama3-8b-32m-4nodes.yaml",
+]
 
 
 def row(path: str, overrides: list[str], target) -> list:
@@ -34,7 +37,9 @@ def row(path: str, overrides: list[str], target) -> list:
     seconds = time.perf_counter() - began
     m = config.memory
     knobs = f"{m.remat}, k={m.layers_per_checkpoint}, optimizer {'host' if m.optimizer_offload else 'device'}"
-    return [path, config.model.preset, f"{config.train.seq_len:,}", knobs,
+    nodes = config.mesh.size // target.gpus_per_node
+    mesh = f"{nodes} x {target.gpus_per_node}: ring {config.mesh.ring} x sp {config.mesh.sp}"
+    return [path, config.model.preset, f"{config.train.seq_len:,}", mesh, knobs,
             f"{(result.parameters + result.gradients + result.optimizer_state) / GIB:.2f}",
             f"{result.temporaries / GIB:.2f}", f"{result.device_total / GIB:.2f}", f"{result.budget / GIB:.2f}",
             f"{result.host_per_node / GIB:,.0f}", f"{result.host_budget_per_node / GIB:,.0f}",
@@ -56,10 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n\n".join([
         "# The long-context configs, planned",
         provenance(command.strip(), target.compiler()),
-        "GiB per device (host: per node of 8). States: parameters + gradients + optimizer state on the device "
+        "GiB per device (host: per node of 8 GPUs). States: parameters + gradients + optimizer state on the device "
         "(the compute-dtype copies when the optimizer is in host memory). Seconds: the plan's wall time "
         "(lowering and compiling) on this machine.",
-        markdown_table(["config", "model", "seq_len", "remat, layers per checkpoint, optimizer", "states",
+        markdown_table(["config", "model", "seq_len", "nodes x GPUs: mesh", "remat, layers per checkpoint, optimizer",
+                        "states",
                         "temporaries", "device total", "device budget", "host per node", "host budget", "fits",
                         "seconds"], rows),
     ]) + "\n"

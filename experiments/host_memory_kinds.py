@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import add_target_argument, markdown_table, provenance, write_result
+from common import add_target_argument, markdown_table, provenance, publish
 
 LAYERS, TOKENS, WIDTH = 16, 8192, 4096
 
@@ -67,9 +67,7 @@ def main() -> int:
         f"({TOKENS * WIDTH * 2 // MIB} MiB); the gradient's planned temporaries:",
         markdown_table(["offload destination", "device MiB", "host MiB"], rows),
     ]) + "\n"
-    print(text)
-    write_result("host-memory-kinds.md", text)
-    return 0
+    return publish("host-memory-kinds.md", text)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import markdown_table, write_result
+from common import markdown_table, publish
 
 from jlong.attention.ulysses import StagePlan
 from jlong.config import load_config
@@ -77,9 +77,7 @@ def main() -> int:
         markdown_table(["layout", "U", "Ulysses all-to-all, forward", "Ulysses all-to-all, backward",
                         "ring, forward", "ring, backward", "crosses nodes"], rows),
     ]) + "\n"
-    print(text)
-    write_result("layout-traffic.md", text)
-    return 0
+    return publish("layout-traffic.md", text)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import add_target_argument, markdown_table, planning_target, provenance, use_cpu_devices, write_result
+from common import add_target_argument, markdown_table, planning_target, provenance, publish, use_cpu_devices
 
 _DUMP = tempfile.mkdtemp(prefix="jlong-xla-dump-")
 os.environ["XLA_FLAGS"] = (
@@ -105,10 +105,8 @@ def main() -> int:
         f"the step's loops). Buffers of at least {args.min_gib} GiB:",
         markdown_table(["HLO value", "GiB", "shape"], rows),
     ]) + "\n"
-    print(text)
-    write_result(f"peak-buffers-{name}.md", text)
     shutil.rmtree(dump)
-    return 0
+    return publish(f"peak-buffers-{name}.md", text)
 
 
 if __name__ == "__main__":

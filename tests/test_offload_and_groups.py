@@ -18,6 +18,9 @@ VARIANTS = {
     "all, with UPipe and tiles": ["memory.optimizer_offload=true", "memory.remat=offload_inputs",
                                   "memory.layers_per_checkpoint=2", "attention.heads_per_stage=4",
                                   "memory.mlp_tile=4", "memory.loss_tile=4"],
+    "all, on a ring of 2 x sp 4": ["mesh.fsdp=1", "mesh.ring=2", "memory.optimizer_offload=true",
+                                   "memory.remat=offload_inputs", "memory.layers_per_checkpoint=2",
+                                   "attention.heads_per_stage=4", "memory.mlp_tile=4", "memory.loss_tile=4"],
 }
 
 

@@ -7,9 +7,9 @@ from jax.sharding import PartitionSpec as P
 from jlong.parallel.placement import HIDDEN, MESH_AXES, TOKENS, compute_spec, rest_spec
 
 
-def test_activations_split_batch_over_data_fsdp_and_sequence_over_sp():
-    assert compute_spec(TOKENS) == P(("data", "fsdp"), "sp")
-    assert compute_spec(HIDDEN) == P(("data", "fsdp"), "sp", None)
+def test_activations_split_batch_over_data_fsdp_and_sequence_over_ring_and_sp():
+    assert compute_spec(TOKENS) == P(("data", "fsdp"), ("ring", "sp"))
+    assert compute_spec(HIDDEN) == P(("data", "fsdp"), ("ring", "sp"), None)
 
 
 def test_weights_are_gathered_at_compute():

@@ -23,11 +23,13 @@ def test_sharded_step_equals_single_device(mesh, single_device_result):
     assert_same_result(loss_and_grads(config, jax.devices()), single_device_result)
 
 
-def test_packed_documents_under_sequence_parallelism():
-    """eos-packed batches (segment ids, per-document positions) give the same loss on sp=4."""
+@pytest.mark.parametrize("mesh", [["mesh.fsdp=2"], ["mesh.ring=2"]], ids=["fsdp2-sp4", "ring2-sp4"])
+def test_packed_documents_under_sequence_parallelism(mesh):
+    """eos-packed batches (segment ids, per-document positions) give the same loss on sp=4,
+    and with a ring (segment ids travel with their keys and values)."""
     packed = ["data.eos_id=7"]
     single, _ = loss_and_grads(small_config(*packed), jax.devices()[:1])
-    sharded, _ = loss_and_grads(small_config(*packed, "mesh.fsdp=2", "mesh.sp=4"), jax.devices())
+    sharded, _ = loss_and_grads(small_config(*packed, *mesh, "mesh.sp=4"), jax.devices())
     np.testing.assert_allclose(sharded, single, rtol=1e-5)
 
 

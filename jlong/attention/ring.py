@@ -12,8 +12,12 @@ so any order of the chunks works: jlong lays the sequence out zigzag
 The custom VJP saves only the device's own chunk (q, k, v, output and
 log-sum-exp): the backward pass sends the keys and values around the ring
 again, with their gradients travelling along and arriving home after R
-steps. Within a step the work goes block by block (flash-style, blocks of
-T tokens), skipping blocks that causality hides entirely.
+steps. The travelling gradients are in the keys' dtype, as every activation
+gradient between layers is (bf16 at scale: half the bytes held and sent);
+each device adds its part to them in float32, block by block, and rounds
+once per hop. The queries' gradient stays home and sums in float32.
+Within a step the work goes block by block (flash-style, blocks of T
+tokens), skipping blocks that causality hides entirely.
 
 Shape letters: s = tokens of the chunk, n blocks of T tokens (s = n*T), K kv
 heads with G query heads each.
@@ -97,14 +101,14 @@ def _ring_backward(axis, size, block, residuals, do_BsHd):
         # After `size` steps every chunk's keys, values and summed gradients are home.
         return dq, _next_on_ring((k, v, k_index, k_segments, dk, dv), axis, size)
 
-    # float32 sums, in blocks: dq [B, n, T, K, G, d], dk and dv [B, n, T, K, d].
+    # Sums in blocks: dq [B, n, T, K, G, d] in float32, the travelling dk and dv [B, n, T, K, d] in k's dtype.
     K = k.shape[2]
-    zeros_k = jnp.zeros_like(_blocks(k, block), jnp.float32)
+    zeros_k = jnp.zeros_like(_blocks(k, block))
     start = (jnp.zeros_like(chunk.grouped_blocks(q, K), jnp.float32), (k, v, index, segments, zeros_k, zeros_k))
     dq, (_, _, _, _, dk, dv) = _while_range(0, size, step, start)
     scale = q.shape[-1] ** -0.5
-    return ((dq * scale).reshape(q.shape).astype(q.dtype), (dk * scale).reshape(k.shape).astype(k.dtype),
-            dv.reshape(v.shape).astype(v.dtype), None, None)
+    dk = dk.astype(jnp.float32) * scale
+    return (dq * scale).reshape(q.shape).astype(q.dtype), dk.reshape(k.shape).astype(k.dtype), dv.reshape(v.shape), None, None
 
 
 _ring.defvjp(_ring_forward, _ring_backward)
@@ -169,8 +173,9 @@ class _Chunk:
 
     def add_gradients(self, k_BsKd, v_BsKd, k_index_s, k_segments_Bs, dq_BnTKGd, dk_BnTKd, dv_BnTKd):
         """Adds these queries' part of the gradients through this key chunk into
-        the float32 sums dq, dk and dv (dq and dk without the 1/sqrt(d) factor),
-        block by block in place, given the merged output and log-sum-exp over
+        the sums dq, dk and dv (dq and dk without the 1/sqrt(d) factor), block
+        by block in place and in float32 (dk and dv are kept in their own
+        dtype between blocks), given the merged output and log-sum-exp over
         the whole ring (the softmax is the ring's, not the chunk's)."""
         K = k_BsKd.shape[2]
         T = self.block
@@ -212,7 +217,8 @@ class _Chunk:
                 return jax.lax.cond(self._any_visible(i, keys, j), visit, lambda c: c, carry)
 
             dk_BnTKd, dv_BnTKd = sums
-            dk_BTKd, dv_BTKd = _while_range(0, n, step, (dk_BnTKd[:, j], dv_BnTKd[:, j]))
+            sums_BTKd = tuple(x[:, j].astype(jnp.float32) for x in (dk_BnTKd, dv_BnTKd))
+            dk_BTKd, dv_BTKd = (x.astype(dk_BnTKd.dtype) for x in _while_range(0, n, step, sums_BTKd))
             return dk_BnTKd.at[:, j].set(dk_BTKd), dv_BnTKd.at[:, j].set(dv_BTKd)
 
         dq_BnTKGd = _while_range(0, n, dq_block, dq_BnTKGd)
