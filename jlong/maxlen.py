@@ -119,9 +119,11 @@ def with_overrides(config: Config, overrides: list[str]) -> Config:
     if not overrides:
         return config
     given = dict(override.partition("=")[::2] for override in overrides)
-    if "mesh.ring" in given and "mesh.sp" not in given and given["mesh.ring"].isdigit():
+    # Only well-formed degrees count here; a malformed one is load_config's to report.
+    degrees = {key: int(value) for key, value in given.items() if key.startswith("mesh.") and value.isdigit()}
+    if "mesh.ring" in degrees and "mesh.sp" not in given:
         mesh = config.mesh
-        others = int(given.get("mesh.data", mesh.data)) * int(given.get("mesh.fsdp", mesh.fsdp)) * int(given["mesh.ring"])
+        others = degrees.get("mesh.data", mesh.data) * degrees.get("mesh.fsdp", mesh.fsdp) * degrees["mesh.ring"]
         if others and mesh.size % others == 0:
             overrides = [*overrides, f"mesh.sp={mesh.size // others}"]
     return load_config(None, overrides, base=config_to_dict(config))

@@ -31,8 +31,9 @@ from jlong.options import ATTENTION_IMPLS, AttentionImpl
 ATTENTION_OUT = "attention_out"
 ATTENTION_LSE = "attention_lse"
 
-# Finite stand-in for -inf, so fully masked blocks give exp(..) = 0, not NaN.
-_MASKED = -1e30
+# Finite stand-in for -inf, so fully masked blocks give exp(..) = 0, not NaN
+# (also the ring kernel's).
+MASKED = -1e30
 
 
 def attend(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS=None, *, impl: AttentionImpl = "auto", block_size: int = 512):
@@ -77,7 +78,7 @@ def choose_kernel(impl: AttentionImpl, *, platform: str, dtype, seq_len: int, he
     return "cudnn" if cudnn else "blockwise"
 
 
-def _group_queries(q_BSHd, num_kv_heads: int):
+def group_queries(q_BSHd, num_kv_heads: int):
     """[B, S, H, d] -> [B, S, K, G, d]: query heads grouped by their kv head."""
     return rearrange(q_BSHd, "b s (k g) d -> b s k g d", k=num_kv_heads)
 
@@ -93,10 +94,10 @@ def _visible(q_index, k_index, q_segments, k_segments):
 def reference_attention(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS=None):
     """Materialises the full score matrix; the ground truth for tests."""
     S, d = q_BSHd.shape[1], q_BSHd.shape[3]
-    q_BSKGd = _group_queries(q_BSHd, k_BSKd.shape[2])
+    q_BSKGd = group_queries(q_BSHd, k_BSKd.shape[2])
     scores_BKGSS = jnp.einsum("bqkgd,bskd->bkgqs", q_BSKGd, k_BSKd, preferred_element_type=jnp.float32) * (d**-0.5)
     index = jnp.arange(S)
-    scores_BKGSS = jnp.where(_visible(index, index, segment_ids_BS, segment_ids_BS), scores_BKGSS, _MASKED)
+    scores_BKGSS = jnp.where(_visible(index, index, segment_ids_BS, segment_ids_BS), scores_BKGSS, MASKED)
     probs_BKGSS = jax.nn.softmax(scores_BKGSS, axis=-1)
     o_BSKGd = jnp.einsum("bkgqs,bskd->bqkgd", probs_BKGSS.astype(v_BSKd.dtype), v_BSKd,
                          preferred_element_type=jnp.float32)
@@ -125,7 +126,7 @@ def blockwise_attention(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS=None, *, block_si
     return o_BSHd[:, :S]
 
 
-def _blocks(x, block):
+def blocks(x, block):
     """[B, S, ...] -> [B, n, T, ...]."""
     return x.reshape(x.shape[0], x.shape[1] // block, block, *x.shape[2:])
 
@@ -139,7 +140,7 @@ def _block_scores(q_BTKGd, k_BTKd, i, j, seg_BnT, block, scale):
     if seg_BnT is not None:
         q_seg, k_seg = seg_BnT[:, i], seg_BnT[:, j]
     mask = _visible(q_index, k_index, q_seg, k_seg)
-    return jnp.where(mask, s_BKGTT, _MASKED), mask
+    return jnp.where(mask, s_BKGTT, MASKED), mask
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -152,9 +153,9 @@ def _flash_forward(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS, block):
     B, S, H, d = q_BSHd.shape
     K = k_BSKd.shape[2]
     scale = d**-0.5
-    q_BnTKGd = _blocks(_group_queries(q_BSHd, K), block)
-    k_BnTKd, v_BnTKd = _blocks(k_BSKd, block), _blocks(v_BSKd, block)
-    seg_BnT = None if segment_ids_BS is None else _blocks(segment_ids_BS, block)
+    q_BnTKGd = blocks(group_queries(q_BSHd, K), block)
+    k_BnTKd, v_BnTKd = blocks(k_BSKd, block), blocks(v_BSKd, block)
+    seg_BnT = None if segment_ids_BS is None else blocks(segment_ids_BS, block)
 
     def query_block(i):
         q_BTKGd = q_BnTKGd[:, i]
@@ -174,7 +175,7 @@ def _flash_forward(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS, block):
                                   preferred_element_type=jnp.float32)
             return m_new, l_BKGT, acc_BKGTd * correction[..., None] + pv_BKGTd
 
-        m0 = stats_BKGT + _MASKED
+        m0 = stats_BKGT + MASKED
         m_BKGT, l_BKGT, acc_BKGTd = jax.lax.fori_loop(0, i + 1, key_block, (m0, stats_BKGT, acc_BKGTd))
         o_BKGTd = acc_BKGTd / l_BKGT[..., None]
         return rearrange(o_BKGTd, "b k g q d -> b q (k g) d").astype(q_BSHd.dtype), m_BKGT + jnp.log(l_BKGT)
@@ -191,10 +192,10 @@ def _flash_backward(block, residuals, do_BSHd):
     K = k_BSKd.shape[2]
     n = S // block
     scale = d**-0.5
-    q_BnTKGd = _blocks(_group_queries(q_BSHd, K), block)
-    do_BnTKGd = _blocks(_group_queries(do_BSHd, K), block)
-    k_BnTKd, v_BnTKd = _blocks(k_BSKd, block), _blocks(v_BSKd, block)
-    seg_BnT = None if segment_ids_BS is None else _blocks(segment_ids_BS, block)
+    q_BnTKGd = blocks(group_queries(q_BSHd, K), block)
+    do_BnTKGd = blocks(group_queries(do_BSHd, K), block)
+    k_BnTKd, v_BnTKd = blocks(k_BSKd, block), blocks(v_BSKd, block)
+    seg_BnT = None if segment_ids_BS is None else blocks(segment_ids_BS, block)
     # delta_i = rowsum(dO_i * O_i): the softmax Jacobian's correction term.
     delta_BSH = jnp.sum(do_BSHd.astype(jnp.float32) * o_BSHd.astype(jnp.float32), axis=-1)
     delta_nBKGT = rearrange(delta_BSH, "b (n q) (k g) -> n b k g q", n=n, k=K)

@@ -32,10 +32,7 @@ import jax.numpy as jnp
 from einops import rearrange
 from jax.ad_checkpoint import checkpoint_name
 
-from jlong.attention.kernels import ATTENTION_LSE, ATTENTION_OUT
-
-# Finite stand-in for -inf, so fully masked rows give exp(..) = 0, not NaN.
-_MASKED = -1e30
+from jlong.attention.kernels import ATTENTION_LSE, ATTENTION_OUT, MASKED, blocks, group_queries
 
 
 def ring_attention(q_BsHd, k_BsKd, v_BsKd, token_index_s, segment_ids_Bs, *, axis: str, size: int, block_size: int):
@@ -103,12 +100,11 @@ def _ring_backward(axis, size, block, residuals, do_BsHd):
 
     # Sums in blocks: dq [B, n, T, K, G, d] in float32, the travelling dk and dv [B, n, T, K, d] in k's dtype.
     K = k.shape[2]
-    zeros_k = jnp.zeros_like(_blocks(k, block))
+    zeros_k = jnp.zeros_like(blocks(k, block))
     start = (jnp.zeros_like(chunk.grouped_blocks(q, K), jnp.float32), (k, v, index, segments, zeros_k, zeros_k))
     dq, (_, _, _, _, dk, dv) = _while_range(0, size, step, start)
-    scale = q.shape[-1] ** -0.5
-    dk = dk.astype(jnp.float32) * scale
-    return (dq * scale).reshape(q.shape).astype(q.dtype), dk.reshape(k.shape).astype(k.dtype), dv.reshape(v.shape), None, None
+    dq, dk = dq * chunk.scale, dk.astype(jnp.float32) * chunk.scale
+    return dq.reshape(q.shape).astype(q.dtype), dk.reshape(k.shape).astype(k.dtype), dv.reshape(v.shape), None, None
 
 
 _ring.defvjp(_ring_forward, _ring_backward)
@@ -127,12 +123,12 @@ class _Chunk:
         self.scale = q_BsHd.shape[-1] ** -0.5
         self.q = q_BsHd
         self.index_nT = index_s.reshape(-1, block)
-        self.segments_BnT = None if segments_Bs is None else _blocks(segments_Bs, block)
+        self.segments_BnT = None if segments_Bs is None else blocks(segments_Bs, block)
         self.do, self.o, self.lse = do, o, lse
 
     def grouped_blocks(self, x_BsHd, K):
         """[B, s, H, d] -> [B, n, T, K, G, d] (a reshape)."""
-        return _blocks(rearrange(x_BsHd, "b s (k g) d -> b s k g d", k=K), self.block)
+        return blocks(group_queries(x_BsHd, K), self.block)
 
     def attend_to(self, k_BsKd, v_BsKd, k_index_s, k_segments_Bs):
         """(output [B, s, H, d] float32, log-sum-exp [B, K, G, s]) of these queries over this key chunk alone;
@@ -162,10 +158,10 @@ class _Chunk:
                 return jax.lax.cond(self._any_visible(i, keys, j), visit, lambda c: c, carry)
 
             m_BKGT, l_BKGT, acc_BKGTd = _while_range(
-                0, keys.count, key_block, (stats_BKGT + _MASKED, stats_BKGT, acc_BKGTd))
+                0, keys.count, key_block, (stats_BKGT + MASKED, stats_BKGT, acc_BKGTd))
             seen = l_BKGT > 0
             o_BKGTd = jnp.where(seen[..., None], acc_BKGTd / jnp.where(seen, l_BKGT, 1.0)[..., None], 0.0)
-            lse_BKGT = jnp.where(seen, m_BKGT + jnp.log(jnp.where(seen, l_BKGT, 1.0)), _MASKED)
+            lse_BKGT = jnp.where(seen, m_BKGT + jnp.log(jnp.where(seen, l_BKGT, 1.0)), MASKED)
             return rearrange(o_BKGTd, "b k g q d -> b q (k g) d"), lse_BKGT
 
         o_nBTHd, lse_nBKGT = jax.lax.map(query_block, jnp.arange(self.index_nT.shape[0]))
@@ -232,7 +228,7 @@ class _Chunk:
         if self.segments_BnT is not None:
             mask = mask & (self.segments_BnT[:, i][:, :, None] == keys.segments_BnT[:, j][:, None, :])
         mask = mask[:, None, None]
-        return jnp.where(mask, s_BKGTT * self.scale, _MASKED), mask
+        return jnp.where(mask, s_BKGTT * self.scale, MASKED), mask
 
     def _any_visible(self, i, keys, j):
         """Whether causality leaves any pair of query block i and key block j visible."""
@@ -241,12 +237,8 @@ class _Chunk:
 
 class _KeyBlocks:
     def __init__(self, k_BsKd, v_BsKd, index_s, segments_Bs, block):
-        self.k, self.v = _blocks(k_BsKd, block), _blocks(v_BsKd, block)
+        self.k, self.v = blocks(k_BsKd, block), blocks(v_BsKd, block)
         self.index_nT = index_s.reshape(-1, block)
-        self.segments_BnT = None if segments_Bs is None else _blocks(segments_Bs, block)
+        self.segments_BnT = None if segments_Bs is None else blocks(segments_Bs, block)
         self.count = self.index_nT.shape[0]
 
-
-def _blocks(x, block):
-    """[B, s, ...] -> [B, n, T, ...]."""
-    return x.reshape(x.shape[0], x.shape[1] // block, block, *x.shape[2:])

@@ -24,11 +24,6 @@ def chunk_order(ring: int) -> np.ndarray:
     return np.array([c for r in range(ring) for c in (r, 2 * ring - 1 - r)])
 
 
-def zigzag_order(seq_len: int, ring: int) -> np.ndarray:
-    """[seq_len] int32: the sequence index of the token at each position of the layout."""
-    return np.arange(seq_len, dtype=np.int32).reshape(2 * ring, -1)[chunk_order(ring)].reshape(-1)
-
-
 def chunk_token_index(rank, ring: int, seq_len: int):
     """[seq_len / R] int32: the sequence indices of ring rank `rank`'s tokens
     (a traced rank works: no index array of the sequence's length is a
