@@ -55,7 +55,7 @@ def add_target_argument(parser, default: str = "h100") -> None:
 
 def planning_target(name: str, **budgets):
     """The PlanTarget of `--target`, checked, with jax started for planning."""
-    from jlong.targets import PlanTarget, resolve_target, start_planning_backend
+    from jlong.plan.targets import PlanTarget, resolve_target, start_planning_backend
 
     target = PlanTarget(resolve_target(name), **budgets)
     start_planning_backend(cpu_devices=8)

@@ -20,8 +20,8 @@ from common import add_target_argument, markdown_table, planning_target, provena
 use_cpu_devices(8)
 
 from jlong.config import load_config  # noqa: E402
-from jlong.plan import plan  # noqa: E402
-from jlong.targets import GIB  # noqa: E402
+from jlong.plan.memory import plan  # noqa: E402
+from jlong.plan.targets import GIB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = [

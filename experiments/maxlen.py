@@ -22,8 +22,8 @@ use_cpu_devices(8)
 import dataclasses  # noqa: E402
 
 from jlong.config import load_config  # noqa: E402
-from jlong.maxlen import longest_seq_len  # noqa: E402
-from jlong.targets import GIB  # noqa: E402
+from jlong.plan.maxlen import longest_seq_len  # noqa: E402
+from jlong.plan.targets import GIB  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 UNBOUNDED_HOST_GIB = 1e9

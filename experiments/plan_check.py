@@ -23,7 +23,7 @@ from pathlib import Path
 
 from common import markdown_table
 
-from jlong.targets import cuda_plugin_installed
+from jlong.plan.targets import cuda_plugin_installed
 
 GIB = 1024**3
 

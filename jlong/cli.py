@@ -27,7 +27,7 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
-    from jlong.targets import DEFAULT_HOST_BUDGET_GIB, TARGETS
+    from jlong.plan.targets import DEFAULT_HOST_BUDGET_GIB, TARGETS
 
     parser.add_argument(
         "--target", help=f"what to compile for: {', '.join(TARGETS)}. GPU targets compile the whole mesh "
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(args) -> int:
     from jlong.config import load_config
-    from jlong.gpu_memory import apply_memory_fraction
+    from jlong.plan.gpu_memory import apply_memory_fraction
     from jlong.train.multihost import initialize_distributed, process_count_requested, shutdown_distributed
 
     config = load_config(args.config, args.overrides)
@@ -169,7 +169,7 @@ def _plan(args) -> int:
 
     config = load_config(args.config, args.overrides)
     target = _plan_target(config, args)
-    from jlong.plan import format_plan, plan
+    from jlong.plan.memory import format_plan, plan
 
     result = plan(config, target)
     if args.json:
@@ -178,7 +178,7 @@ def _plan(args) -> int:
         print(format_plan(result, config))
         print(f"device budget: {target.describe_budget(config.train.gpu_memory_fraction)}")
     if not result.fits:
-        from jlong.memory_advice import over_budget_error
+        from jlong.plan.advice import over_budget_error
 
         sys.stdout.flush()
         raise over_budget_error(result, config)
@@ -190,8 +190,8 @@ def _maxlen(args) -> int:
 
     config = load_config(args.config, args.overrides)
     target = _plan_target(config, args)
-    from jlong.maxlen import granule, search_axes, settings, with_overrides
-    from jlong.targets import GIB
+    from jlong.plan.maxlen import granule, search_axes, settings, with_overrides
+    from jlong.plan.targets import GIB
 
     print(f"target {target.name}: {target.compiler()}", flush=True)
     print(f"budgets: {target.describe_budget(config.train.gpu_memory_fraction)}; "
@@ -213,8 +213,8 @@ def _maxlen(args) -> int:
         raise refusal
     setting, candidate, found = max(results, key=lambda r: r[2].seq_len)
     if not found.seq_len:
-        from jlong.maxlen import with_seq_len
-        from jlong.memory_advice import over_budget_error
+        from jlong.plan.maxlen import with_seq_len
+        from jlong.plan.advice import over_budget_error
 
         shortest, result = min(found.probes, key=lambda probe: probe[0])
         sys.stdout.flush()
@@ -230,8 +230,8 @@ def _maxlen(args) -> int:
 
 def _search_one(config, target):
     """The longest length of one config, each probe printed as it is planned."""
-    from jlong.maxlen import longest_seq_len
-    from jlong.targets import GIB
+    from jlong.plan.maxlen import longest_seq_len
+    from jlong.plan.targets import GIB
 
     def report(seq_len, result):
         verdict = "fits" if result.fits else "over the " + " and ".join(result.exceeded) + " budget"
@@ -244,7 +244,7 @@ def _search_one(config, target):
 def _plan_target(config, args):
     """The target and budgets of `jlong plan` / `maxlen`, checked, with the
     backend started on the CPU (planning never touches a real accelerator)."""
-    from jlong.targets import PlanTarget, node_shape, resolve_target, start_planning_backend
+    from jlong.plan.targets import PlanTarget, node_shape, resolve_target, start_planning_backend
 
     if args.budget_gib is not None and not args.budget_gib > 0:
         raise JlongError(f"--budget-gib must be positive, got {args.budget_gib:g}")

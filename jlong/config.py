@@ -23,7 +23,7 @@ from typing import Any, Literal
 import yaml
 
 from jlong.errors import JlongError
-from jlong.gpu_memory import DEFAULT_GPU_MEMORY_FRACTION
+from jlong.plan.gpu_memory import DEFAULT_GPU_MEMORY_FRACTION
 from jlong.hf_config import read_hf_config
 from jlong.options import AttentionImpl, DType, RematName
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jlong.targets import cuda_plugin_installed
+from jlong.plan.targets import cuda_plugin_installed
 
 ROOT = Path(__file__).resolve().parents[1]
 # Without the 8 virtual devices the tests' conftest gives the CPU: jlong gives

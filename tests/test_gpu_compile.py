@@ -12,8 +12,8 @@ import pytest
 
 from jlong.config import load_config
 from jlong.options import REMAT_NAMES
-from jlong.plan import compile_train_step, plan, plan_of, saved_layer_input_bytes
-from jlong.targets import (
+from jlong.plan.memory import compile_train_step, plan, plan_of, saved_layer_input_bytes
+from jlong.plan.targets import (
     GPUS,
     MIN_CUDNN_FOR_DEVICELESS_ATTENTION,
     PlanTarget,

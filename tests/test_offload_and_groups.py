@@ -7,7 +7,7 @@ import pytest
 from helpers import MESH, SMALL_MODEL, run_config
 
 from jlong.config import load_config
-from jlong.plan import plan
+from jlong.plan.memory import plan
 from jlong.train.loop import train
 
 FOUR_LAYERS = ["model.num_hidden_layers=4", "train.steps=5"]

@@ -10,9 +10,9 @@ from helpers import assert_one_line_error, run_cli
 
 from jlong.config import load_config
 from jlong.errors import JlongError
-from jlong.maxlen import granule, longest_seq_len, with_seq_len
-from jlong.plan import GIB, plan, saved_layer_input_bytes, state_bytes
-from jlong.targets import PlanTarget
+from jlong.plan.maxlen import granule, longest_seq_len, with_seq_len
+from jlong.plan.memory import GIB, plan, saved_layer_input_bytes, state_bytes
+from jlong.plan.targets import PlanTarget
 
 # Llama-shaped and small, on sp=8 with the whole memory stack.
 SMALL_LONG = [

@@ -7,7 +7,7 @@ from helpers import assert_same_result, loss_and_grads, small_config
 
 from jlong.data.sources import Batches
 from jlong.parallel.placement import make_mesh
-from jlong.plan import state_bytes
+from jlong.plan.memory import state_bytes
 from jlong.train.program import TrainProgram
 
 

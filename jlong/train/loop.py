@@ -17,7 +17,7 @@ from jlong.checkpoint import Checkpoints
 from jlong.config import Config
 from jlong.data.sources import Batches
 from jlong.errors import JlongError
-from jlong.memory_advice import is_out_of_memory, out_of_memory_error
+from jlong.plan.advice import is_out_of_memory, out_of_memory_error
 from jlong.parallel.placement import make_mesh
 from jlong.train.flops import model_flops_per_token, peak_flops_per_device
 from jlong.train.optimizer import learning_rate

@@ -1,7 +1,7 @@
 """The training program of a config on a mesh: the one object that knows the
 parameters' layout, the optimizer, the batch layout and the jitted step.
 
-The loop runs it, the planner compiles it (`jlong.plan`), the out-of-memory
+The loop runs it, the planner compiles it (`jlong.plan.memory`), the out-of-memory
 report plans it, and the tests check it; nothing else builds a train step.
 Parameters travel as a plain nested dict of arrays (what `nnx.to_pure_dict`
 gives); `bind` turns one back into a `Transformer` inside traced code.

@@ -5,7 +5,7 @@ parameters, optimizer state and batch, compiled for the configured mesh on
 a `PlanTarget`, and XLA's memory analysis says what each device needs.
 
 GPU targets (h100, h200, b200) compile with XLA:GPU for compile-only devices
-(`jlong.targets`): the program a real node would run, cuDNN attention and
+(`jlong.plan.targets`): the program a real node would run, cuDNN attention and
 host offload included. Device bytes are its arguments and temporaries (and
 outputs not aliased to a donated argument); host bytes are what the compiler
 places in host memory.
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jlong.config import Config
 from jlong.model.remat import remat_policy
 from jlong.parallel.placement import make_mesh
-from jlong.targets import GIB, PlanTarget, node_shape
+from jlong.plan.targets import GIB, PlanTarget, node_shape
 from jlong.train.host_optimizer import lives_on_host
 from jlong.train.program import TrainProgram
 

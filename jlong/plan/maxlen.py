@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 from jlong.config import Config, config_to_dict, load_config, validate
 from jlong.errors import JlongError
-from jlong.plan import MemoryPlan, plan, state_bytes
-from jlong.targets import GIB, PlanTarget
+from jlong.plan.memory import MemoryPlan, plan, state_bytes
+from jlong.plan.targets import GIB, PlanTarget
 
 RELATIVE_RESOLUTION = 0.01
 
@@ -56,7 +56,7 @@ def longest_seq_len(
     on_probe: Callable[[int, MemoryPlan], None] = lambda n, p: None,
 ) -> MaxLen:
     """Doubling, then bisection, over multiples of `granule(config)`; plans
-    compile for `target` (see `jlong.plan.plan`)."""
+    compile for `target` (see `jlong.plan.memory.plan`)."""
     step = granule(config)
     probes: list[tuple[int, MemoryPlan]] = []
 

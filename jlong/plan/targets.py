@@ -8,7 +8,7 @@ real node would, and `memory_analysis()` gives per-device and host bytes.
 Nothing is autotuned and nothing runs.
 
 The `cpu` target compiles for virtual CPU devices instead (any machine, no
-plugin), with the corrections `jlong.plan` describes.
+plugin), with the corrections `jlong.plan.memory` describes.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import functools
 import importlib.util
 
 from jlong.errors import JlongError
-from jlong.gpu_memory import POOL_RESERVE_GIB
+from jlong.plan.gpu_memory import POOL_RESERVE_GIB
 from jlong.jax_startup import quiet_native_stderr, start_backends
 
 GIB = 1024**3
