@@ -25,7 +25,7 @@ from jlong.plan.targets import GIB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = [
-    "configs/llama3-8b-5m.yaml", "configs/llama3-8b-8m.yaml", "configs/qwen3-32b-3m.yaml",
+    "configs/llama3-8b-2m.yaml", "configs/llama3-8b-5m.yaml", "configs/llama3-8b-8m.yaml", "configs/qwen3-32b-3m.yaml",
     "configs/llama3-8b-32m-4nodes.yaml",
 ]
 

@@ -45,6 +45,12 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (default: 8)")
     parser.add_argument("--devices", type=int, help="the device count to plan for; the mesh must match it")
+    parser.add_argument(
+        "--efficiency", nargs="+", metavar="KEY=VALUE", default=[],
+        help="the step-cost estimate's efficiencies: shares of the data-sheet rates (gemm 0.70, attention_fwd "
+        "0.60, attention_bwd 0.45, hbm 0.80, links 0.80, all_to_all 0.70) and launch_us (2.0) per kernel. "
+        "Put it after the config's overrides.",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,10 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(handler=_train)
 
     plan = commands.add_parser(
-        "plan", help="per-device memory of the configured train step, compiled ahead of time",
+        "plan", help="per-device memory and the estimated cost of the configured train step, compiled ahead of time",
         description="Compiles the train step for the configured mesh with abstract inputs (nothing "
-        "is allocated) and reports per-device bytes: parameters, gradients, optimizer state, "
-        "inputs, peak temporaries and host-offloaded layer inputs, against a budget.",
+        "is allocated) and reports per-device bytes (parameters, gradients, optimizer state, "
+        "inputs, peak temporaries and host-offloaded bytes) against the device and host budgets, "
+        "then what the step costs, read from the compiled program: FLOPs, collective and host "
+        "traffic, kernel launches and an estimated step time (an estimate, not a measurement).",
     )
     _config_arguments(plan)
     _plan_arguments(plan)
@@ -71,9 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(handler=_plan)
 
     maxlen = commands.add_parser(
-        "maxlen", help="the longest train.seq_len whose planned step fits the budget",
+        "maxlen", help="the longest train.seq_len whose planned step fits the budgets",
         description="Plans the configured train step at growing sequence lengths (doubling, then "
-        "bisection) and reports the longest that fits --budget-gib per device.",
+        "bisection) and reports the longest that fits both budgets: device memory per device "
+        "(--budget-gib) and host memory per node (--host-budget-gib), saying which binds. With "
+        "--fastest, ranks the --search settings by estimated tokens/s at the configured length.",
     )
     _config_arguments(maxlen)
     _plan_arguments(maxlen)
@@ -83,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
         "memory.layers_per_checkpoint=1,2,4 attention.heads_per_stage=8,16; reports the setting that "
         "reaches the longest length. mesh.ring=1,2,4 alone keeps the devices (sp takes the rest). "
         "Put it after the config's overrides.",
+    )
+    maxlen.add_argument(
+        "--fastest", action="store_true",
+        help="rank the --search settings by estimated tokens/s at the configured train.seq_len instead of "
+        "searching for the longest length: each is planned once, and the fastest that fits both budgets wins",
     )
     maxlen.set_defaults(handler=_maxlen)
 
@@ -168,15 +183,19 @@ def _plan(args) -> int:
     from jlong.config import load_config
 
     config = load_config(args.config, args.overrides)
+    efficiency = _efficiency(args)
     target = _plan_target(config, args)
-    from jlong.plan.memory import format_plan, plan
+    from jlong.plan.memory import compile_train_step, format_plan, plan_of
+    from jlong.plan.step_cost import cost_dict, format_cost, step_cost
 
-    result = plan(config, target)
+    step = compile_train_step(config, target)
+    result, cost = plan_of(step), step_cost(step, efficiency)
     if args.json:
-        print(json.dumps(result.as_dict()))
+        print(json.dumps({**result.as_dict(), **cost_dict(cost)}))
     else:
         print(format_plan(result, config))
         print(f"device budget: {target.describe_budget(config.train.gpu_memory_fraction)}")
+        print(format_cost(cost))
     if not result.fits:
         from jlong.plan.advice import over_budget_error
 
@@ -185,11 +204,23 @@ def _plan(args) -> int:
     return 0
 
 
+def _efficiency(args):
+    from jlong.plan.step_cost import Efficiency
+
+    return Efficiency().with_overrides(args.efficiency)
+
+
 def _maxlen(args) -> int:
     from jlong.config import load_config
 
     config = load_config(args.config, args.overrides)
+    efficiency = _efficiency(args)
+    if args.fastest and not args.search:
+        raise JlongError("--fastest ranks the settings of --search: name some, e.g. --search "
+                         "memory.remat=offload_inputs,offload_attention")
     target = _plan_target(config, args)
+    if args.fastest:
+        return _fastest(config, target, args.search, efficiency)
     from jlong.plan.maxlen import granule, search_axes, settings, with_overrides
     from jlong.plan.targets import GIB
 
@@ -225,6 +256,32 @@ def _maxlen(args) -> int:
         print(f"best setting: {' '.join(setting)}")
     print(f"longest seq_len that fits: {found.seq_len:,} ({found.plan.device_total / GIB:.2f} GiB per device, "
           f"{found.plan.host_per_node / GIB:,.1f} GiB host per node); the {found.bound_by} budget binds")
+    return 0
+
+
+def _fastest(config, target, search, efficiency) -> int:
+    """Every setting planned at the configured length; the fastest that fits wins."""
+    from jlong.plan.maxlen import fastest_setting, search_axes, settings
+    from jlong.plan.targets import GIB
+
+    print(f"target {target.name}: {target.compiler()}", flush=True)
+    print(f"budgets: {target.describe_budget(config.train.gpu_memory_fraction)}; "
+          f"{target.host_budget_gib:,.0f} GiB host per node; at seq_len {config.train.seq_len:,}", flush=True)
+
+    def report(setting, result, cost):
+        verdict = "fits" if result.fits else "over the " + " and ".join(result.exceeded) + " budget"
+        print(f"  {' '.join(setting)}: {result.device_total / GIB:.2f} GiB per device, "
+              f"{result.host_per_node / GIB:,.1f} GiB host per node, {verdict}; estimated step "
+              f"{cost.step_time_s:,.1f} s, {cost.tokens_per_s:,.0f} tokens/s, executed / model FLOPs "
+              f"{cost.recompute_factor:.2f}", flush=True)
+
+    best = fastest_setting(config, target, settings(search_axes(search)), efficiency, on_probe=report)
+    if best is None:
+        raise JlongError(f"no setting fits both budgets at train.seq_len={config.train.seq_len:,}; "
+                         "drop --fastest to search for the longest length each setting reaches")
+    setting, result, cost = best
+    print(f"fastest setting that fits: {' '.join(setting)} (estimated {cost.tokens_per_s:,.0f} tokens/s, "
+          f"{result.device_total / GIB:.2f} GiB per device, {result.host_per_node / GIB:,.1f} GiB host per node)")
     return 0
 
 

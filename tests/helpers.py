@@ -13,9 +13,17 @@ import jax
 import numpy as np
 import yaml
 
+import pytest
+
 from jlong.config import config_to_dict, load_config
 from jlong.data.sources import Batches
 from jlong.parallel.placement import make_mesh
+from jlong.plan.targets import (
+    MIN_CUDNN_FOR_DEVICELESS_ATTENTION,
+    PlanTarget,
+    cuda_plugin_installed,
+    installed_cudnn_version,
+)
 from jlong.train.program import TrainProgram
 
 SMALL_MODEL = [
@@ -109,3 +117,26 @@ def assert_one_line_error(result: CliResult, message: str):
     assert message in lines[0], lines[0]
     assert "Traceback" not in result.stderr
 
+# The GPU compiler's tests: XLA:GPU for compile-only H100s, where the plugin is installed.
+_cudnn = installed_cudnn_version() if cuda_plugin_installed() else None
+needs_gpu_compiler = pytest.mark.skipif(
+    _cudnn is None or _cudnn < MIN_CUDNN_FOR_DEVICELESS_ATTENTION,
+    reason="SKIPPED GPU-COMPILER TEST: the CUDA plugin with cuDNN >= 9.8 is not installed "
+    "(pip install -e '.[gpu-plan]'); XLA:GPU was not checked",
+)
+H100 = PlanTarget("h100")
+
+# Llama-shaped and small, with the whole stack on fsdp=2 x sp=4: UPipe stages
+# of U = sp = 4 of 8 heads in shard_map, attention by `auto` (cuDNN on a GPU),
+# layer inputs offloaded to host, tiled MLP and loss.
+WHOLE_STACK = [
+    "model.vocab_size=512", "model.hidden_size=256", "model.intermediate_size=512", "model.num_hidden_layers=2",
+    "model.num_attention_heads=8", "model.num_key_value_heads=2", "model.head_dim=64",
+    "mesh.fsdp=2", "mesh.sp=4", "attention.heads_per_stage=4", "attention.impl=auto",
+    "memory.remat=offload_inputs", "memory.mlp_tile=256", "memory.loss_tile=256",
+    "train.seq_len=4096", "train.batch_size=2", "train.compute_dtype=bfloat16", "train.param_dtype=float32",
+]
+
+
+def whole_stack(*overrides):
+    return load_config(None, [*WHOLE_STACK, *overrides])

@@ -10,45 +10,23 @@ from pathlib import Path
 
 import pytest
 
+from helpers import H100, needs_gpu_compiler, whole_stack
+
 from jlong.config import load_config
+from jlong.model.remat import remat_policy
 from jlong.options import REMAT_NAMES
-from jlong.plan.memory import compile_train_step, plan, plan_of, saved_layer_input_bytes
-from jlong.plan.targets import (
-    GPUS,
-    MIN_CUDNN_FOR_DEVICELESS_ATTENTION,
-    PlanTarget,
-    cuda_plugin_installed,
-    default_budget_gib,
-    installed_cudnn_version,
-    target_config_text,
+from jlong.plan.memory import (
+    compile_train_step,
+    offloaded_attention_bytes,
+    plan,
+    plan_of,
+    saved_layer_input_bytes,
 )
+from jlong.plan.step_cost import step_cost
+from jlong.plan.targets import GPUS, PlanTarget, default_budget_gib, installed_cudnn_version, target_config_text
 
 REPO = Path(__file__).resolve().parents[1]
 XLA_SPECS = REPO.parent / "shared" / "gpu_specs"  # XLA's published descriptions, beside the project in CI
-
-_cudnn = installed_cudnn_version() if cuda_plugin_installed() else None
-needs_gpu_compiler = pytest.mark.skipif(
-    _cudnn is None or _cudnn < MIN_CUDNN_FOR_DEVICELESS_ATTENTION,
-    reason="SKIPPED GPU-COMPILER TEST: the CUDA plugin with cuDNN >= 9.8 is not installed "
-    "(pip install -e '.[gpu-plan]'); XLA:GPU was not checked",
-)
-H100 = PlanTarget("h100")
-
-# Llama-shaped and small, with the whole stack on fsdp=2 x sp=4: UPipe stages
-# of U = sp = 4 of 8 heads in shard_map, attention by `auto` (cuDNN on a GPU),
-# layer inputs offloaded to host, tiled MLP and loss.
-WHOLE_STACK = [
-    "model.vocab_size=512", "model.hidden_size=256", "model.intermediate_size=512", "model.num_hidden_layers=2",
-    "model.num_attention_heads=8", "model.num_key_value_heads=2", "model.head_dim=64",
-    "mesh.fsdp=2", "mesh.sp=4", "attention.heads_per_stage=4", "attention.impl=auto",
-    "memory.remat=offload_inputs", "memory.mlp_tile=256", "memory.loss_tile=256",
-    "train.seq_len=4096", "train.batch_size=2", "train.compute_dtype=bfloat16", "train.param_dtype=float32",
-]
-
-
-def whole_stack(*overrides):
-    return load_config(None, [*WHOLE_STACK, *overrides])
-
 
 def cudnn_attention_calls(hlo: str) -> int:
     return len(re.findall(r'custom_call_target="__cudnn\$fmha', hlo))
@@ -70,7 +48,7 @@ def test_whole_stack_compiles_for_h100s_with_cudnn_all_to_all_and_host_offload()
 
 
 @needs_gpu_compiler
-@pytest.mark.parametrize("remat", [r for r in REMAT_NAMES if r != "offload_inputs"])  # that one: above
+@pytest.mark.parametrize("remat", [r for r in REMAT_NAMES if not remat_policy(r).offloads_layer_inputs])
 def test_every_remat_policy_compiles_for_h100s(remat):
     config = whole_stack(f"memory.remat={remat}")
     result = plan(config, H100)
@@ -132,21 +110,27 @@ def test_ring_attention_across_two_nodes_keeps_ulysses_inside_each():
 @needs_gpu_compiler
 @pytest.mark.parametrize(
     "name, seq_len",
-    [("llama3-8b-5m", 5 * 2**20), ("llama3-8b-8m", 8 * 2**20), ("qwen3-32b-3m", 3 * 2**20),
-     ("llama3-8b-32m-4nodes", 32 * 2**20)],
+    [("llama3-8b-2m", 2 * 2**20), ("llama3-8b-5m", 5 * 2**20), ("llama3-8b-8m", 8 * 2**20),
+     ("qwen3-32b-3m", 3 * 2**20), ("llama3-8b-32m-4nodes", 32 * 2**20)],
 )
 def test_the_long_context_configs_fit_their_default_budgets_on_h100(name, seq_len):
     config = load_config(REPO / "configs" / f"{name}.yaml")
     assert config.train.seq_len == seq_len
-    result = plan(config, H100)
+    step = compile_train_step(config, H100)
+    result = plan_of(step)
     assert result.budget == int(default_budget_gib("h100", config.train.gpu_memory_fraction) * 2**30)
     assert result.fits_device and result.fits_host, result
     if name == "llama3-8b-5m":  # 60.54 GiB before the in-place tiles and the normed tiled projections
         assert result.device_total < 50 * 2**30, result
     # XLA:GPU's host bytes: the policy's count of layer inputs, and the offloaded optimizer's states
     # (with fresh buffers for updated states that XLA does not update in place: at most one more copy).
-    layer_inputs = saved_layer_input_bytes(config)
-    assert layer_inputs + result.host_states <= result.host_offload <= layer_inputs + 2 * result.host_states
+    offloaded = saved_layer_input_bytes(config) + offloaded_attention_bytes(config)
+    assert offloaded + result.host_states <= result.host_offload <= offloaded + 2 * result.host_states
+    if name == "llama3-8b-2m":  # the attention forward pass runs once: the fastest setting that fits
+        cost = step_cost(step)
+        default_stack = load_config(REPO / "configs" / "llama3-8b-5m.yaml", [f"train.seq_len={seq_len}"])
+        assert cost.recompute_factor <= 1.25, cost.recompute_factor
+        assert step_cost(compile_train_step(default_stack, H100)).step_time_s >= 1.15 * cost.step_time_s
 
 
 def _text_proto_fields(text: str) -> dict[str, str]:

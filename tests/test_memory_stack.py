@@ -37,6 +37,7 @@ KNOBS = {
     "upipe U=C": ["attention.heads_per_stage=4"],
     "all, offloaded": [*ALL_KNOBS, "memory.remat=offload_inputs"],
     "all, save_attention": [*ALL_KNOBS, "memory.remat=save_attention"],
+    "all, offload_attention": [*ALL_KNOBS, "memory.remat=offload_attention"],
     "save_inputs, 2 layers per checkpoint": ["memory.remat=save_inputs", "memory.layers_per_checkpoint=2"],
     "all, offloaded, 2 layers per checkpoint": [*ALL_KNOBS, "memory.remat=offload_inputs",
                                                 "memory.layers_per_checkpoint=2"],

@@ -50,7 +50,7 @@ from jlong.parallel.zigzag import chunk_token_index, shard_token_index
 from jlong.parallel.placement import HIDDEN, REPLICATED, TOKENS, sequence_shards
 
 
-def _is_cudnn_attention_forward(primitive, *_, **__) -> bool:
+def is_cudnn_attention_forward(primitive, *_, **__) -> bool:
     """cuDNN's fused forward returns the output and the softmax statistics."""
     return primitive.name.startswith("dot_product_attention_fwd")
 
@@ -60,7 +60,7 @@ def _is_cudnn_attention_forward(primitive, *_, **__) -> bool:
 # fused primitive for cuDNN); q, k, v and the exchanges are recomputed.
 KEEP_ATTENTION_OUTPUT = jax.checkpoint_policies.save_from_both_policies(
     jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT, ATTENTION_LSE),
-    _is_cudnn_attention_forward,
+    is_cudnn_attention_forward,
 )
 
 
@@ -128,7 +128,8 @@ class HeadProjections:
     output: Callable
 
 
-def staged_attention(params, x_BSD, positions_BS, segment_ids_BS, *, projections, heads, impl, block_size):
+def staged_attention(params, x_BSD, positions_BS, segment_ids_BS, *, projections, heads, impl, block_size,
+                     unroll_stages=False):
     """x + self-attention of x [B, S, D] (the projections normalise x first;
     output projection included), in UPipe stages.
 
@@ -149,12 +150,14 @@ def staged_attention(params, x_BSD, positions_BS, segment_ids_BS, *, projections
         projections=projections,
         kernel=functools.partial(attend, impl=impl, block_size=block_size),
         block_size=block_size,
+        unroll_stages=unroll_stages,
     )
     run = shards.map(run, (REPLICATED, HIDDEN, TOKENS, TOKENS), HIDDEN)
     return run(params, x_BSD, positions_BS, segment_ids_BS)
 
 
-def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, ring, projections, kernel, block_size):
+def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, ring, projections, kernel, block_size,
+                unroll_stages):
     """The per-device program: x [B, S/C, D] -> x + attention output [B, S/C, D].
     Shape letters: s = S/C (this device's shard), U heads per stage, u = U/C
     heads per device, r kv slots per device, w the kv heads a stage projects."""
@@ -198,6 +201,18 @@ def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, r
     # alive in between), in the compute dtype: a float32 sum would be the
     # largest buffer of the layer at long context, for the rounding of a
     # handful of additions.
+    #
+    # Unrolled, each stage's saved attention output is a value of the layer
+    # itself rather than a slice of the stage loop's stacked residual: the
+    # layer's remat policy can then move it to host memory, which XLA:GPU
+    # (jax 0.10.2) fails to compile for a residual stacked by a loop nested
+    # in the layer loop. The scan plans 1.3 GiB less per device (Llama3-8B,
+    # 1M tokens), so it stays the default.
+    if unroll_stages:
+        carry = (x_BsD, x_BsD)
+        for stage in range(plan.num_stages):
+            carry, _ = add_stage(carry, stage)
+        return carry[0]
     (y_BsD, _), _ = jax.lax.scan(add_stage, (x_BsD, x_BsD), jnp.arange(plan.num_stages))
     return y_BsD
 

@@ -15,6 +15,9 @@ and composes with the checkpointed UPipe stages inside attention:
 - `save_attention`: keeps each layer's input and its attention kernel's
   outputs (output and log-sum-exp), so the recomputed forward pass skips the
   attention kernel, the costliest part at long context.
+- `offload_attention`: as `save_attention`, with the input, the attention
+  output and the log-sum-exp in pinned host memory: about twice the host
+  bytes of `offload_inputs` for one attention forward pass less per layer.
 
 `memory.layers_per_checkpoint` = k > 1 (with `save_inputs` or
 `offload_inputs`) applies the policy to groups of k layers: one input is kept
@@ -29,14 +32,24 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
+from jax.ad_checkpoint import Offloadable, Recompute, checkpoint_name
 
-from jlong.attention.ulysses import KEEP_ATTENTION_OUTPUT
+from jlong.attention.kernels import ATTENTION_LSE, ATTENTION_OUT
+from jlong.attention.ulysses import KEEP_ATTENTION_OUTPUT, is_cudnn_attention_forward
 from jlong.options import REMAT_NAMES, RematName
 
 LAYER_INPUT = "layer_input"
 
 _policies = jax.checkpoint_policies
+_TO_HOST = Offloadable(src="device", dst="pinned_host")
+
+
+def _offload_inputs_and_attention(primitive, *_, **params):
+    """Layer inputs and the attention kernel's outputs (named by the blockwise
+    kernel; the cuDNN forward primitive's own) go to host memory; the rest is recomputed."""
+    named = primitive.name == "name" and params.get("name") in (LAYER_INPUT, ATTENTION_OUT, ATTENTION_LSE)
+    return _TO_HOST if named or is_cudnn_attention_forward(primitive) else Recompute
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +58,7 @@ class RematPolicy:
     jax_policy: Callable | None  # None: the layer is not checkpointed at all
     keeps_layer_inputs: bool = False  # one [B, S/C, D] input per layer lives until the backward pass
     offloads_layer_inputs: bool = False  # ... in host memory rather than on the device
+    offloads_attention: bool = False  # the attention output and log-sum-exp too
 
     def wrap(self, layer_fn):
         """`layer_fn` under this policy."""
@@ -76,6 +90,10 @@ REMAT_POLICIES: dict[str, RematPolicy] = {
             "save_attention",
             _policies.save_from_both_policies(_policies.save_only_these_names(LAYER_INPUT), KEEP_ATTENTION_OUTPUT),
             keeps_layer_inputs=True,
+        ),
+        RematPolicy(
+            "offload_attention", _offload_inputs_and_attention,
+            keeps_layer_inputs=True, offloads_layer_inputs=True, offloads_attention=True,
         ),
     )
 }

@@ -313,4 +313,5 @@ def attention_block(p, x_BSD, positions_BS, segment_ids_BS, config, options):
         heads=(H, config.kv_heads, options.heads_per_stage or H),
         impl=options.attention_impl,
         block_size=options.block_size,
+        unroll_stages=remat_policy(options.remat).offloads_attention,
     )

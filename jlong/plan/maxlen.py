@@ -17,7 +17,8 @@ from collections.abc import Callable
 
 from jlong.config import Config, config_to_dict, load_config, validate
 from jlong.errors import JlongError
-from jlong.plan.memory import MemoryPlan, plan, state_bytes
+from jlong.plan.memory import MemoryPlan, compile_train_step, plan, plan_of, state_bytes
+from jlong.plan.step_cost import Efficiency, StepCost, step_cost
 from jlong.plan.targets import GIB, PlanTarget
 
 RELATIVE_RESOLUTION = 0.01
@@ -127,6 +128,31 @@ def with_overrides(config: Config, overrides: list[str]) -> Config:
         if others and mesh.size % others == 0:
             overrides = [*overrides, f"mesh.sp={mesh.size // others}"]
     return load_config(None, overrides, base=config_to_dict(config))
+
+
+def fastest_setting(
+    config: Config,
+    target: PlanTarget,
+    candidates: list[list[str]],
+    efficiency: Efficiency = Efficiency(),
+    *,
+    on_probe: Callable[[list[str], MemoryPlan, StepCost], None] = lambda s, p, c: None,
+) -> tuple[list[str], MemoryPlan, StepCost] | None:
+    """Each setting (a list of overrides) planned at the configured length;
+    the one with the highest estimated tokens/s among those that fit both
+    budgets (None if none fits). A setting the config refuses is skipped."""
+    fitting = []
+    for setting in candidates:
+        try:
+            step = compile_train_step(with_overrides(config, setting), target)
+        except JlongError as err:
+            print(f"  {' '.join(setting)}: refused ({err})", flush=True)
+            continue
+        result, cost = plan_of(step), step_cost(step, efficiency)
+        on_probe(setting, result, cost)
+        if result.fits:
+            fitting.append((setting, result, cost))
+    return max(fitting, key=lambda found: found[2].tokens_per_s, default=None)
 
 
 def _check_budget_covers_states(config: Config, target: PlanTarget) -> None:

@@ -18,7 +18,8 @@ Three corrections bring its figures toward the GPU program:
   switched off for the plan's compile (`CPU_COMPILER_OPTIONS`);
 - host offload compiles to nothing on CPU, so the offloaded layer inputs sit
   in the temporaries; they are counted from the remat policy and the shapes,
-  reported as host bytes, and taken out of the device's temporaries.
+  reported as host bytes, and taken out of the device's temporaries (with
+  `offload_attention`, the attention outputs and log-sum-exps too).
 """
 
 from __future__ import annotations
@@ -148,9 +149,10 @@ def plan_of(step: CompiledStep) -> MemoryPlan:
     device_states = shard_bytes(program.abstract_opt_state, lambda leaf: not in_host_memory(program, leaf))
     layer_inputs = saved_layer_input_bytes(config)
     if step.on_cpu:  # see the module docstring
-        offloaded_inputs = layer_inputs if remat_policy(config.memory.remat).offloads_layer_inputs else 0
-        host_offload = offloaded_inputs + host_states
-        temporaries = analysis.temp_size_in_bytes - offloaded_inputs
+        policy = remat_policy(config.memory.remat)
+        offloaded = (layer_inputs if policy.offloads_layer_inputs else 0) + offloaded_attention_bytes(config)
+        host_offload = offloaded + host_states
+        temporaries = analysis.temp_size_in_bytes - offloaded
     else:
         host_offload = analysis.host_temp_size_in_bytes + analysis.host_argument_size_in_bytes
         temporaries = analysis.temp_size_in_bytes + max(analysis.output_size_in_bytes - analysis.alias_size_in_bytes, 0)
@@ -227,16 +229,31 @@ def shard_bytes(tree, where: Callable[[jax.ShapeDtypeStruct], bool] = lambda lea
     return total
 
 
+def _local_tokens(config: Config) -> int:
+    """Tokens of one device's sequence shard, over the sequences it holds."""
+    mesh, train = config.mesh, config.train
+    return train.batch_size // (mesh.data * mesh.fsdp) * train.seq_len // mesh.sequence_shards
+
+
 def saved_layer_input_bytes(config: Config) -> int:
     """One [B, S/(ring x sp), D] layer input per `layers_per_checkpoint` layers in the
     compute dtype, on each device, for the policies that keep layer inputs."""
     if not remat_policy(config.memory.remat).keeps_layer_inputs:
         return 0
-    mesh, train, model = config.mesh, config.train, config.model
-    local_tokens = train.batch_size // (mesh.data * mesh.fsdp) * train.seq_len // mesh.sequence_shards
-    itemsize = jnp.dtype(train.compute_dtype).itemsize
+    model = config.model
+    itemsize = jnp.dtype(config.train.compute_dtype).itemsize
     kept = model.num_hidden_layers // config.memory.layers_per_checkpoint
-    return kept * local_tokens * model.hidden_size * itemsize
+    return kept * _local_tokens(config) * model.hidden_size * itemsize
+
+
+def offloaded_attention_bytes(config: Config) -> int:
+    """Each layer's attention output (the compute dtype) and float32
+    log-sum-exp, per device, for the policy that moves them to host memory."""
+    if not remat_policy(config.memory.remat).offloads_attention:
+        return 0
+    model = config.model
+    per_head = model.dim_per_head * jnp.dtype(config.train.compute_dtype).itemsize + 4
+    return model.num_hidden_layers * _local_tokens(config) * model.num_attention_heads * per_head
 
 
 def _groups(layers_per_checkpoint: int) -> str:

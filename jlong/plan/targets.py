@@ -45,6 +45,12 @@ class GpuModel:
     memory_clock_mhz: int
     l2_cache_bytes: int
     clock_ghz: float  # boost clock of the SMs
+    # Data-sheet rates for the step-cost estimate (bytes per second are per direction, per GPU).
+    peak_bf16_flops: float  # dense bf16 tensor-core FLOP/s
+    hbm_bytes_per_s: float
+    nvlink_bytes_per_s: float  # to the other GPUs of the node
+    infiniband_bytes_per_s: float  # to other nodes: one NIC per GPU
+    pcie_bytes_per_s: float  # to host memory
     shared_memory_per_sm: int = 228 * 1024
     shared_memory_per_block_optin: int = 227 * 1024
     shared_memory_per_block: int = 48 * 1024
@@ -64,14 +70,20 @@ GPUS = {
     "h100": GpuModel(
         name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0), sm_count=132, memory_bytes=84_942_979_072,
         memory_bus_bits=5120, memory_clock_mhz=2619, l2_cache_bytes=50 * 2**20, clock_ghz=1.98,
+        peak_bf16_flops=989e12, hbm_bytes_per_s=3.35e12, nvlink_bytes_per_s=450e9, infiniband_bytes_per_s=50e9,
+        pcie_bytes_per_s=50e9,
     ),
     "h200": GpuModel(
         name="NVIDIA H200 141GB HBM3e", compute_capability=(9, 0), sm_count=132, memory_bytes=151_397_597_184,
         memory_bus_bits=5120, memory_clock_mhz=3750, l2_cache_bytes=50 * 2**20, clock_ghz=1.98,
+        peak_bf16_flops=989e12, hbm_bytes_per_s=4.8e12, nvlink_bytes_per_s=450e9, infiniband_bytes_per_s=50e9,
+        pcie_bytes_per_s=50e9,
     ),
     "b200": GpuModel(
         name="NVIDIA B200", compute_capability=(10, 0), sm_count=148, memory_bytes=182_630 * 2**20,
         memory_bus_bits=7680, memory_clock_mhz=3996, l2_cache_bytes=126 * 2**20 + 2**19, clock_ghz=1.965,
+        peak_bf16_flops=2250e12, hbm_bytes_per_s=8e12, nvlink_bytes_per_s=900e9, infiniband_bytes_per_s=50e9,
+        pcie_bytes_per_s=50e9,
     ),
 }
 TARGETS = (*GPUS, "cpu")

@@ -5,14 +5,18 @@ from __future__ import annotations
 import jax
 
 from jlong.config import ModelConfig
+from jlong.plan.targets import GPUS
 
-# Dense bf16 tensor-core peaks (FLOP/s), by device_kind substring.
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
+# Dense bf16 tensor-core peaks (FLOP/s), by device_kind substring: the planner's
+# GPU table, and the A100, which jlong does not plan for but may run on.
+PEAK_BF16_FLOPS = {"A100": 312e12, **{name.upper(): gpu.peak_bf16_flops for name, gpu in GPUS.items()}}
 
 
 def model_flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x matmul parameters, plus causal attention
-    (QK^T and PV: 4 x S x d per head forward, halved by the mask, x3 with backward)."""
+    """Model FLOPs per training token, the convention MFU is quoted in: 6 x
+    matmul parameters (forward 2, backward 4), plus causal attention (QK^T
+    and PV: 4 x S x d per head forward, halved by the mask, x3 with the
+    backward pass). Recomputation is not counted."""
     D, F, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     H, K, d = config.num_attention_heads, config.kv_heads, config.dim_per_head
     per_layer = D * (H + 2 * K) * d + H * d * D + 3 * D * F
