@@ -211,3 +211,28 @@ def test_cpu_target_has_no_step_cost_and_says_why(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["step_time_s"] is None and "XLA:GPU program" in report["cost_note"]
+
+
+def test_a_conditional_costs_its_costliest_branch():
+    module = MODULE.replace(
+        '  ROOT %result = bf16[128,512]{1,0} copy(%cp-done)',
+        '  %p = pred[] constant(true)\n'
+        '  %c = bf16[128,512]{1,0} conditional(%p, %g, %g), true_computation=%copy_branch, '
+        'false_computation=%gemm_branch\n'
+        '  ROOT %result = bf16[128,512]{1,0} copy(%c)',
+    ) + """
+%copy_branch (t: bf16[128,512]) -> bf16[128,512] {
+  %t = bf16[128,512]{1,0} parameter(0)
+  ROOT %tc = bf16[128,512]{1,0} copy(%t)
+}
+
+%gemm_branch (f: bf16[128,512]) -> bf16[128,512] {
+  %f = bf16[128,512]{1,0} parameter(0)
+  %sq = bf16[128,512]{1,0} multiply(%f, %f)
+  ROOT %fc = bf16[128,512]{1,0} add(%sq, %f)
+}
+"""
+    base, branched = hand_cost(), estimate(module, gpu=H100_GPU, efficiency=Efficiency(), node_of=TWO_NODES,
+                                           tokens_per_step=1024, model_flops_per_device=1e9)
+    assert branched.kernels == base.kernels + 2  # the costlier branch's two kernels, not the copy
+    assert branched.flops_by_kind["other"] == base.flops_by_kind["other"] + 2 * 128 * 512

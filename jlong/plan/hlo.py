@@ -58,7 +58,7 @@ class Instruction:
     opcode: str
     arrays: tuple[Array, ...]  # the result's arrays (a tuple's leaves, in order)
     operands: tuple[str, ...]
-    called: tuple[str, ...]  # computations it calls (fused body, loop body and condition, branches)
+    called: tuple[str, ...]  # computations it calls (fused body, loop body and condition, branches, reducer)
     attributes: str
     parameter_number: int | None = None  # k of `parameter(k)`
 
@@ -215,7 +215,8 @@ def parse_instruction(line: str) -> Instruction | None:
 
 def _called_computations(attributes: str) -> tuple[str, ...]:
     names = []
-    for key in ("calls", "body", "condition", "to_apply", "branch_computations"):
+    for key in ("calls", "body", "condition", "to_apply", "branch_computations", "true_computation",
+                "false_computation"):
         start = attributes.find(f"{key}=")
         if start < 0 or (start > 0 and attributes[start - 1] not in " ,"):
             continue

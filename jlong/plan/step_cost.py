@@ -19,7 +19,8 @@ their trip counts. Each is priced on a roofline of the target GPU:
   waits at a done only for what is still in flight. Overlap across loop
   iterations is not modelled; a loop whose trip count the compiler could
   not know (a `while` with data-dependent bounds) is counted once and the
-  report says so.
+  report says so; a conditional costs its costliest branch (the ring
+  kernel's block skipping is counted as if no block were skipped).
 
 FLOPs are counted per device: a dot is 2 x output elements x contracted
 size; a cuDNN forward 4 x B x H x Sq x Skv x d, its backward 10 x (five
