@@ -423,6 +423,8 @@ def validate(config: Config) -> None:
             "attention.heads_per_stage": att.heads_per_stage or 0,
         }
     )
+    # The heads sp must split come before lengths: no sequence length helps a split that cannot work.
+    _validate_head_split(config)
     batch_split = mesh.data * mesh.fsdp
     if train.batch_size % batch_split:
         raise JlongError(
@@ -444,7 +446,6 @@ def validate(config: Config) -> None:
         raise JlongError(f"train.lr must be positive, got {train.lr}")
     if not 0 < train.gpu_memory_fraction <= 1:
         raise JlongError(f"train.gpu_memory_fraction must be in (0, 1], got {train.gpu_memory_fraction:g}")
-    _validate_head_split(config)
     _validate_tiles(config)
     _validate_layer_groups(config)
     if config.data.source == "tokens" and not config.data.path:

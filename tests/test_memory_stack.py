@@ -127,7 +127,7 @@ def test_plan_splits_parameters_and_optimizer_state_over_fsdp():
     whole = shard_bytes(TrainProgram(config, make_mesh(config.mesh, jax.devices()[:1])).abstract_params)
     assert whole / 8 <= result.parameters < whole / 4  # sharded, but for the small replicated norms
     assert result.optimizer_state >= 2 * result.parameters  # AdamW's two float32 moments
-    parts = ("parameters", "gradients", "optimizer_state", "inputs", "temporaries")
+    parts = ("parameters", "gradients", "optimizer_state", "inputs", "temporaries", "cudnn_workspace")
     assert result.device_total == sum(getattr(result, part) for part in parts)
 
 

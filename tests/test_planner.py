@@ -72,9 +72,8 @@ def test_plan_command_prints_json_bytes(tmp_path):
     assert report["target"] == "cpu" and report["compiler"].startswith("XLA:CPU")
     assert report["host_offload"] == 2 * 1024 * 128 * 2  # 2 layers x 1024 local tokens x 128 x bf16
     assert report["host_per_node"] == 8 * report["host_offload"]
-    assert report["device_total"] == sum(
-        report[k] for k in ("parameters", "gradients", "optimizer_state", "inputs", "temporaries")
-    )
+    parts = ("parameters", "gradients", "optimizer_state", "inputs", "temporaries", "cudnn_workspace")
+    assert report["device_total"] == sum(report[k] for k in parts)
     assert report["fits"] is True
 
 

@@ -78,8 +78,8 @@ TWO_NODES = [0] * 8 + [1] * 8
 
 
 def hand_cost(efficiency=Efficiency()):
-    return estimate(MODULE, gpu=H100_GPU, efficiency=efficiency, node_of=TWO_NODES, tokens_per_step=1024,
-                    model_flops_per_device=1e9)
+    return estimate(parse_module(MODULE), gpu=H100_GPU, efficiency=efficiency, node_of=TWO_NODES,
+                    tokens_per_step=1024, model_flops_per_device=1e9)
 
 
 def test_parser_reads_loops_groups_and_host_arrays():
@@ -168,7 +168,7 @@ def test_a_compiled_matmul_and_all_gather_are_counted_exactly():
     x = jax.ShapeDtypeStruct((8 * 128, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("x")))
     w = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
     hlo = program.lower(x, w).compile().as_text()
-    cost = estimate(hlo, gpu=H100_GPU, efficiency=Efficiency(), node_of=[0] * 8, tokens_per_step=1,
+    cost = estimate(parse_module(hlo), gpu=H100_GPU, efficiency=Efficiency(), node_of=[0] * 8, tokens_per_step=1,
                     model_flops_per_device=1)
     assert cost.flops_by_kind["matmul"] == 2 * 128 * 512 * 256
     assert cost.collective_bytes_by_kind == {"all-gather nvlink": 7 * 128 * 512 * 2}
@@ -232,7 +232,8 @@ def test_a_conditional_costs_its_costliest_branch():
   ROOT %fc = bf16[128,512]{1,0} add(%sq, %f)
 }
 """
-    base, branched = hand_cost(), estimate(module, gpu=H100_GPU, efficiency=Efficiency(), node_of=TWO_NODES,
-                                           tokens_per_step=1024, model_flops_per_device=1e9)
+    base = hand_cost()
+    branched = estimate(parse_module(module), gpu=H100_GPU, efficiency=Efficiency(), node_of=TWO_NODES,
+                        tokens_per_step=1024, model_flops_per_device=1e9)
     assert branched.kernels == base.kernels + 2  # the costlier branch's two kernels, not the copy
     assert branched.flops_by_kind["other"] == base.flops_by_kind["other"] + 2 * 128 * 512

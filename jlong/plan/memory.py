@@ -25,6 +25,7 @@ Three corrections bring its figures toward the GPU program:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 from jlong.config import Config
 from jlong.model.remat import remat_policy
 from jlong.parallel.placement import make_mesh
+from jlong.plan.hlo import HloModule, parse_module
 from jlong.plan.targets import GIB, PlanTarget, node_shape
 from jlong.train.host_optimizer import lives_on_host
 from jlong.train.program import TrainProgram
@@ -52,7 +54,9 @@ class MemoryPlan:
     remat policy keeps per layer, counted from the shapes. With the optimizer
     offloaded, `parameters` and `gradients` are the compute-dtype copies the
     step holds, and `host_states` (part of `host_offload`) the master
-    parameters and optimizer state in host memory."""
+    parameters and optimizer state in host memory. `cudnn_workspace` is what
+    cuDNN attention needs beside XLA's buffers (`cudnn_workspace_bytes`),
+    part of `device_total`."""
 
     target: str
     compiler: str
@@ -62,6 +66,7 @@ class MemoryPlan:
     inputs: int
     temporaries: int
     saved_layer_inputs: int
+    cudnn_workspace: int
     host_offload: int
     host_states: int
     budget: int
@@ -70,7 +75,8 @@ class MemoryPlan:
 
     @property
     def device_total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_state + self.inputs + self.temporaries
+        return (self.parameters + self.gradients + self.optimizer_state + self.inputs + self.temporaries
+                + self.cudnn_workspace)
 
     @property
     def host_per_node(self) -> int:
@@ -110,6 +116,11 @@ class CompiledStep:
     @property
     def on_cpu(self) -> bool:
         return self.program.mesh.devices.flat[0].platform == "cpu"
+
+    @functools.cached_property
+    def hlo(self) -> HloModule:
+        """The optimized program, read (`jlong.plan.hlo`)."""
+        return parse_module(self.compiled.as_text())
 
 
 def compile_train_step(config: Config, target: PlanTarget = PlanTarget(), devices=None) -> CompiledStep:
@@ -173,12 +184,37 @@ def plan_of(step: CompiledStep) -> MemoryPlan:
         inputs=shard_bytes(program.abstract_batch),
         temporaries=max(temporaries - in_temporaries, 0),
         saved_layer_inputs=layer_inputs,
+        cudnn_workspace=0 if step.on_cpu else cudnn_workspace_bytes(step.hlo),
         host_offload=host_offload,
         host_states=host_states,
         budget=int(target.device_budget_gib(config.train.gpu_memory_fraction) * GIB),
         host_budget_per_node=int(target.host_budget_gib * GIB),
         devices_per_node=devices_per_node,
     )
+
+
+def cudnn_workspace_bytes(module: HloModule) -> int:
+    """The largest workspace one cuDNN attention call of the program needs.
+
+    Compiled deviceless, cuDNN's graphs are never built, so their workspace
+    buffers appear as u8[0] and XLA's buffer assignment leaves them out.
+    Counted from cuDNN's own requirement (cudnn-frontend's SDPA backward
+    node): a float32 dQ accumulator [B, H, Sq, d] and float32 softmax sums
+    [B, H, Sq] per backward call; the forward pass needs none beyond its
+    outputs. Calls run one after another, so the largest is what the peak
+    holds at most.
+    """
+    largest = 0
+    for computation in module.computations.values():
+        for call in computation.instructions:
+            target = call.attribute("custom_call_target") or ""
+            if call.opcode != "custom-call" or "__cudnn$fmha" not in target or "Backward" not in target:
+                continue
+            shape = call.backend_config["cudnn_fmha_backend_config"]["intermediate_tensor_shape"]["dimensions"]
+            B, H, Sq, _ = (int(v) for v in shape)
+            head_dim = computation.operand_arrays(call)[0].dims[-1]
+            largest = max(largest, B * H * Sq * (head_dim + 1) * 4)
+    return largest
 
 
 def state_bytes(config: Config, target: PlanTarget = PlanTarget(), devices=None) -> int:
@@ -280,6 +316,8 @@ def format_plan(result: MemoryPlan, config: Config) -> str:
         ("inputs", result.inputs),
         ("temporaries (peak)", result.temporaries),
     ]
+    if result.cudnn_workspace:
+        rows.append(("cuDNN workspace", result.cudnn_workspace))
     if result.saved_layer_inputs and not result.host_offload:
         rows.append(("  of which layer inputs", result.saved_layer_inputs))
     rows += [("device total", result.device_total), ("host (offloaded)", result.host_offload)]

@@ -38,7 +38,7 @@ import dataclasses
 import math
 
 from jlong.errors import JlongError
-from jlong.plan.hlo import Computation, HloModule, Instruction, parse_module
+from jlong.plan.hlo import Computation, HloModule, Instruction
 from jlong.plan.memory import CompiledStep
 from jlong.plan.targets import GPUS, GpuModel
 from jlong.train.flops import model_flops_per_token
@@ -440,11 +440,10 @@ def cost_dict(cost: StepCost | None) -> dict:
     return cost.as_dict()
 
 
-def estimate(hlo_text: str, *, gpu: GpuModel, efficiency: Efficiency, node_of: list[int], tokens_per_step: int,
+def estimate(module: HloModule, *, gpu: GpuModel, efficiency: Efficiency, node_of: list[int], tokens_per_step: int,
              model_flops_per_device: float) -> StepCost:
-    """Prices the program in `hlo_text` on `gpu`; `node_of[p]` is the node of
-    the device that runs partition p."""
-    module = parse_module(hlo_text)
+    """Prices a compiled program on `gpu`; `node_of[p]` is the node of the
+    device that runs partition p."""
     tally = _Walker(module, gpu, efficiency, node_of).run(module.entry)
     time_by_kind = {key: value for key, value in tally.busy_s.items() if value}
     time_by_kind.update({f"waiting for {key}": value for key, value in tally.waited_s.items() if value})
@@ -487,7 +486,7 @@ def step_cost(step: CompiledStep, efficiency: Efficiency = Efficiency()) -> Step
     node_of = [device.process_index for device in devices]  # compile-only GPUs: one process per node
     tokens = config.train.batch_size * config.train.seq_len
     model_flops = model_flops_per_token(config.model, config.train.seq_len) * tokens / len(devices)
-    return estimate(step.compiled.as_text(), gpu=gpu, efficiency=efficiency, node_of=node_of,
+    return estimate(step.hlo, gpu=gpu, efficiency=efficiency, node_of=node_of,
                     tokens_per_step=tokens, model_flops_per_device=model_flops)
 
 
