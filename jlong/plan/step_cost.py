@@ -140,7 +140,7 @@ class _Walker:
         in_flight: dict[str, tuple[str, float]] = {}  # start name -> (stream, finish)
         for inst in computation.instructions:
             op = inst.opcode
-            if op in _NO_KERNEL:
+            if op in _NO_KERNEL or _allocates_only(inst):
                 continue
             if op.endswith("-done"):
                 stream, finish = in_flight.pop(inst.operands[0], ("", now)) if inst.operands else ("", now)
@@ -149,7 +149,7 @@ class _Walker:
                     now = finish
                 continue
             if op == "while":
-                body, condition = self._loop_parts(inst)
+                body, condition = (inst.attribute(key).lstrip("%") for key in ("body", "condition"))
                 trips = inst.known_trip_count
                 if trips is None:
                     trips = 1
@@ -169,17 +169,16 @@ class _Walker:
                 tally.add(inner)
                 continue
             kind, seconds = self._price(inst, computation, tally)
-            tally.launches += 1
             launch = self.eff.launch_us * 1e-6
-            if op.endswith("-start") and kind in ("collective", "host"):
-                start = max(now + launch, stream_free[kind])
+            tally.launches += 1
+            tally.busy_s["launch"] += launch
+            now += launch
+            if op.endswith("-start") and kind in ("collective", "host"):  # runs beside the kernels until its done
+                start = max(now, stream_free[kind])
                 stream_free[kind] = start + seconds
                 in_flight[inst.name] = (kind, start + seconds)
-                now += launch
-                tally.busy_s["launch"] += launch
             else:
-                now += launch + seconds
-                tally.busy_s["launch"] += launch
+                now += seconds
         pending = max((finish for _, finish in in_flight.values()), default=now)
         if pending > now:
             for stream, finish in in_flight.values():
@@ -187,11 +186,6 @@ class _Walker:
             now = pending
         tally.time_s = now
         return tally
-
-    def _loop_parts(self, inst: Instruction) -> tuple[str, str]:
-        body = inst.attribute("body").lstrip("%")
-        condition = inst.attribute("condition").lstrip("%")
-        return body, condition
 
     # -- one kernel
 
@@ -201,8 +195,8 @@ class _Walker:
         base = op.removesuffix("-start")
         if op == "async-start":
             base = self.module.computations[inst.called[0]].root.opcode
-        if base in _COLLECTIVES or base in {c + "-start" for c in _COLLECTIVES}:
-            return "collective", self._collective(base.removesuffix("-start"), inst, computation, tally)
+        if base in _COLLECTIVES:
+            return "collective", self._collective(base, inst, computation, tally)
         moved = self._host_transfer_bytes(inst, computation)
         if moved:
             tally.host_bytes += moved
@@ -213,15 +207,11 @@ class _Walker:
             target = (inst.attribute("custom_call_target") or "").strip('"')
             if target.startswith("__cudnn$fmha"):
                 return "compute", self._attention(inst, computation, target, tally)
-            if target == "AllocateBuffer":
-                tally.launches -= 1
-                return "compute", 0.0
         flops, is_matmul = self._flops(inst, computation)
         hbm = self._hbm_bytes(inst, computation)
         tally.hbm_bytes += hbm
-        tally.flops["matmul" if is_matmul else "other"] += flops.matmul if is_matmul else flops.other
-        if is_matmul:
-            tally.flops["other"] += flops.other
+        tally.flops["matmul"] += flops.matmul
+        tally.flops["other"] += flops.other
         rate = self.gpu.peak_bf16_flops * (self.eff.gemm if is_matmul else 1.0)
         seconds = max(flops.total / rate, hbm / (self.gpu.hbm_bytes_per_s * self.eff.hbm))
         tally.busy_s["matmul" if is_matmul else "other kernels"] += seconds
@@ -344,6 +334,11 @@ class _Flops:
     @property
     def total(self) -> float:
         return self.matmul + self.other
+
+
+def _allocates_only(inst: Instruction) -> bool:
+    """XLA's buffer allocation for host offload: no kernel."""
+    return inst.opcode == "custom-call" and "AllocateBuffer" in (inst.attribute("custom_call_target") or "")
 
 
 def _data(arrays) -> list:
