@@ -41,7 +41,8 @@ def row(path: str, overrides: list[str], target) -> list:
     mesh = f"{nodes} x {target.gpus_per_node}: ring {config.mesh.ring} x sp {config.mesh.sp}"
     return [path, config.model.preset, f"{config.train.seq_len:,}", mesh, knobs,
             f"{(result.parameters + result.gradients + result.optimizer_state) / GIB:.2f}",
-            f"{result.temporaries / GIB:.2f}", f"{result.device_total / GIB:.2f}", f"{result.budget / GIB:.2f}",
+            f"{result.temporaries / GIB:.2f}", f"{result.cudnn_workspace / GIB:.2f}",
+            f"{result.device_total / GIB:.2f}", f"{result.budget / GIB:.2f}",
             f"{result.host_per_node / GIB:,.0f}", f"{result.host_budget_per_node / GIB:,.0f}",
             "yes" if result.fits else "no: " + " and ".join(result.exceeded), f"{seconds:.1f}"]
 
@@ -62,11 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         "# The long-context configs, planned",
         provenance(command.strip(), target.compiler()),
         "GiB per device (host: per node of 8 GPUs). States: parameters + gradients + optimizer state on the device "
-        "(the compute-dtype copies when the optimizer is in host memory). Seconds: the plan's wall time "
+        "(the compute-dtype copies when the optimizer is in host memory). cuDNN workspace: what cuDNN's attention "
+        "backward needs beside XLA's buffers (counted by the planner; deviceless compilation shows it empty). Seconds: the plan's wall time "
         "(lowering and compiling) on this machine.",
         markdown_table(["config", "model", "seq_len", "nodes x GPUs: mesh", "remat, layers per checkpoint, optimizer",
                         "states",
-                        "temporaries", "device total", "device budget", "host per node", "host budget", "fits",
+                        "temporaries", "cuDNN workspace", "device total", "device budget", "host per node", "host budget", "fits",
                         "seconds"], rows),
     ]) + "\n"
     print(f"wrote {write_result('frontier.md', text)}")
