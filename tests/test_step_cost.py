@@ -189,25 +189,22 @@ def test_offload_attention_moves_attention_outputs_to_host_and_skips_the_recompu
     assert ratio == pytest.approx((4 + 10) / (4 + 4 + 10), rel=1e-12)
     assert without.step_time_s < with_recompute.step_time_s
     assert without.recompute_factor < with_recompute.recompute_factor
+    report = cost_dict(without)  # what `jlong plan --json` carries
+    assert report["step_time_s"] > 0 and report["executed_flops"] > report["model_flops"] > 0
+    assert report["kernels"] > 0 and report["collective_bytes"] > 0 and report["host_bytes"] > 0
 
 
 @needs_gpu_compiler
-def test_plan_prints_the_step_cost_and_its_json_keys(tmp_path):
+def test_plan_prints_the_step_cost(tmp_path):
     config = tmp_path / "stack.yaml"
     config.write_text("{}\n")
     text = run_cli("plan", config, *WHOLE_STACK, "--target", "h100")
     assert text.returncode == 0, text.stderr
     assert "not a measurement" in text.stdout and "tokens/s" in text.stdout and "kernel launches" in text.stdout
-    result = json.loads(run_cli("plan", config, *WHOLE_STACK, "--target", "h100", "--json").stdout)
-    assert result["step_time_s"] > 0 and result["executed_flops"] > result["model_flops"] > 0
-    assert result["flops_by_kind"]["attention"] > 0  # cuDNN ran attention
-    assert result["kernels"] > 0 and result["collective_bytes"] > 0
 
 
-def test_cpu_target_has_no_step_cost_and_says_why(tmp_path):
-    config = tmp_path / "stack.yaml"
-    config.write_text("{}\n")
-    result = run_cli("plan", config, *WHOLE_STACK, "--target", "cpu", "--json")
+def test_cpu_target_has_no_step_cost_and_says_why():
+    result = run_cli("plan", "configs/tiny.yaml", "--target", "cpu", "--json", "data.source=synthetic")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["step_time_s"] is None and "XLA:GPU program" in report["cost_note"]
