@@ -220,6 +220,9 @@ def _maxlen(args) -> int:
                          "memory.remat=offload_inputs,offload_attention")
     target = _plan_target(config, args)
     if args.fastest:
+        if not target.is_gpu:
+            raise JlongError("--fastest ranks settings by the step cost, which is read from XLA:GPU programs: "
+                             "plan with --target h100 (pip install 'jlong[gpu-plan]')")
         return _fastest(config, target, args.search, efficiency)
     from jlong.plan.maxlen import granule, search_axes, settings, with_overrides
     from jlong.plan.targets import GIB
@@ -275,7 +278,11 @@ def _fastest(config, target, search, efficiency) -> int:
               f"{cost.step_time_s:,.1f} s, {cost.tokens_per_s:,.0f} tokens/s, executed / model FLOPs "
               f"{cost.recompute_factor:.2f}", flush=True)
 
-    best = fastest_setting(config, target, settings(search_axes(search)), efficiency, on_probe=report)
+    def refused(setting, err):
+        print(f"  {' '.join(setting)}: refused ({err})", flush=True)
+
+    best = fastest_setting(config, target, settings(search_axes(search)), efficiency, on_probe=report,
+                           on_refused=refused)
     if best is None:
         raise JlongError(f"no setting fits both budgets at train.seq_len={config.train.seq_len:,}; "
                          "drop --fastest to search for the longest length each setting reaches")

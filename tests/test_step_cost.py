@@ -4,6 +4,7 @@ the roofline's overlap rule, and the recompute that `offload_attention` cuts
 in the real XLA:GPU program."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -113,7 +114,8 @@ def test_time_is_the_roofline_of_each_kernel_in_schedule_order():
     eff = Efficiency(launch_us=0.0)
     cost = hand_cost(eff)
     hbm = H100_GPU.hbm_bytes_per_s * eff.hbm
-    gemm = max(2 * 128 * 512 * 256 / (H100_GPU.peak_bf16_flops * eff.gemm), (128 * 256 + 256 * 512 + 128 * 512) * 2 / hbm)
+    gemm_bytes = (128 * 256 + 256 * 512 + 128 * 512) * 2
+    gemm = max(2 * 128 * 512 * 256 / (H100_GPU.peak_bf16_flops * eff.gemm), gemm_bytes / hbm)
     fusion = max(2048 / H100_GPU.peak_bf16_flops, 3 * 4096 / hbm)  # reads x twice, writes y
     scalar = max(1 / H100_GPU.peak_bf16_flops, 12 / hbm)  # s32 add: two reads, one write
     compare = max(1 / H100_GPU.peak_bf16_flops, 9 / hbm)  # s32 and constant in, pred out
@@ -201,6 +203,25 @@ def test_plan_prints_the_step_cost(tmp_path):
     text = run_cli("plan", config, *WHOLE_STACK, "--target", "h100")
     assert text.returncode == 0, text.stderr
     assert "not a measurement" in text.stdout and "tokens/s" in text.stdout and "kernel launches" in text.stdout
+
+
+@needs_gpu_compiler
+def test_fastest_ranks_the_fitting_settings_by_estimated_tokens_per_s():
+    result = run_cli("maxlen", "configs/tiny.yaml", "data.source=synthetic", "--target", "h100", "--fastest",
+                     "--search", "memory.remat=offload_inputs,offload_attention", "memory.layers_per_checkpoint=1,2")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    speeds = {line.split(":")[0].strip(): int(re.search(r"([\d,]+) tokens/s", line).group(1).replace(",", ""))
+              for line in lines if "tokens/s, executed" in line}
+    assert len(speeds) == 3  # offload_attention with 2 layers per checkpoint is refused, and says why
+    assert any("refused (memory.layers_per_checkpoint=2" in line for line in lines)
+    fastest = max(speeds, key=speeds.get)
+    assert lines[-1].startswith(f"fastest setting that fits: {fastest} ")
+
+
+def test_fastest_needs_a_gpu_target():
+    result = run_cli("maxlen", "configs/tiny.yaml", "--target", "cpu", "--fastest", "--search", "memory.mlp_tile=0,64")
+    assert_one_line_error(result, "--fastest ranks settings by the step cost")
 
 
 def test_cpu_target_has_no_step_cost_and_says_why():

@@ -137,6 +137,7 @@ def fastest_setting(
     efficiency: Efficiency = Efficiency(),
     *,
     on_probe: Callable[[list[str], MemoryPlan, StepCost], None] = lambda s, p, c: None,
+    on_refused: Callable[[list[str], JlongError], None] = lambda s, e: None,
 ) -> tuple[list[str], MemoryPlan, StepCost] | None:
     """Each setting (a list of overrides) planned at the configured length;
     the one with the highest estimated tokens/s among those that fit both
@@ -146,7 +147,7 @@ def fastest_setting(
         try:
             step = compile_train_step(with_overrides(config, setting), target)
         except JlongError as err:
-            print(f"  {' '.join(setting)}: refused ({err})", flush=True)
+            on_refused(setting, err)
             continue
         result, cost = plan_of(step), step_cost(step, efficiency)
         on_probe(setting, result, cost)
