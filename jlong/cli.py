@@ -227,10 +227,7 @@ def _maxlen(args) -> int:
     from jlong.plan.maxlen import granule, search_axes, settings, with_overrides
     from jlong.plan.targets import GIB
 
-    print(f"target {target.name}: {target.compiler()}", flush=True)
-    print(f"budgets: {target.describe_budget(config.train.gpu_memory_fraction)}; "
-          f"{target.host_budget_gib:,.0f} GiB host per node; lengths are multiples of {granule(config):,}",
-          flush=True)
+    _print_budgets(config, target, f"lengths are multiples of {granule(config):,}")
     results, refusal = [], None
     for setting in settings(search_axes(args.search)):
         if args.search:
@@ -262,14 +259,19 @@ def _maxlen(args) -> int:
     return 0
 
 
+def _print_budgets(config, target, what: str) -> None:
+    """The head of a search's report: the compiler, both budgets, and `what` it searches."""
+    print(f"target {target.name}: {target.compiler()}", flush=True)
+    print(f"budgets: {target.describe_budget(config.train.gpu_memory_fraction)}; "
+          f"{target.host_budget_gib:,.0f} GiB host per node; {what}", flush=True)
+
+
 def _fastest(config, target, search, efficiency) -> int:
     """Every setting planned at the configured length; the fastest that fits wins."""
     from jlong.plan.maxlen import fastest_setting, search_axes, settings
     from jlong.plan.targets import GIB
 
-    print(f"target {target.name}: {target.compiler()}", flush=True)
-    print(f"budgets: {target.describe_budget(config.train.gpu_memory_fraction)}; "
-          f"{target.host_budget_gib:,.0f} GiB host per node; at seq_len {config.train.seq_len:,}", flush=True)
+    _print_budgets(config, target, f"at seq_len {config.train.seq_len:,}")
 
     def report(setting, result, cost):
         verdict = "fits" if result.fits else "over the " + " and ".join(result.exceeded) + " budget"
