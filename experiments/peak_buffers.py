@@ -91,8 +91,8 @@ def main() -> int:
     target = planning_target(args.target)
     result = plan(load_config(args.config, args.overrides), target)
     dump = Path(_DUMP)
-    assignment = next(dump.glob("**step*buffer-assignment.txt")).read_text()
-    ranges = live_ranges(next(dump.glob("**step*live-range.txt")).read_text())
+    assignment = next(dump.glob("**/*step*buffer-assignment.txt")).read_text()
+    ranges = live_ranges(next(dump.glob("**/*step*live-range.txt")).read_text())
     peak_bytes, buffers = live_at_peak(temporary_values(assignment), ranges)
     rows = [[name, f"{size / GIB:.2f}", f"`{shape}`"] for name, size, shape in buffers if size >= args.min_gib * GIB]
     name = Path(args.config).stem

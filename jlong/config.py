@@ -98,6 +98,7 @@ class AttentionConfig:
     impl: AttentionImpl = "auto"
     heads_per_stage: int | None = None  # U; None = mesh.sp, 0 = all heads
     block_size: int = 512  # query/key block of the blockwise kernel
+    max_documents: int = 64  # packed documents per sequence cuDNN takes (sizes its statistics)
 
 
 @dataclass(frozen=True)
@@ -405,6 +406,7 @@ def validate(config: Config) -> None:
             "mesh.ring": mesh.ring,
             "mesh.sp": mesh.sp,
             "attention.block_size": att.block_size,
+            "attention.max_documents": att.max_documents,
             "train.steps": train.steps,
             "train.seq_len": train.seq_len,
             "train.batch_size": train.batch_size,
@@ -473,14 +475,14 @@ def _validate_head_split(config: Config) -> None:
 
 
 def _validate_ring_blocks(config: Config) -> None:
-    """Ring attention walks each ring chunk (seq_len / ring tokens) in whole blocks."""
+    """Ring attention's steps walk each zigzag chunk (seq_len / (2 x ring) tokens) in whole blocks."""
     if config.mesh.ring == 1:
         return
-    chunk, block = config.train.seq_len // config.mesh.ring, config.attention.block_size
+    chunk, block = config.train.seq_len // (2 * config.mesh.ring), config.attention.block_size
     if chunk % min(block, chunk):
         raise JlongError(
-            f"attention.block_size ({block}) must divide the {chunk} tokens of each ring chunk "
-            f"(train.seq_len / mesh.ring) with ring attention"
+            f"attention.block_size ({block}) must divide the {chunk} tokens of each zigzag chunk "
+            f"(train.seq_len / (2 x mesh.ring)) with ring attention"
         )
 
 

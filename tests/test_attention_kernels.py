@@ -1,12 +1,19 @@
-"""The blockwise (flash-style) kernel equals the reference, values and gradients."""
+"""The flash kernels equal the reference, values and gradients: the blockwise
+one, and the cuDNN one's code with an emulation in place of the cuDNN call."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jlong.attention import kernels
-from jlong.attention.kernels import attend, blockwise_attention, choose_kernel, reference_attention
+from cudnn_emulation import emulate_cudnn
+
+from jlong.attention.blockwise import BlockwiseStep
+from jlong.attention.kernels import AttentionKernel, attend, choose_kernel, reference_attention
+
+
+def blockwise_attention(q, k, v, segment_ids=None, *, block_size):
+    return attend(q, k, v, segment_ids, impl="blockwise", block_size=block_size)
 
 
 def _inputs(seq_len, heads, kv_heads, head_dim=16, batch=2, seed=0):
@@ -79,31 +86,42 @@ def test_blockwise_memory_is_linear_in_sequence():
     assert large <= 4.5 * small, (small, large)
 
 
-def test_auto_on_cpu_runs_the_blockwise_kernel(monkeypatch):
-    ran = []
-    for name in ("blockwise_attention", "reference_attention"):
-        real = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name, **kw: ran.append(_name) or _real(*a, **kw))
-    q, k, v = _inputs(40, 4, 2)
-    out = jax.jit(lambda q, k, v: attend(q, k, v, impl="auto", block_size=16))(q, k, v)
-    assert ran == ["blockwise_attention"]
-    np.testing.assert_allclose(out, reference_attention(q, k, v), rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_cudnn_kernel_code_matches_reference(heads, kv_heads, packed, monkeypatch):
+    """Everything of the cuDNN path but the call itself: segments to cuDNN's
+    offsets (kv offsets by the kv heads' stride), its statistics to
+    log-sum-exps and back, rows outside segments."""
+    emulate_cudnn(monkeypatch)
+    q, k, v = _inputs(64, heads, kv_heads)
+    segments = _packed_segments(64) if packed else None
+
+    def fused(q, k, v, s):
+        return attend(q, k, v, s, impl="cudnn", max_documents=4)
+
+    out, grads = _output_and_grads(fused, q, k, v, segments)
+    want_out, want_grads = _output_and_grads(reference_attention, q, k, v, segments)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, want_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_auto_on_cpu_runs_the_blockwise_kernel():
+    q = jnp.zeros((1, 40, 4, 16), jnp.bfloat16)
+    assert AttentionKernel("auto", block_size=16).step(q, window=40) == BlockwiseStep(16)
 
 
 @pytest.mark.parametrize(
-    "platform, dtype, seq_len, head_dim, packed, expected",
+    "platform, dtype, seq_len, head_dim, expected",
     [
-        ("gpu", "bfloat16", 4096, 128, False, "cudnn"),
-        ("cpu", "bfloat16", 4096, 128, False, "blockwise"),  # no cuDNN on CPU
-        ("gpu", "float32", 4096, 128, False, "blockwise"),  # cuDNN takes 16-bit inputs only
-        ("gpu", "bfloat16", 4097, 128, False, "blockwise"),  # its training kernels refuse odd lengths
-        ("gpu", "bfloat16", 4096, 136, False, "cudnn"),
-        ("gpu", "bfloat16", 4096, 100, False, "blockwise"),  # head_dim not a multiple of 8
-        ("gpu", "bfloat16", 4096, 128, True, "blockwise"),  # packed documents need segment masks
+        ("gpu", "bfloat16", 4096, 128, "cudnn"),
+        ("cpu", "bfloat16", 4096, 128, "blockwise"),  # no cuDNN on CPU
+        ("gpu", "float32", 4096, 128, "blockwise"),  # cuDNN takes 16-bit inputs only
+        ("gpu", "bfloat16", 4097, 128, "blockwise"),  # its training kernels refuse odd lengths
+        ("gpu", "bfloat16", 4096, 136, "cudnn"),
+        ("gpu", "bfloat16", 4096, 100, "blockwise"),  # head_dim not a multiple of 8
     ],
 )
-def test_auto_chooses_the_kernel_each_platform_runs(platform, dtype, seq_len, head_dim, packed, expected):
-    assert choose_kernel("auto", platform=platform, dtype=dtype, seq_len=seq_len, head_dim=head_dim,
-                         packed=packed) == expected
-    assert choose_kernel("reference", platform=platform, dtype=dtype, seq_len=seq_len, head_dim=head_dim,
-                         packed=packed) == "reference"
+def test_auto_chooses_the_kernel_each_platform_runs(platform, dtype, seq_len, head_dim, expected):
+    assert choose_kernel("auto", platform=platform, dtype=dtype, seq_len=seq_len, head_dim=head_dim) == expected
+    assert choose_kernel("reference", platform=platform, dtype=dtype, seq_len=seq_len, head_dim=head_dim) == "reference"

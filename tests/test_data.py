@@ -1,10 +1,12 @@
 """Data semantics (DESIGN.md), packed documents, and `jlong prepare`."""
 
 import numpy as np
+import pytest
 
 from jlong.config import load_config
 from jlong.data.prepare import prepare
 from jlong.data.sources import Batches, document_structure
+from jlong.errors import JlongError
 
 
 def test_token_windows_follow_the_contract(tmp_path):
@@ -38,6 +40,18 @@ def test_document_structure_restarts_at_eos():
     structure = document_structure(inputs, eos_id=0)
     np.testing.assert_array_equal(structure["segment_ids"], [[0, 0, 1, 1, 1, 2, 3]])
     np.testing.assert_array_equal(structure["positions"], [[0, 1, 0, 1, 2, 0, 0]])
+
+
+def test_a_batch_over_the_document_cap_is_a_one_line_error(tmp_path):
+    """Nine documents of 10 tokens fit a cap of 9 and not one of 8."""
+    np.save(tmp_path / "t.npy", np.tile(np.r_[np.ones(9, np.int32), 0], 9))
+    config = ["model.preset=llama3.2-1b", "data.source=tokens", f"data.path={tmp_path / 't.npy'}",
+              "train.seq_len=89", "train.batch_size=1", "data.eos_id=0"]
+    assert Batches(load_config(None, [*config, "attention.max_documents=9"])).batch(1)["segment_ids"].max() == 8
+    with pytest.raises(JlongError) as error:
+        Batches(load_config(None, [*config, "attention.max_documents=8"])).batch(1)
+    assert "step 1's batch has a sequence of 9 documents, over attention.max_documents (8)" in str(error.value)
+    assert "\n" not in str(error.value)
 
 
 def test_prepare_writes_bytes_with_document_ends(tmp_path):

@@ -84,11 +84,17 @@ def test_offloaded_optimizer_keeps_its_states_in_host_memory_on_h100s():
 
 
 @needs_gpu_compiler
-def test_packed_documents_compile_for_h100s_with_the_blockwise_kernel():
-    config = whole_stack("data.eos_id=0", "attention.impl=auto", "attention.block_size=512")
+def test_packed_documents_compile_for_h100s_into_cudnn_ragged_calls():
+    """Packed documents run in cuDNN's ragged mode: every attention call
+    carries the document cap as its segments per sequence, and no score
+    block is left to a loop of XLA kernels."""
+    config = whole_stack("data.eos_id=0", "attention.max_documents=16", "attention.block_size=512")
     hlo = compile_train_step(config, H100).compiled.as_text()
-    assert cudnn_attention_calls(hlo) == 0  # auto: cuDNN cannot mask documents, so blockwise
+    calls = re.findall(r'custom_call_target="__cudnn\$fmha[^"]*".*?"max_seg_per_batch": ?(\d+)', hlo)
+    assert calls and {int(m) for m in calls} == {16}
+    assert re.search(r'"mask_type": ?"PADDING_CAUSAL"', hlo)
     assert "all-to-all" in hlo and "all-gather" in hlo  # segment ids travel along sp
+    assert not re.search(r"\[[\d,]*512,512\]\{[^}]*\} dot\(", hlo)  # no [block, block] score matrix
 
 
 @needs_gpu_compiler

@@ -10,7 +10,11 @@ from helpers import MESH, assert_one_line_error, assert_same_result, loss_and_gr
 from jax.sharding import AxisType, PartitionSpec
 from test_ulysses import _assert_close, _inputs, _model, _params, _reference, _value_and_grads
 
-from jlong.attention.kernels import reference_attention
+from cudnn_emulation import emulate_cudnn
+
+from jlong.attention.blockwise import BlockwiseStep
+from jlong.attention.cudnn import CudnnStep
+from jlong.attention.kernels import AttentionKernel, reference_attention
 from jlong.attention.ring import ring_attention
 from jlong.attention.ulysses import KEEP_ATTENTION_OUTPUT
 from jlong.config import MeshConfig, config_to_dict
@@ -43,20 +47,18 @@ def _zigzag_order(seq_len, ring):
     return np.concatenate([np.asarray(chunk_token_index(rank, ring, seq_len)) for rank in range(ring)])
 
 
-def _ring_only(R, q, k, v, segments, block):
+def _ring_only(R, q, k, v, segments, kernel, window=8):
     """ring_attention over a mesh of R devices, on the zigzag layout, results back in order."""
     order = _zigzag_order(q.shape[1], R)
     mesh = jax.make_mesh((R,), ("ring",), axis_types=(AxisType.Auto,), devices=jax.devices()[:R])
     spec = PartitionSpec(None, "ring")
 
-    def per_device(q, k, v, index, segments):
-        return ring_attention(q, k, v, index, segments, axis="ring", size=R, block_size=block)
+    def per_device(q, k, v, segments):
+        return ring_attention(q, k, v, segments, kernel=kernel, axis="ring", size=R, window=window)
 
-    run = jax.shard_map(per_device, mesh=mesh, in_specs=(spec, spec, spec, PartitionSpec("ring"), spec),
-                        out_specs=spec)
+    run = jax.shard_map(per_device, mesh=mesh, in_specs=(spec, spec, spec, spec), out_specs=spec)
     laid = lambda x: None if x is None else x[:, order]  # noqa: E731
-    out, pullback = jax.vjp(jax.jit(lambda q, k, v: run(q, k, v, jnp.asarray(order), laid(segments))),
-                            laid(q), laid(k), laid(v))
+    out, pullback = jax.vjp(jax.jit(lambda q, k, v: run(q, k, v, laid(segments))), laid(q), laid(k), laid(v))
     restore = np.argsort(order)
     return lambda do: [np.asarray(x)[:, restore] for x in (out, *pullback(laid(do)))]
 
@@ -64,7 +66,12 @@ def _ring_only(R, q, k, v, segments, block):
 @pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed"])
 @pytest.mark.parametrize("kv_heads", [1, 4])
 @pytest.mark.parametrize("R", [2, 4, 8])
-def test_ring_kernel_equals_reference_attention(R, kv_heads, packed):
+@pytest.mark.parametrize("step", ["blockwise", "cudnn"])
+def test_ring_kernel_equals_reference_attention(step, R, kv_heads, packed, monkeypatch):
+    """With either step kernel (cuDNN's code with an emulation in place of
+    its call), in windows of 8 tokens: 2 tiles per zigzag chunk for R = 2,
+    1 for R = 4 and 8. Packed rows hold short documents and one longer than a ring
+    chunk, so off-diagonal steps both share a document and share none."""
     B, S, H, d = 2, 64, 4, 8
     keys = jax.random.split(jax.random.PRNGKey(R), 4)
     q = jax.random.normal(keys[0], (B, S, H, d))
@@ -72,10 +79,15 @@ def test_ring_kernel_equals_reference_attention(R, kv_heads, packed):
     do = jax.random.normal(keys[3], q.shape)
     segments = None
     if packed:
-        segments = jnp.asarray(np.cumsum(np.random.default_rng(R).random((B, S)) < 0.1, axis=1), jnp.int32)
+        starts = np.random.default_rng(R).random((B, S)) < 0.1
+        starts[1, 8:40] = False  # a document over several chunks
+        segments = jnp.asarray(np.cumsum(starts, axis=1), jnp.int32)
+    if step == "cudnn":
+        emulate_cudnn(monkeypatch)
+    kernel = BlockwiseStep(4) if step == "blockwise" else CudnnStep(max_documents=16)
     out, pullback = jax.vjp(lambda q, k, v: reference_attention(q, k, v, segments), q, k, v)
     want = [out, *pullback(do)]
-    got = _ring_only(R, q, k, v, segments, block=4)(do)
+    got = _ring_only(R, q, k, v, segments, kernel)(do)
     for name, g, w in zip(["out", "dq", "dk", "dv"], got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()), err_msg=name)
 
@@ -95,7 +107,7 @@ def test_ring_kernel_in_bfloat16_is_as_close_to_float32_as_plain_attention():
 
     exact = reference(*f32)
     plain = reference(*bf16)
-    ring = [np.asarray(x, np.float32) for x in _ring_only(4, *bf16, None, block=16)(do)]
+    ring = [np.asarray(x, np.float32) for x in _ring_only(4, *bf16, None, BlockwiseStep(16), window=32)(do)]
     for name, e, p, r in zip(["out", "dq", "dk", "dv"], exact, plain, ring):
         assert np.abs(r - e).max() <= 2 * np.abs(p - e).max() + 1e-3 * np.abs(e).max(), name
 
@@ -105,7 +117,7 @@ def _ring_block(model, params, inputs, mesh_config, heads_per_stage):
     x, cotangent, positions, segment_ids = inputs
     mesh = make_mesh(mesh_config, jax.devices())
     layout = SequenceLayout(mesh_config.ring)
-    options = ForwardOptions(attention_impl="blockwise", block_size=16, heads_per_stage=heads_per_stage, mlp_tile=4)
+    options = ForwardOptions(attention=AttentionKernel("blockwise", 16), heads_per_stage=heads_per_stage, mlp_tile=4)
     tokens, hidden = compute_sharding(mesh, TOKENS), compute_sharding(mesh, HIDDEN)
 
     def block(p, x, pos, seg):
@@ -158,26 +170,25 @@ def _ring_temp_bytes(seq_len, R):
     mesh = jax.make_mesh((R,), ("ring",), axis_types=(AxisType.Auto,), devices=jax.devices()[:R])
     spec = PartitionSpec(None, "ring")
     shard = jax.sharding.NamedSharding(mesh, spec)
-    index = jax.ShapeDtypeStruct((seq_len,), jnp.int32, sharding=jax.sharding.NamedSharding(mesh, PartitionSpec("ring")))
     q = jax.ShapeDtypeStruct((1, seq_len, 4, 64), jnp.float32, sharding=shard)
 
-    def per_device(q, k, v, index):
-        return ring_attention(q, k, v, index, None, axis="ring", size=R, block_size=256)
+    def per_device(q, k, v):
+        return ring_attention(q, k, v, None, kernel=BlockwiseStep(256), axis="ring", size=R)
 
-    run = jax.shard_map(per_device, mesh=mesh, in_specs=(spec, spec, spec, PartitionSpec("ring")), out_specs=spec)
+    run = jax.shard_map(per_device, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
 
-    def stages(q, k, v, index):
+    def stages(q, k, v):
         # As the model runs it: checkpointed attention stages in a scan.
         def stage(x, _):
-            return x + jax.checkpoint(run, policy=KEEP_ATTENTION_OUTPUT)(x, k, v, index), None
+            return x + jax.checkpoint(run, policy=KEEP_ATTENTION_OUTPUT)(x, k, v), None
 
         return jax.lax.scan(stage, q, jnp.arange(2))[0]
 
-    def forward_backward(q, k, v, index):
-        out, pullback = jax.vjp(lambda q, k, v: stages(q, k, v, index), q, k, v)
+    def forward_backward(q, k, v):
+        out, pullback = jax.vjp(stages, q, k, v)
         return pullback(out)
 
-    return jax.jit(forward_backward).lower(q, q, q, index).compile().memory_analysis().temp_size_in_bytes
+    return jax.jit(forward_backward).lower(q, q, q).compile().memory_analysis().temp_size_in_bytes
 
 
 def test_ring_temporaries_grow_linearly_in_length_and_fall_with_the_ring():
@@ -190,7 +201,8 @@ def test_ring_temporaries_grow_linearly_in_length_and_fall_with_the_ring():
 @pytest.mark.parametrize("overrides, message", [
     (["mesh.fsdp=1", "mesh.ring=2", "train.seq_len=72"],
      "train.seq_len (72) must be a multiple of 2 x mesh.ring x mesh.sp (16: the zigzag layout"),
-    (["mesh.fsdp=1", "mesh.ring=2", "attention.block_size=24"], "attention.block_size (24) must divide the 32 tokens"),
+    (["mesh.fsdp=1", "mesh.ring=2", "attention.block_size=12"],
+     "attention.block_size (12) must divide the 16 tokens of each zigzag chunk"),
     (["mesh.ring=0"], "mesh.ring must be positive"),
 ])
 def test_bad_ring_settings_are_one_line_errors(overrides, message, tmp_path):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from helpers import leaf_at
 
-from jlong.attention.kernels import reference_attention
+from jlong.attention.kernels import AttentionKernel, reference_attention
 from jlong.attention.ulysses import StagePlan
 from jlong.config import MeshConfig, ModelConfig
 from jlong.model.layers import apply_rope, rms_norm, rope_inverse_frequencies
@@ -101,7 +101,7 @@ def _sharded(model, params, inputs, mesh_config, heads_per_stage, impl="blockwis
     x, cotangent, positions, segment_ids = inputs
     mesh = make_mesh(mesh_config, jax.devices())
     # mlp_tile: the normed projections run in tiles of 4 of each shard's 8+ tokens.
-    options = ForwardOptions(attention_impl=impl, block_size=16, heads_per_stage=heads_per_stage, mlp_tile=4)
+    options = ForwardOptions(attention=AttentionKernel(impl, 16), heads_per_stage=heads_per_stage, mlp_tile=4)
     tokens, hidden = compute_sharding(mesh, TOKENS), compute_sharding(mesh, HIDDEN)
 
     def block(p, x, pos, seg):
@@ -155,23 +155,20 @@ def test_single_device_stages_equal_plain_attention():
     x, cotangent, positions, segment_ids = inputs = _inputs(model, batch=2, packed=True)
     want = _reference(model, params, inputs)
     for U in (1, 2, 4):
-        options = ForwardOptions(attention_impl="blockwise", block_size=16, heads_per_stage=U)
+        options = ForwardOptions(attention=AttentionKernel("blockwise", 16), heads_per_stage=U)
         block = lambda p, x, pos, seg: attention_block(p, x, pos, seg, model, options)  # noqa: E731
         got = jax.jit(_value_and_grads, static_argnums=0)(block, params, x, positions, segment_ids, cotangent)
         _assert_close(got, want)
 
 
-def test_stage_remat_keeps_the_cudnn_forward(monkeypatch):
-    """Traced on CPU with cuDNN's availability checks stubbed out: under the
-    stage policy the backward pass reuses the fused forward's output instead
-    of running cuDNN's forward kernel a second time."""
-    fused = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
-    monkeypatch.setattr(fused, "check_cudnn_version", lambda *a, **k: None)
-    monkeypatch.setattr(fused, "check_compute_capability", lambda *a, **k: True)
+def test_stage_remat_keeps_the_cudnn_forward():
+    """Traced on CPU: under the stage policy the backward pass reuses the
+    fused forward's output instead of running cuDNN's forward kernel a
+    second time."""
     from jlong.attention.ulysses import KEEP_ATTENTION_OUTPUT
 
     def cudnn_attention(q):
-        return jax.nn.dot_product_attention(q, q, q, is_causal=True, implementation="cudnn")
+        return AttentionKernel("cudnn").local(q, q, q)
 
     def forward_calls(policy):
         loss = lambda q: jax.checkpoint(cudnn_attention, policy=policy)(q * 2).astype(jnp.float32).sum()  # noqa: E731

@@ -44,24 +44,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlong.attention.kernels import ATTENTION_LSE, ATTENTION_OUT, attend
-from jlong.attention.ring import ring_attention
-from jlong.parallel.zigzag import chunk_token_index, shard_token_index
+from jlong.attention.kernels import AttentionKernel
+from jlong.attention.ring import ATTENTION_LSE, ATTENTION_OUT
 from jlong.parallel.placement import HIDDEN, REPLICATED, TOKENS, sequence_shards
+from jlong.parallel.zigzag import shard_token_index
 
-
-def is_cudnn_attention_forward(primitive, *_, **__) -> bool:
-    """cuDNN's fused forward returns the output and the softmax statistics."""
-    return primitive.name.startswith("dot_product_attention_fwd")
-
-
-# Between forward and backward each stage keeps only the attention kernel's
-# output and log-sum-exp (named in the blockwise kernel, the outputs of the
-# fused primitive for cuDNN); q, k, v and the exchanges are recomputed.
-KEEP_ATTENTION_OUTPUT = jax.checkpoint_policies.save_from_both_policies(
-    jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT, ATTENTION_LSE),
-    is_cudnn_attention_forward,
-)
+# Between forward and backward each stage keeps only the attention's output
+# and log-sum-exp (named by `jlong.attention.ring`, whatever the kernel);
+# q, k, v and the exchanges are recomputed.
+KEEP_ATTENTION_OUTPUT = jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT, ATTENTION_LSE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +119,7 @@ class HeadProjections:
     output: Callable
 
 
-def staged_attention(params, x_BSD, positions_BS, segment_ids_BS, *, projections, heads, impl, block_size,
+def staged_attention(params, x_BSD, positions_BS, segment_ids_BS, *, projections, heads, kernel: AttentionKernel,
                      unroll_stages=False):
     """x + self-attention of x [B, S, D] (the projections normalise x first;
     output projection included), in UPipe stages.
@@ -148,15 +139,14 @@ def staged_attention(params, x_BSD, positions_BS, segment_ids_BS, *, projections
         sp_axis=shards.ulysses_axis,
         ring=(shards.ring_axis, shards.ring_size),
         projections=projections,
-        kernel=functools.partial(attend, impl=impl, block_size=block_size),
-        block_size=block_size,
+        kernel=kernel,
         unroll_stages=unroll_stages,
     )
     run = shards.map(run, (REPLICATED, HIDDEN, TOKENS, TOKENS), HIDDEN)
     return run(params, x_BSD, positions_BS, segment_ids_BS)
 
 
-def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, ring, projections, kernel, block_size,
+def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, ring, projections, kernel,
                 unroll_stages):
     """The per-device program: x [B, S/C, D] -> x + attention output [B, S/C, D].
     Shape letters: s = S/C (this device's shard), U heads per stage, u = U/C
@@ -166,10 +156,7 @@ def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, r
     if positions_Bs is None:
         index_s = shard_token_index(seq_len, ring_axis, ring_size, sp_axis, plan.devices)
         positions_Bs = jnp.broadcast_to(index_s, x_BsD.shape[:2])
-    if ring_axis is not None:
-        # The ring chunk's tokens (what this device holds after the exchange) by their sequence index.
-        chunk_index = chunk_token_index(jax.lax.axis_index(ring_axis), ring_size, seq_len)
-        kernel = functools.partial(_ring_kernel, index=chunk_index, axis=ring_axis, size=ring_size, block_size=block_size)
+    attend = kernel.local if ring_axis is None else functools.partial(kernel.ring, axis=ring_axis, size=ring_size)
     segment_ids_BS = _gather_sequence(segment_ids_Bs, sp_axis)
     to_heads = functools.partial(_exchange, axis=sp_axis, split=2, concat=1)
     to_sequence = functools.partial(_exchange, axis=sp_axis, split=1, concat=2)
@@ -193,7 +180,7 @@ def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, r
             params, x_input_BsD, positions_Bs, (stage * U, U), (first_kv[stage], width), sink_BsD
         )
         k_BSrd, v_BSrd = (to_heads(jnp.take(t, slots[stage], axis=2)) for t in (k_Bswd, v_Bswd))
-        o_BSud = kernel(to_heads(q_BsUd), k_BSrd, v_BSrd, segment_ids_BS)
+        o_BSud = attend(to_heads(q_BsUd), k_BSrd, v_BSrd, segment_ids_BS)
         return (y_BsD + projections.output(params, to_sequence(o_BSud), stage * U, U), sink_BsD), None
 
     # The stages add into the residual stream itself (no zero-filled sum,
@@ -215,10 +202,6 @@ def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, r
         return carry[0]
     (y_BsD, _), _ = jax.lax.scan(add_stage, (x_BsD, x_BsD), jnp.arange(plan.num_stages))
     return y_BsD
-
-
-def _ring_kernel(q_BSud, k_BSrd, v_BSrd, segment_ids_BS, *, index, axis, size, block_size):
-    return ring_attention(q_BSud, k_BSrd, v_BSrd, index, segment_ids_BS, axis=axis, size=size, block_size=block_size)
 
 
 def _gather_sequence(x_Bs, axis):

@@ -113,6 +113,7 @@ class Batches:
         source = {"tokens": TokenFile, "synthetic": SyntheticTokens}[config.data.source]
         self.source = source(config)
         self.eos_id = config.data.eos_id
+        self.max_documents = config.attention.max_documents
         self.layout = batch_layout(config)
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
@@ -120,7 +121,20 @@ class Batches:
         arrays = {"inputs": sequences[:, :-1], "targets": sequences[:, 1:]}
         if self.eos_id is not None:
             arrays.update(document_structure(arrays["inputs"], self.eos_id))
+            _check_document_count(arrays["segment_ids"], self.max_documents, step)
         return {key: arrays[key] for key in self.layout}
+
+
+def _check_document_count(segment_ids_BS: np.ndarray, max_documents: int, step: int) -> None:
+    """cuDNN's packed attention takes at most `max_documents` per sequence; a
+    batch over it stops the run rather than mask documents wrongly (checked
+    whatever the kernel, so a CPU rehearsal finds it before a GPU run)."""
+    most = int(segment_ids_BS[:, -1].max()) + 1
+    if most > max_documents:
+        raise JlongError(
+            f"step {step}'s batch has a sequence of {most} documents, over attention.max_documents "
+            f"({max_documents}): raise it (cuDNN's statistics grow with it) or use shorter train.seq_len"
+        )
 
 
 def document_structure(inputs_BS: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:

@@ -34,8 +34,8 @@ from collections.abc import Callable
 import jax
 from jax.ad_checkpoint import Offloadable, Recompute, checkpoint_name
 
-from jlong.attention.kernels import ATTENTION_LSE, ATTENTION_OUT
-from jlong.attention.ulysses import KEEP_ATTENTION_OUTPUT, is_cudnn_attention_forward
+from jlong.attention.ring import ATTENTION_LSE, ATTENTION_OUT
+from jlong.attention.ulysses import KEEP_ATTENTION_OUTPUT
 from jlong.options import REMAT_NAMES, RematName
 
 LAYER_INPUT = "layer_input"
@@ -45,10 +45,9 @@ _TO_HOST = Offloadable(src="device", dst="pinned_host")
 
 
 def _offload_inputs_and_attention(primitive, *_, **params):
-    """Layer inputs and the attention kernel's outputs (named by the blockwise
-    kernel; the cuDNN forward primitive's own) go to host memory; the rest is recomputed."""
+    """Layer inputs and the attention's output and log-sum-exp go to host memory; the rest is recomputed."""
     named = primitive.name == "name" and params.get("name") in (LAYER_INPUT, ATTENTION_OUT, ATTENTION_LSE)
-    return _TO_HOST if named or is_cudnn_attention_forward(primitive) else Recompute
+    return _TO_HOST if named else Recompute
 
 
 

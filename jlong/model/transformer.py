@@ -19,14 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jlong.attention.kernels import choose_kernel
+from jlong.attention.kernels import AttentionKernel, choose_kernel
 from jlong.attention.ulysses import HeadProjections, staged_attention
 from jlong.config import Config, ModelConfig
 from jlong.model.layers import apply_rope, rms_norm, rope_inverse_frequencies, swiglu
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy
 from jlong.model.remat import remat_policy, scan_layers
 from jlong.model.tiling import map_tiles, map_tiles_gradient_into
-from jlong.options import AttentionImpl, DType, RematName
+from jlong.options import DType, RematName
 from jlong.parallel.placement import HIDDEN, REPLICATED, constrain, sequence_shards
 from jlong.parallel.zigzag import SequenceLayout
 
@@ -38,8 +38,7 @@ class ForwardOptions:
     """How the forward pass computes; none of it changes the parameters."""
 
     compute_dtype: DType = "float32"
-    attention_impl: AttentionImpl = "auto"
-    block_size: int = 512
+    attention: AttentionKernel = AttentionKernel()
     heads_per_stage: int | None = None  # UPipe's U; None = all heads in one stage
     remat: RematName = "none"  # the `jlong.model.remat` policy of each layer
     layers_per_checkpoint: int = 1  # k: the policy keeps one input per k layers
@@ -53,18 +52,27 @@ class ForwardOptions:
         platform runs."""
         return cls(
             compute_dtype=config.train.compute_dtype,
-            attention_impl=choose_kernel(
-                config.attention.impl, platform=platform, dtype=config.train.compute_dtype,
-                seq_len=config.train.seq_len, head_dim=config.model.dim_per_head,
-                packed=config.data.eos_id is not None,
+            attention=AttentionKernel(
+                choose_kernel(
+                    config.attention.impl, platform=platform, dtype=config.train.compute_dtype,
+                    seq_len=shortest_attention_window(config), head_dim=config.model.dim_per_head,
+                ),
+                config.attention.block_size,
+                config.attention.max_documents,
             ),
-            block_size=config.attention.block_size,
             heads_per_stage=config.heads_per_stage,
             remat=config.memory.remat,
             layers_per_checkpoint=config.memory.layers_per_checkpoint,
             mlp_tile=config.memory.mlp_tile,
             loss_tile=config.memory.loss_tile,
         )
+
+
+def shortest_attention_window(config: Config) -> int:
+    """The fewest tokens one attention step attends over: the sequence, or on
+    a ring half a device's chunk (`jlong.attention.ring`)."""
+    ring = config.mesh.ring
+    return config.train.seq_len if ring == 1 else config.train.seq_len // (2 * ring)
 
 
 def layer_param_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -311,7 +319,6 @@ def attention_block(p, x_BSD, positions_BS, segment_ids_BS, config, options):
             qkv=functools.partial(project_qkv, config=config, tile=options.mlp_tile), output=project_out
         ),
         heads=(H, config.kv_heads, options.heads_per_stage or H),
-        impl=options.attention_impl,
-        block_size=options.block_size,
+        kernel=options.attention,
         unroll_stages=remat_policy(options.remat).offloads_attention,
     )

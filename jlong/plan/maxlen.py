@@ -35,12 +35,12 @@ class MaxLen:
 def granule(config: Config) -> int:
     """seq_len must be a multiple of this: the mesh's sequence granule, with
     every device's shard a multiple of each tile in use and, with a ring,
-    every ring chunk a multiple of the attention block."""
+    every zigzag chunk of a ring a multiple of the attention block."""
     mesh = config.mesh
     tiles = [t for t in (config.memory.mlp_tile, config.memory.loss_tile) if t]
     multiples = [mesh.sequence_granule, mesh.sequence_shards * math.lcm(1, *tiles)]
     if mesh.ring > 1:
-        multiples.append(mesh.ring * config.attention.block_size)
+        multiples.append(2 * mesh.ring * config.attention.block_size)
     return math.lcm(*multiples)
 
 

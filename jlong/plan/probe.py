@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jlong.attention.kernels import AttentionKernel
 from jlong.config import MeshConfig, ModelConfig
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy
 from jlong.model.transformer import (
@@ -58,7 +59,7 @@ class _Probe:
 def attention_temp_bytes(model: ModelConfig, seq_len: int, sp: int, heads_per_stage: int, dtype="float32") -> int:
     """The attention block (norm, projections, exchanges, kernel, output projection, residual) in UPipe stages of U heads."""
     probe = _Probe(model, seq_len, sp, dtype)
-    options = ForwardOptions(compute_dtype=dtype, attention_impl="blockwise", heads_per_stage=heads_per_stage)
+    options = ForwardOptions(compute_dtype=dtype, attention=AttentionKernel("blockwise"), heads_per_stage=heads_per_stage)
     block = lambda p, x, positions: attention_block(p, x, positions, None, model, options)  # noqa: E731
     return probe.vjp_temp_bytes(block, probe.layer_params(ATTENTION_PARAMS), probe.tokens)
 

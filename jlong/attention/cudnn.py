@@ -1,0 +1,261 @@
+"""The flash step (`jlong.attention.step`) in cuDNN's fused kernel.
+
+jax's public `dot_product_attention(implementation="cudnn")` covers only
+plain causal attention. The rest of what a step needs exists below it, in
+jax 0.10.2's `jax._src.cudnn.fused_attention_stablehlo`, whose two inner
+primitives this module binds directly:
+
+- packed documents: cuDNN's ragged ("THD") mode, each document a segment
+  with its own query and key/value offsets and lengths;
+- the float32 log-sum-exp of the forward pass (cuDNN's softmax statistics;
+  the public `return_residual` rounds it to bf16 and drops its gradient);
+- a backward pass given an external output and log-sum-exp (a ring's merged
+  ones).
+
+Binding the inner primitives also skips two traps of jax's wrappers: the
+packed mode's offset fix-up scales the key/value offsets by the *query*
+head count (wrong under grouped-query attention; fixed upstream after
+0.10.2), and the compute-capability check consults the default backend,
+which is the CPU when planning deviceless. jax is pinned to the version
+these private names come from; `tests/test_cudnn_step.py` fails, naming the
+function, if they change.
+
+Ragged mode, as XLA hands it to cuDNN: with M segments per sequence,
+segment lengths [B, M] and element offsets [B, M+1] list the batch's
+non-empty segments first (row by row) and pad with length 0 at offset
+B x T x stride; the softmax statistics come back as [B*M, H, T], segment c's
+query p at [c, :, p]. Rows covered by no segment are left unwritten by the
+kernel; this module zeroes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from einops import rearrange
+
+from jlong.attention.step import MASKED, Documents
+
+try:
+    from jax._src.cudnn.fused_attention_stablehlo import (
+        AttentionLayout,
+        MaskType,
+        _dot_product_attention_bwd_p,
+        _dot_product_attention_fwd_p,
+    )
+except ImportError as error:  # pragma: no cover - only with another jax than the pinned one
+    raise ImportError(
+        f"jlong's cuDNN attention binds private functions of jax 0.10.2 that this jax ({jax.__version__}) "
+        f"lacks: {error}. Install the jax version pyproject.toml pins."
+    ) from error
+
+OFF_DIAGONAL_SEGMENTS = 2  # one shared document, plus one so that cuDNN takes offsets (it wants M > 1)
+
+
+class Ragged(NamedTuple):
+    """A step's segments in cuDNN's form (see the module doc)."""
+
+    q_seqlen: jax.Array  # [B, M] int32
+    kv_seqlen: jax.Array  # [B, M]
+    q_offsets: jax.Array  # [B, M+1] int32, in elements
+    kv_offsets: jax.Array  # [B, M+1]
+
+
+def fused_forward(q_BTHd, k_BSKd, v_BSKd, ragged: Ragged | None, mask: str, scale: float):
+    """cuDNN's forward: (o [B, T, H, d] in q's dtype, statistics [B*M, H, T] float32)."""
+    empty = jnp.zeros(0, q_BTHd.dtype)
+    lengths_and_offsets = (empty,) * 4 if ragged is None else tuple(ragged)
+    o, stats = _dot_product_attention_fwd_p.bind(
+        q_BTHd, k_BSKd, v_BSKd, empty, *lengths_and_offsets, empty, empty,
+        scale=scale, seed=0, dropout_rate=0.0, variadic_args=(False, False), mask_type=MaskType[mask],
+        layout=AttentionLayout.BTNH.value, sliding_window_length=None, is_training=True)
+    return o, stats
+
+
+def fused_backward(q_BTHd, k_BSKd, v_BSKd, ragged: Ragged | None, mask: str, scale: float, stats, o_BTHd, do_BTHd):
+    """cuDNN's backward: (dq, dk, dv) in their inputs' dtypes."""
+    empty = jnp.zeros(0, q_BTHd.dtype)
+    lengths_and_offsets = (empty,) * 4 if ragged is None else tuple(ragged)
+    dq, dk, dv = _dot_product_attention_bwd_p.bind(
+        q_BTHd, k_BSKd, v_BSKd, empty, *lengths_and_offsets, empty, empty, stats, o_BTHd, do_BTHd,
+        scale=scale, seed=0, dropout_rate=0.0, variadic_args=(False, False), mask_type=MaskType[mask],
+        layout=AttentionLayout.BTNH.value, sliding_window_length=None)
+    return dq, dk, dv
+
+
+@dataclasses.dataclass(frozen=True)
+class CudnnStep:
+    """The step kernel of `jlong.attention.step` in cuDNN, with up to
+    `max_documents` packed documents per sequence (the cap sizes cuDNN's
+    statistics, [B x max_documents, H, T] float32 per call)."""
+
+    max_documents: int
+
+    def forward(self, q_BTHd, k_BSKd, v_BSKd, docs: Documents | None, causal: bool):
+        scale = q_BTHd.shape[-1] ** -0.5
+        if docs is None:
+            o, stats_BHT = fused_forward(q_BTHd, k_BSKd, v_BSKd, None, "CAUSAL" if causal else "NO_MASK", scale)
+            return o, stats_BHT
+        segments = self._segments(docs, causal, q_BTHd, k_BSKd)
+
+        def run():
+            o, stats = fused_forward(q_BTHd, k_BSKd, v_BSKd, segments.ragged, segments.mask, scale)
+            return segments.keep_queries(o), segments.keep_lse(segments.lse_of(stats))
+
+        def nothing_visible():
+            return jnp.zeros_like(q_BTHd), jnp.full_like(q_BTHd, MASKED, jnp.float32, _lse_shape(q_BTHd))
+
+        return run() if causal else jax.lax.cond(segments.any, run, nothing_visible)
+
+    def backward(self, q_BTHd, k_BSKd, v_BSKd, docs: Documents | None, causal: bool, o_BTHd, lse_BHT, do_BTHd):
+        scale = q_BTHd.shape[-1] ** -0.5
+        o_BTHd, do_BTHd = o_BTHd.astype(q_BTHd.dtype), do_BTHd.astype(q_BTHd.dtype)
+        if docs is None:
+            mask = "CAUSAL" if causal else "NO_MASK"
+            return fused_backward(q_BTHd, k_BSKd, v_BSKd, None, mask, scale, lse_BHT, o_BTHd, do_BTHd)
+        segments = self._segments(docs, causal, q_BTHd, k_BSKd)
+
+        def run():
+            stats = segments.stats_of(lse_BHT)
+            dq, dk, dv = fused_backward(q_BTHd, k_BSKd, v_BSKd, segments.ragged, segments.mask, scale, stats,
+                                        o_BTHd, do_BTHd)
+            return segments.keep_queries(dq), segments.keep_keys(dk), segments.keep_keys(dv)
+
+        def nothing_visible():
+            return jnp.zeros_like(q_BTHd), jnp.zeros_like(k_BSKd), jnp.zeros_like(v_BSKd)
+
+        return run() if causal else jax.lax.cond(segments.any, run, nothing_visible)
+
+    def _segments(self, docs: Documents, causal: bool, q_BTHd, k_BSKd) -> _Segments:
+        if causal:
+            per_row = _documents(docs.q, self.max_documents)
+        else:
+            per_row = _shared_document(docs.q, docs.k)
+        return _Segments(per_row, q_BTHd, k_BSKd, causal)
+
+
+def _lse_shape(q_BTHd):
+    B, T, H, _ = q_BTHd.shape
+    return (B, H, T)
+
+
+class _RowSegments(NamedTuple):
+    """Up to M segments of each row, the valid ones first: token starts and lengths [B, M]."""
+
+    q_start: jax.Array
+    q_len: jax.Array
+    k_start: jax.Array
+    k_len: jax.Array
+    valid: jax.Array  # [B, M] bool
+
+
+def _documents(segment_ids_BT, max_documents: int) -> _RowSegments:
+    """The runs of equal segment ids of each row: queries and keys are the same tokens."""
+    B, T = segment_ids_BT.shape
+    starts_BT = jnp.concatenate([jnp.ones((B, 1), bool), segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+    start_BM = jax.vmap(lambda row: jnp.nonzero(row, size=max_documents, fill_value=T)[0])(starts_BT)
+    start_BM = start_BM.astype(jnp.int32)
+    len_BM = jnp.diff(start_BM, append=jnp.full((B, 1), T, jnp.int32), axis=1)
+    return _RowSegments(start_BM, len_BM, start_BM, len_BM, start_BM < T)
+
+
+def _shared_document(q_segments_BT, k_segments_BS) -> _RowSegments:
+    """Every key precedes every query, so a query sees only keys of the
+    document that spans the boundary: the last key's, from the queries'
+    first token on. Segment 0 is that document; the rest are empty (and start
+    at the end, so starts rise along each row)."""
+    B, S = k_segments_BS.shape
+    shared_B1 = k_segments_BS[:, -1:]
+    q_len_B = jnp.sum(q_segments_BT == shared_B1, axis=1, dtype=jnp.int32)
+    # A row whose queries share no document with the keys has no segment, on either side.
+    k_len_B = jnp.where(q_len_B > 0, jnp.sum(k_segments_BS == shared_B1, axis=1, dtype=jnp.int32), 0)
+    T = q_segments_BT.shape[1]
+
+    def first_then(x_B, empty):
+        """[B, M]: x for segment 0, then the empty segments' value."""
+        return jnp.concatenate([x_B[:, None], jnp.full((B, OFF_DIAGONAL_SEGMENTS - 1), empty, jnp.int32)], axis=1)
+
+    return _RowSegments(first_then(jnp.zeros_like(q_len_B), T), first_then(q_len_B, 0),
+                        first_then(S - k_len_B, S), first_then(k_len_B, 0), first_then(q_len_B, 0) > 0)
+
+
+class _Segments:
+    """Segments in cuDNN's form, and the maps between its per-segment
+    statistics and per-token log-sum-exps."""
+
+    def __init__(self, rows: _RowSegments, q_BTHd, k_BSKd, causal: bool):
+        B, T, H, d = q_BTHd.shape
+        S, K = k_BSKd.shape[1], k_BSKd.shape[2]
+        M = rows.valid.shape[1]
+        self.mask = "PADDING_CAUSAL" if causal else "PADDING"
+        self.any = rows.valid.any()
+        # Compacted index of each valid segment; the rest go past the end and are dropped.
+        flat_valid = rows.valid.reshape(-1)
+        slot = jnp.where(flat_valid, jnp.cumsum(flat_valid) - 1, B * M)
+        row_BM = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, M))
+
+        def compact(x_BM, fill):
+            return jnp.full(B * M, fill, jnp.int32).at[slot].set(x_BM.reshape(-1), mode="drop")
+
+        def offsets(start_BM, length, stride):
+            """Element offsets [B, M+1] of the compacted segments into [B, length, heads, d]."""
+            end = B * length * stride
+            first = compact((row_BM * length + start_BM) * stride, end)
+            return jnp.concatenate([first, jnp.full(B, end, jnp.int32)]).reshape(B, M + 1)
+
+        self.ragged = Ragged(
+            compact(rows.q_len, 0).reshape(B, M), compact(rows.k_len, 0).reshape(B, M),
+            offsets(rows.q_start, T, H * d), offsets(rows.k_start, S, K * d),
+        )
+        self.segment_row = compact(row_BM, 0)
+        self.segment_start = compact(rows.q_start, 0)
+        self.segment_len = compact(rows.q_len, 0)
+        # Each query token's segment (the last one starting at or before it), its
+        # compacted slot and its position in it; the same for the keys' coverage.
+        m_BT, self.q_covered_BT = _segment_of_each_token(rows.q_start, rows.q_len, T)
+        self.q_slot_BT = jnp.minimum(jnp.take_along_axis(slot.reshape(B, M), m_BT, axis=1), B * M - 1)
+        t_BT = jnp.arange(T, dtype=jnp.int32)[None, :]
+        self.q_position_BT = jnp.clip(t_BT - jnp.take_along_axis(rows.q_start, m_BT, axis=1), 0, T - 1)
+        self.k_covered_BS = _segment_of_each_token(rows.k_start, rows.k_len, S)[1]
+
+    def lse_of(self, stats_CHT):
+        """Per-token log-sum-exp [B, H, T] from cuDNN's per-segment statistics [B*M, H, T]."""
+        lse_BTH = stats_CHT[self.q_slot_BT, :, self.q_position_BT]
+        return rearrange(lse_BTH, "b t h -> b h t")
+
+    def stats_of(self, lse_BHT):
+        """cuDNN's per-segment statistics [B*M, H, T] from a per-token log-sum-exp [B, H, T]."""
+        T = lse_BHT.shape[2]
+        p_T = jnp.arange(T, dtype=jnp.int32)
+        token_CT = jnp.minimum(self.segment_start[:, None] + p_T, T - 1)
+        stats_CTH = lse_BHT[self.segment_row[:, None], :, token_CT]
+        stats_CTH = jnp.where((p_T < self.segment_len[:, None])[..., None], stats_CTH, 0.0)
+        return rearrange(stats_CTH, "c t h -> c h t")
+
+    def keep_queries(self, x_BT_):
+        """x [B, T, ...] with the rows of queries outside every segment zeroed."""
+        covered = self.q_covered_BT.reshape(self.q_covered_BT.shape + (1,) * (x_BT_.ndim - 2))
+        return jnp.where(covered, x_BT_, jnp.zeros((), x_BT_.dtype))
+
+    def keep_lse(self, lse_BHT):
+        """A log-sum-exp [B, H, T] with queries outside every segment at `MASKED`."""
+        return jnp.where(self.q_covered_BT[:, None, :], lse_BHT, MASKED)
+
+    def keep_keys(self, x_BSKd):
+        return jnp.where(self.k_covered_BS[:, :, None, None], x_BSKd, jnp.zeros((), x_BSKd.dtype))
+
+
+def _segment_of_each_token(start_BM, len_BM, length: int):
+    """(segment index [B, L], whether the token lies inside it [B, L]) for
+    segments whose starts rise along each row (empty ones start at L): each
+    token's segment is the count of starts at or before it, less one."""
+    B, M = start_BM.shape
+    starts_BL = jnp.zeros((B, length + 1), jnp.int32).at[jnp.arange(B)[:, None], start_BM].add(1)
+    m_BL = jnp.clip(jnp.cumsum(starts_BL[:, :length], axis=1) - 1, 0, M - 1)
+    t_L = jnp.arange(length, dtype=jnp.int32)
+    start_BL = jnp.take_along_axis(start_BM, m_BL, axis=1)
+    end_BL = jnp.take_along_axis(start_BM + len_BM, m_BL, axis=1)
+    return m_BL, (t_L[None, :] >= start_BL) & (t_L[None, :] < end_BL)

@@ -1,0 +1,59 @@
+"""The flash step: one query window's attention over one key window.
+
+Every attention path of jlong is built from steps of this one shape. Local
+attention is a single causal step; ring attention is a causal step over the
+device's own chunk plus one unmasked step per chunk that arrives around the
+ring (`jlong.attention.ring`). A step kernel has two methods:
+
+- `forward(q, k, v, docs, causal)` -> (o [B, Tq, H, d], lse [B, H, Tq] float32):
+  the softmax-normalised output over this key window alone and its
+  log-sum-exp. Queries that see no key of the window get output 0 and
+  log-sum-exp `MASKED`.
+- `backward(q, k, v, docs, causal, o, lse, do)` -> (dq, dk, dv): the
+  gradients through this window, given the output and log-sum-exp of the
+  whole softmax the window is part of (a ring's merged ones), not the
+  window's own.
+
+q is [B, Tq, H, d], k and v [B, Tk, K, d] with H a multiple of K (each kv
+head serves H/K consecutive query heads). The mask is one of two shapes:
+
+- `causal=True`: queries and keys are the same tokens in sequence order
+  (Tq = Tk); a query sees the keys at and before its own position.
+- `causal=False`: every key precedes every query in the sequence; a query
+  sees every key.
+
+`docs` is None, or the segment ids (q's [B, Tq], k's [B, Tk]) of packed
+documents, non-decreasing along the sequence as jlong's data gives them: a
+query also needs a key of its own document.
+
+Kernels: `jlong.attention.blockwise.BlockwiseStep` (plain XLA, runs
+anywhere) and `jlong.attention.cudnn.CudnnStep` (cuDNN's fused kernel, GPU).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import jax
+
+# Finite stand-in for -inf, so rows that see nothing give exp(..) = 0, not NaN.
+MASKED = -1e30
+
+
+class Documents(NamedTuple):
+    """Segment ids of the queries [B, Tq] and the keys [B, Tk]."""
+
+    q: jax.Array
+    k: jax.Array
+
+    def slice_q(self, start: int, stop: int) -> Documents:
+        return Documents(self.q[:, start:stop], self.k)
+
+    def slice_k(self, start: int, stop: int) -> Documents:
+        return Documents(self.q, self.k[:, start:stop])
+
+
+class StepKernel(Protocol):
+    def forward(self, q, k, v, docs: Documents | None, causal: bool): ...
+
+    def backward(self, q, k, v, docs: Documents | None, causal: bool, o, lse, do): ...
