@@ -60,3 +60,12 @@ def planning_target(name: str, **budgets):
     target = PlanTarget(resolve_target(name), **budgets)
     start_planning_backend(cpu_devices=8)
     return target
+
+
+def estimate_assumptions(target_name: str) -> str:
+    """The step-cost estimate's assumptions, stated once per result file."""
+    from jlong.plan.step_cost import ESTIMATE_NOTE
+
+    return (f"Every time here is {ESTIMATE_NOTE}. Assumptions: {target_name} data-sheet rates and the default "
+            "efficiencies of `jlong plan` (gemm 0.70, cuDNN attention forward 0.60 / backward 0.45, HBM 0.80, links "
+            "0.80, all-to-all 0.70, 2 us per launch).")

@@ -19,13 +19,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from common import add_target_argument, markdown_table, planning_target, provenance, use_cpu_devices, write_result
+from common import add_target_argument, planning_target, use_cpu_devices
+from common import estimate_assumptions, markdown_table, provenance, write_result
 
 use_cpu_devices(8)
 
 from jlong.config import load_config  # noqa: E402
 from jlong.plan.memory import compile_train_step, plan_of  # noqa: E402
-from jlong.plan.step_cost import ESTIMATE_NOTE, step_cost  # noqa: E402
+from jlong.plan.step_cost import step_cost  # noqa: E402
 from jlong.plan.targets import GIB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,9 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n\n".join([
         "# Where attention runs: cuDNN on every path",
         provenance(command.strip(), target.compiler()),
-        f"Every time here is {ESTIMATE_NOTE}. Assumptions: {target.name} data-sheet rates and the default "
-        "efficiencies of `jlong plan` (gemm 0.70, cuDNN attention forward 0.60 / backward 0.45, HBM 0.80, links "
-        "0.80, all-to-all 0.70, 2 us per launch). A packed cuDNN call is priced as if its sequence were one "
+        estimate_assumptions(target.name) + " A packed cuDNN call is priced as if its sequence were one "
         "document (the compiler cannot see the documents' lengths), so packed rows are upper bounds; a ring "
         "step whose kernel is skipped (no document spans the boundary) is priced as if it ran. Nothing here "
         "ran on a GPU.",

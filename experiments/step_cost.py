@@ -15,13 +15,21 @@ import argparse
 import sys
 from pathlib import Path
 
-from common import add_target_argument, markdown_table, planning_target, provenance, use_cpu_devices, write_result
+from common import (
+    add_target_argument,
+    estimate_assumptions,
+    markdown_table,
+    planning_target,
+    provenance,
+    use_cpu_devices,
+    write_result,
+)
 
 use_cpu_devices(8)
 
 from jlong.config import load_config  # noqa: E402
 from jlong.plan.memory import compile_train_step, plan_of  # noqa: E402
-from jlong.plan.step_cost import ESTIMATE_NOTE, step_cost  # noqa: E402
+from jlong.plan.step_cost import step_cost  # noqa: E402
 from jlong.plan.targets import GIB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n\n".join([
         "# What a step costs: estimates read from the compiled program",
         provenance(command.strip(), target.compiler()),
-        f"Every time here is {ESTIMATE_NOTE}. Assumptions: {target.name} data-sheet rates and the default "
-        "efficiencies of `jlong plan` (gemm 0.70, cuDNN attention forward 0.60 / backward 0.45, HBM 0.80, links "
-        "0.80, all-to-all 0.70, 2 us per launch). Tokens/s per GPU: the mesh's tokens per step over the step "
+        estimate_assumptions(target.name) + " Tokens/s per GPU: the mesh's tokens per step over the step "
         "time and its devices. Nothing here ran on a GPU.",
         "## Llama3-8B on one 8 x H100 node, by length",
         "The default stack (sp 8, UPipe U = 8, cuDNN, tiled MLP and loss) with layer inputs in host memory "

@@ -46,6 +46,14 @@ def _output_and_grads(kernel, q, k, v, segments):
     return jax.jit(run)(q, k, v)
 
 
+def _assert_matches_reference(kernel, q, k, v, segments):
+    out, grads = _output_and_grads(kernel, q, k, v, segments)
+    want_out, want_grads = _output_and_grads(reference_attention, q, k, v, segments)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, want_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1)])
 @pytest.mark.parametrize("seq_len", [64, 77])
 @pytest.mark.parametrize("packed", [False, True])
@@ -56,11 +64,7 @@ def test_blockwise_matches_reference(heads, kv_heads, seq_len, packed):
     def blockwise(q, k, v, s):
         return blockwise_attention(q, k, v, s, block_size=16)
 
-    out, grads = _output_and_grads(blockwise, q, k, v, segments)
-    want_out, want_grads = _output_and_grads(reference_attention, q, k, v, segments)
-    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
-    for got, want in zip(grads, want_grads):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    _assert_matches_reference(blockwise, q, k, v, segments)
 
 
 def test_packed_documents_do_not_see_each_other():
@@ -99,11 +103,7 @@ def test_cudnn_kernel_code_matches_reference(heads, kv_heads, packed, monkeypatc
     def fused(q, k, v, s):
         return attend(q, k, v, s, impl="cudnn", max_documents=4)
 
-    out, grads = _output_and_grads(fused, q, k, v, segments)
-    want_out, want_grads = _output_and_grads(reference_attention, q, k, v, segments)
-    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
-    for got, want in zip(grads, want_grads):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    _assert_matches_reference(fused, q, k, v, segments)
 
 
 def test_auto_on_cpu_runs_the_blockwise_kernel():
