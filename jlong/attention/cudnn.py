@@ -143,13 +143,18 @@ def _lse_shape(q_BTHd):
 
 
 class _RowSegments(NamedTuple):
-    """Up to M segments of each row, the valid ones first: token starts and lengths [B, M]."""
+    """Up to M segments of each row, the valid ones first: token starts and
+    lengths [B, M]; and each query's segment [B, T] and whether a segment
+    covers it, with the same for the keys [B, S]."""
 
     q_start: jax.Array
     q_len: jax.Array
     k_start: jax.Array
     k_len: jax.Array
     valid: jax.Array  # [B, M] bool
+    q_segment: jax.Array  # [B, T] int32
+    q_covered: jax.Array  # [B, T] bool
+    k_covered: jax.Array  # [B, S] bool
 
 
 def _documents(segment_ids_BT, max_documents: int) -> _RowSegments:
@@ -159,7 +164,10 @@ def _documents(segment_ids_BT, max_documents: int) -> _RowSegments:
     start_BM = jax.vmap(lambda row: jnp.nonzero(row, size=max_documents, fill_value=T)[0])(starts_BT)
     start_BM = start_BM.astype(jnp.int32)
     len_BM = jnp.diff(start_BM, append=jnp.full((B, 1), T, jnp.int32), axis=1)
-    return _RowSegments(start_BM, len_BM, start_BM, len_BM, start_BM < T)
+    run_BT = jnp.cumsum(starts_BT, axis=1, dtype=jnp.int32) - 1
+    covered_BT = run_BT < max_documents  # beyond the cap: no segment (the data check stops such batches)
+    return _RowSegments(start_BM, len_BM, start_BM, len_BM, start_BM < T, jnp.minimum(run_BT, max_documents - 1),
+                        covered_BT, covered_BT)
 
 
 def _shared_document(q_segments_BT, k_segments_BS) -> _RowSegments:
@@ -168,18 +176,20 @@ def _shared_document(q_segments_BT, k_segments_BS) -> _RowSegments:
     first token on. Segment 0 is that document; the rest are empty (and start
     at the end, so starts rise along each row)."""
     B, S = k_segments_BS.shape
+    T = q_segments_BT.shape[1]
     shared_B1 = k_segments_BS[:, -1:]
     q_len_B = jnp.sum(q_segments_BT == shared_B1, axis=1, dtype=jnp.int32)
     # A row whose queries share no document with the keys has no segment, on either side.
     k_len_B = jnp.where(q_len_B > 0, jnp.sum(k_segments_BS == shared_B1, axis=1, dtype=jnp.int32), 0)
-    T = q_segments_BT.shape[1]
 
     def first_then(x_B, empty):
         """[B, M]: x for segment 0, then the empty segments' value."""
         return jnp.concatenate([x_B[:, None], jnp.full((B, OFF_DIAGONAL_SEGMENTS - 1), empty, jnp.int32)], axis=1)
 
     return _RowSegments(first_then(jnp.zeros_like(q_len_B), T), first_then(q_len_B, 0),
-                        first_then(S - k_len_B, S), first_then(k_len_B, 0), first_then(q_len_B, 0) > 0)
+                        first_then(S - k_len_B, S), first_then(k_len_B, 0), first_then(q_len_B, 0) > 0,
+                        jnp.zeros((B, T), jnp.int32), jnp.arange(T)[None, :] < q_len_B[:, None],
+                        jnp.arange(S)[None, :] >= (S - k_len_B)[:, None])
 
 
 class _Segments:
@@ -213,13 +223,11 @@ class _Segments:
         self.segment_row = compact(row_BM, 0)
         self.segment_start = compact(rows.q_start, 0)
         self.segment_len = compact(rows.q_len, 0)
-        # Each query token's segment (the last one starting at or before it), its
-        # compacted slot and its position in it; the same for the keys' coverage.
-        m_BT, self.q_covered_BT = _segment_of_each_token(rows.q_start, rows.q_len, T)
+        # Each query token's compacted slot and position in its segment.
+        m_BT, self.q_covered_BT, self.k_covered_BS = rows.q_segment, rows.q_covered, rows.k_covered
         self.q_slot_BT = jnp.minimum(jnp.take_along_axis(slot.reshape(B, M), m_BT, axis=1), B * M - 1)
         t_BT = jnp.arange(T, dtype=jnp.int32)[None, :]
         self.q_position_BT = jnp.clip(t_BT - jnp.take_along_axis(rows.q_start, m_BT, axis=1), 0, T - 1)
-        self.k_covered_BS = _segment_of_each_token(rows.k_start, rows.k_len, S)[1]
 
     def lse_of(self, stats_CHT):
         """Per-token log-sum-exp [B, H, T] from cuDNN's per-segment statistics [B*M, H, T]."""
@@ -246,16 +254,3 @@ class _Segments:
 
     def keep_keys(self, x_BSKd):
         return jnp.where(self.k_covered_BS[:, :, None, None], x_BSKd, jnp.zeros((), x_BSKd.dtype))
-
-
-def _segment_of_each_token(start_BM, len_BM, length: int):
-    """(segment index [B, L], whether the token lies inside it [B, L]) for
-    segments whose starts rise along each row (empty ones start at L): each
-    token's segment is the count of starts at or before it, less one."""
-    B, M = start_BM.shape
-    starts_BL = jnp.zeros((B, length + 1), jnp.int32).at[jnp.arange(B)[:, None], start_BM].add(1)
-    m_BL = jnp.clip(jnp.cumsum(starts_BL[:, :length], axis=1) - 1, 0, M - 1)
-    t_L = jnp.arange(length, dtype=jnp.int32)
-    start_BL = jnp.take_along_axis(start_BM, m_BL, axis=1)
-    end_BL = jnp.take_along_axis(start_BM + len_BM, m_BL, axis=1)
-    return m_BL, (t_L[None, :] >= start_BL) & (t_L[None, :] < end_BL)
