@@ -63,11 +63,15 @@ def _ring_only(R, q, k, v, segments, kernel, window=8):
     return lambda do: [np.asarray(x)[:, restore] for x in (out, *pullback(laid(do)))]
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed"])
-@pytest.mark.parametrize("kv_heads", [1, 4])
-@pytest.mark.parametrize("R", [2, 4, 8])
-@pytest.mark.parametrize("step", ["blockwise", "cudnn"])
-def test_ring_kernel_equals_reference_attention(step, R, kv_heads, packed, monkeypatch):
+BLOCKWISE_CASES = [("blockwise", R, kv_heads, mask) for R in (2, 4, 8) for kv_heads in (1, 4)
+                   for mask in ("causal", "packed")]
+# cuDNN's code adds segment handling to the ring; each ring size meets it once, with both kv layouts.
+CUDNN_CASES = [("cudnn", 2, 1, "packed"), ("cudnn", 4, 4, "packed"), ("cudnn", 8, 1, "packed"),
+               ("cudnn", 2, 4, "causal")]
+
+
+@pytest.mark.parametrize("step, R, kv_heads, mask", BLOCKWISE_CASES + CUDNN_CASES)
+def test_ring_kernel_equals_reference_attention(step, R, kv_heads, mask, monkeypatch):
     """With either step kernel (cuDNN's code with an emulation in place of
     its call), in windows of 8 tokens: 2 tiles per zigzag chunk for R = 2,
     1 for R = 4 and 8. Packed rows hold short documents and one longer than a ring
@@ -78,7 +82,7 @@ def test_ring_kernel_equals_reference_attention(step, R, kv_heads, packed, monke
     k, v = (jax.random.normal(key, (B, S, kv_heads, d)) for key in keys[1:3])
     do = jax.random.normal(keys[3], q.shape)
     segments = None
-    if packed:
+    if mask == "packed":
         starts = np.random.default_rng(R).random((B, S)) < 0.1
         starts[1, 8:40] = False  # a document over several chunks
         segments = jnp.asarray(np.cumsum(starts, axis=1), jnp.int32)
@@ -155,6 +159,17 @@ def test_ring_step_equals_single_device(mesh, single_device_step):
     m = MESHES[mesh]
     config = small_config(f"mesh.fsdp={m.fsdp}", f"mesh.ring={m.ring}", f"mesh.sp={m.sp}")
     assert_same_result(loss_and_grads(config, jax.devices()), single_device_step)
+
+
+def test_ring_step_with_the_cudnn_kernel_code_equals_single_device(monkeypatch):
+    """The whole step on ring 2 x sp 4 with packed documents through the cuDNN
+    step kernel (its calls emulated), against the plain single-device step."""
+    emulate_cudnn(monkeypatch)
+    packed = ["data.eos_id=12"]  # 12 document boundaries in step 1's 8 rows, one row holding 13 documents
+    want = loss_and_grads(small_config(*packed), jax.devices()[:1])
+    config = small_config(*packed, "mesh.fsdp=1", "mesh.ring=2", "mesh.sp=4", "attention.impl=cudnn",
+                          "attention.max_documents=16")  # the emulation unrolls a loop over B x max_documents
+    assert_same_result(loss_and_grads(config, jax.devices()), want)
 
 
 @pytest.mark.parametrize("remat", [policy for policy in REMAT_NAMES if policy not in ("none", "save_inputs")])

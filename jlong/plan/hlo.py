@@ -224,7 +224,7 @@ def _called_computations(attributes: str) -> tuple[str, ...]:
         if value.startswith("{"):
             value = value[: _matching(value, 0, "{", "}") + 1]
         else:
-            value = re.split(r",\s", value, maxsplit=1)[0]
+            value = value.split(",", 1)[0]  # names hold no commas; the next attribute may follow with no space
         names += _COMPUTATION_NAME.findall(value)
     return tuple(names)
 
