@@ -167,7 +167,8 @@ def _ring_backward(kernel, axis, size, window, residuals, do_BsHd):
         q_, o_, lse_, do_ = q, o_BsHd, lse_BHs, do_BsHd
         for i, (q0, k0, n, causal) in enumerate(windows):
             if i:
-                dq, dk, dv, k, v, q_, o_, lse_, do_ = jax.lax.optimization_barrier((dq, dk, dv, k, v, q_, o_, lse_, do_))
+                dq, dk, dv, k, v, q_, o_, lse_, do_ = jax.lax.optimization_barrier(
+                    (dq, dk, dv, k, v, q_, o_, lse_, do_))
             dq_step, dk_step, dv_step = kernel.backward(
                 _part(q_, q0, n), _part(k, k0, n), _part(v, k0, n), _docs(segments, k_segments, q0, k0, n), causal,
                 _part(o_, q0, n), _part(lse_, q0, n, axis=2), _part(do_, q0, n))
