@@ -46,12 +46,6 @@ class Documents(NamedTuple):
     q: jax.Array
     k: jax.Array
 
-    def slice_q(self, start: int, stop: int) -> Documents:
-        return Documents(self.q[:, start:stop], self.k)
-
-    def slice_k(self, start: int, stop: int) -> Documents:
-        return Documents(self.q, self.k[:, start:stop])
-
 
 class StepKernel(Protocol):
     def forward(self, q, k, v, docs: Documents | None, causal: bool): ...

@@ -5,9 +5,10 @@ holding the sequence in order would keep its first devices idle. Cut into
 2R equal chunks, the sequence is laid out as chunk 0, 2R-1, 1, 2R-2, ...:
 ring rank r holds chunks r and 2R-1-r, one early and one late, and every
 rank has the same causal work. Only the layout changes: each device knows
-its tokens' indices in the sequence (`chunk_token_index`), which the
-attention masks and the default positions use, and the loss, a mean over
-tokens, does not depend on their order.
+its tokens' indices in the sequence (`shard_token_index`), which the
+default positions use; ring attention knows which halves of a chunk see
+which (`jlong.attention.ring`); and the loss, a mean over tokens, does not
+depend on their order.
 """
 
 from __future__ import annotations
