@@ -78,7 +78,7 @@ def emulated_forward(q, k, v, ragged, mask, scale):
 
 def emulated_backward(q, k, v, ragged, mask, scale, stats, o, do):
     B, T, H, d = q.shape
-    S, K = k.shape[1], k.shape[2]
+    K = k.shape[2]
     q_seg, q_pos, k_seg, _, _, _ = _layout(q, k, ragged)
     covered = q_seg >= 0
     lse_TH = jnp.where(covered[:, None], stats[jnp.maximum(q_seg, 0), :, q_pos], 0.0)

@@ -93,14 +93,10 @@ def test_an_off_diagonal_step_attends_within_the_document_spanning_the_boundary(
 def test_the_gpu_check_runs_its_paths_with_the_cuda_calls_emulated(monkeypatch):
     """experiments/gpu_check.py on CPU, cuDNN's calls emulated: what a GPU
     owner will run works end to end (its verdict on cuDNN needs the GPU)."""
-    import sys
-
+    import gpu_check
     from cudnn_emulation import emulate_cudnn
 
     emulate_cudnn(monkeypatch)
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "experiments"))
-    gpu_check = __import__("gpu_check")
     rows = gpu_check.check_all(64, 4, 2, 16, 3, print_rows=False)
     assert len(rows) == 4 * 5 and all(row["ok"] for row in rows), rows
     assert gpu_check.main(["--seq-len", "64"]) == 2  # no GPU here
-    sys.modules.pop("gpu_check")

@@ -24,7 +24,7 @@ from jlong.plan.memory import (
     saved_layer_input_bytes,
 )
 from jlong.plan.step_cost import step_cost
-from jlong.plan.targets import GPUS, PlanTarget, default_budget_gib, installed_cudnn_version, target_config_text
+from jlong.plan.targets import GPUS, PlanTarget, default_budget_gib, target_config_text
 
 REPO = Path(__file__).resolve().parents[1]
 XLA_SPECS = REPO.parent / "shared" / "gpu_specs"  # XLA's published descriptions, beside the project in CI

@@ -4,7 +4,8 @@ over every device along their first divisible weight axis, unknown axes refused.
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jlong.parallel.placement import HIDDEN, MESH_AXES, TOKENS, compute_spec, rest_spec
+from jlong.model.shards import HIDDEN, TOKENS
+from jlong.parallel.placement import MESH_AXES, compute_spec, rest_spec
 
 
 def test_activations_split_batch_over_data_fsdp_and_sequence_over_ring_and_sp():

@@ -8,20 +8,20 @@ import pytest
 import yaml
 from helpers import MESH, assert_one_line_error, assert_same_result, loss_and_grads, run_cli, small_config
 from jax.sharding import AxisType, PartitionSpec
-from test_ulysses import _assert_close, _inputs, _model, _params, _reference, _value_and_grads
 
+from attention_cases import assert_block_close, attention_inputs, attention_model, attention_params, reference_block
+from attention_cases import sharded_block
 from cudnn_emulation import emulate_cudnn
 
 from jlong.attention.blockwise import BlockwiseStep
 from jlong.attention.cudnn import CudnnStep
-from jlong.attention.kernels import AttentionKernel, reference_attention
+from jlong.attention.kernels import reference_attention
 from jlong.attention.ring import ring_attention
 from jlong.attention.ulysses import KEEP_ATTENTION_OUTPUT
 from jlong.config import MeshConfig, config_to_dict
 from jlong.errors import JlongError
-from jlong.model.transformer import ForwardOptions, attention_block
 from jlong.options import REMAT_NAMES
-from jlong.parallel.placement import HIDDEN, TOKENS, compute_sharding, computing_on, make_mesh
+from jlong.parallel.placement import make_mesh
 from jlong.parallel.zigzag import SequenceLayout, chunk_token_index
 
 MESHES = {
@@ -116,25 +116,6 @@ def test_ring_kernel_in_bfloat16_is_as_close_to_float32_as_plain_attention():
         assert np.abs(r - e).max() <= 2 * np.abs(p - e).max() + 1e-3 * np.abs(e).max(), name
 
 
-def _ring_block(model, params, inputs, mesh_config, heads_per_stage):
-    """attention_block on a ring mesh: inputs laid out zigzag, results back in order."""
-    x, cotangent, positions, segment_ids = inputs
-    mesh = make_mesh(mesh_config, jax.devices())
-    layout = SequenceLayout(mesh_config.ring)
-    options = ForwardOptions(attention=AttentionKernel("blockwise", 16), heads_per_stage=heads_per_stage, mlp_tile=4)
-    tokens, hidden = compute_sharding(mesh, TOKENS), compute_sharding(mesh, HIDDEN)
-
-    def block(p, x, pos, seg):
-        with computing_on(mesh):
-            return attention_block(p, x, pos, seg, model, options)
-
-    placed = [jax.device_put(layout.lay_out(x), hidden), jax.device_put(layout.lay_out(positions), tokens),
-              None if segment_ids is None else jax.device_put(layout.lay_out(segment_ids), tokens),
-              jax.device_put(layout.lay_out(cotangent), hidden)]
-    out, d_params, d_x = jax.jit(_value_and_grads, static_argnums=0)(block, params, *placed)
-    return layout.restore(out), d_params, layout.restore(d_x)
-
-
 @pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed"])
 @pytest.mark.parametrize("kv_heads", [1, 8])
 @pytest.mark.parametrize("mesh", list(MESHES))
@@ -142,11 +123,11 @@ def test_ulysses_ring_attention_equals_single_device(mesh, kv_heads, packed):
     """32 query heads; U = C with one kv head (every device's heads share it,
     replicated over sp), U = H with 8, and the other way round on packed
     documents: each mesh meets both U with both kv layouts."""
-    model = _model(32, kv_heads)
-    params = _params(model)
-    inputs = _inputs(model, packed=packed)
+    model = attention_model(32, kv_heads)
+    params = attention_params(model)
+    inputs = attention_inputs(model, packed=packed)
     U = MESHES[mesh].sp if (kv_heads == 1) != packed else 32
-    _assert_close(_ring_block(model, params, inputs, MESHES[mesh], U), _reference(model, params, inputs))
+    assert_block_close(sharded_block(model, params, inputs, MESHES[mesh], U), reference_block(model, params, inputs))
 
 
 @pytest.fixture(scope="module")

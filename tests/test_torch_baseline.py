@@ -2,19 +2,15 @@
 same Hugging Face Llama (and Qwen3) on the same token file to the same losses."""
 
 import json
-import sys
-from pathlib import Path
 
+import compare
 import numpy as np
 import pytest
+import torch_baseline
 from hf_models import small_hf_model
 
 from jlong.config import load_config
 from jlong.train.loop import train as jlong_train
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import compare  # noqa: E402
-import torch_baseline  # noqa: E402
 
 STEPS = 20
 

@@ -1,17 +1,20 @@
 """Ulysses context parallelism, run in UPipe head stages.
 
-Each device holds a sequence shard x [B, S/C, D] (C = the sp degree). The
-query heads are taken U at a time (a `lax.scan` over H/U stages, so every
-stage reuses the same buffers). For each stage:
+Each device holds a sequence shard x [B, s, D] with s = S/(R*C) (C = the sp
+degree, R = the ring: 1 without ring attention). The sp group of C devices
+holds S/R tokens: the whole sequence, or the ring rank's zigzag chunk pair.
+The query heads are taken U at a time (a `lax.scan` over H/U stages, so
+every stage reuses the same buffers). For each stage:
 
 1. project the stage's q (and the k, v it needs) from the normed local
    shard, tile by tile (the normed shard never exists whole), with RoPE at
    the shard's global positions;
-2. all-to-all: [B, S/C, U, d] -> [B, S, U/C, d] (whole sequence, U/C heads);
-3. causal attention over the whole sequence;
-4. all-to-all back: [B, S, U/C, d] -> [B, S/C, U, d];
+2. all-to-all: [B, s, U, d] -> [B, S/R, U/C, d] (the group's tokens, U/C heads);
+3. causal attention over the group's tokens (with a ring, ring attention
+   passes the other groups' keys and values around);
+4. all-to-all back: [B, S/R, U/C, d] -> [B, s, U, d];
 5. add its output projection, o @ Wo[stage heads], into the residual stream
-   [B, S/C, D] (the block returns x + attention).
+   [B, s, D] (the block returns x + attention).
 
 Attention buffers hold U/C heads per device instead of H/C (U = H is plain
 Ulysses). Each stage is rematerialised with a policy that keeps only the
@@ -28,7 +31,7 @@ shared by several devices is replicated, and autodiff sums the replicas'
 gradients. When U < H/K, consecutive stages share a kv head and each stage
 projects and exchanges it again: reusing it across stages (a nested loop)
 measured worse for memory, since the nested loop's backward keeps its own
-[B, S/C, D] gradient accumulator for x and copies of the saved outputs.
+[B, s, D] gradient accumulator for x and copies of the saved outputs.
 
 Without a mesh (or with C = 1) the same stages run with no collectives.
 """
@@ -38,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +48,8 @@ import numpy as np
 
 from jlong.attention.kernels import AttentionKernel
 from jlong.attention.ring import ATTENTION_LSE, ATTENTION_OUT
-from jlong.parallel.placement import HIDDEN, REPLICATED, TOKENS, sequence_shards
+from jlong.attention.projection import QKVProjection, project_out
+from jlong.model.shards import HIDDEN, REPLICATED, TOKENS, OneDevice, Shards
 from jlong.parallel.zigzag import shard_token_index
 
 # Between forward and backward each stage keeps only the attention's output
@@ -102,29 +105,13 @@ class StagePlan:
         return width, first, slots - first[:, None]
 
 
-@dataclasses.dataclass(frozen=True)
-class HeadProjections:
-    """The model's side of attention, for a range of heads on a sequence shard.
-    Each takes the attention weights first:
+def staged_attention(params, x_BSD, positions_BS, segment_ids_BS, *, projection: QKVProjection, heads,
+                     kernel: AttentionKernel, shards: Shards = OneDevice(), unroll_stages=False):
+    """x + self-attention of x [B, S, D] (the projection normalises x first;
+    output projection included), in UPipe stages. `params` are the attention
+    weights (`jlong.attention.projection`).
 
-    - qkv(params, x_BSD, positions_BS, q_heads, kv_heads, sink_BSD) ->
-      (q, k, v, sink): q, k, v each [B, S, count, d] with RoPE applied, for
-      head ranges (first, count), and the gradient sink unchanged, into whose
-      gradient the backward pass adds x's (x itself gets none)
-    - output(params, o_BSUd, first, count) -> o @ Wo[heads] [B, S, D], in the
-      compute dtype
-    """
-
-    qkv: Callable
-    output: Callable
-
-
-def staged_attention(params, x_BSD, positions_BS, segment_ids_BS, *, projections, heads, kernel: AttentionKernel,
-                     unroll_stages=False):
-    """x + self-attention of x [B, S, D] (the projections normalise x first;
-    output projection included), in UPipe stages.
-
-    `heads` is (H, K, U). Under `computing_on(mesh)` this runs per device
+    `heads` is (H, K, U). On a mesh (`shards`) this runs per device
     (shard_map) with Ulysses exchanges over the sp mesh axis and, with a
     ring, ring attention over the ring axis on the zigzag layout
     (`jlong.parallel.zigzag`); otherwise the same stages run on the whole
@@ -132,13 +119,12 @@ def staged_attention(params, x_BSD, positions_BS, segment_ids_BS, *, projections
     sequence.
     """
     H, K, U = heads
-    shards = sequence_shards()
     run = functools.partial(
         _run_stages,
         plan=StagePlan(H, K, shards.ulysses_size, U),
         sp_axis=shards.ulysses_axis,
         ring=(shards.ring_axis, shards.ring_size),
-        projections=projections,
+        projection=projection,
         kernel=kernel,
         unroll_stages=unroll_stages,
     )
@@ -146,11 +132,12 @@ def staged_attention(params, x_BSD, positions_BS, segment_ids_BS, *, projections
     return run(params, x_BSD, positions_BS, segment_ids_BS)
 
 
-def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, ring, projections, kernel,
+def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, ring, projection, kernel,
                 unroll_stages):
-    """The per-device program: x [B, S/C, D] -> x + attention output [B, S/C, D].
-    Shape letters: s = S/C (this device's shard), U heads per stage, u = U/C
-    heads per device, r kv slots per device, w the kv heads a stage projects."""
+    """The per-device program: x [B, s, D] -> x + attention output [B, s, D].
+    Shape letters: s = S/(R*C) (this device's shard; R the ring, C the sp
+    degree), U heads per stage, u = U/C heads per device, r kv slots per
+    device, w the kv heads a stage projects."""
     ring_axis, ring_size = ring
     seq_len = x_BsD.shape[1] * plan.devices * ring_size
     if positions_Bs is None:
@@ -167,7 +154,7 @@ def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, r
     # The projections read x without differentiating it; the stages pass a
     # gradient sink along instead (x's value, otherwise unused), into whose
     # gradient each stage's backward pass adds its part of x's gradient in
-    # place (see `HeadProjections.qkv`): one [B, S/C, D] sum over the stages,
+    # place (`jlong.attention.projection`): one [B, s, D] sum over the stages,
     # with no per-stage gradient of x beside it.
     x_input_BsD = jax.lax.stop_gradient(x_BsD)
 
@@ -176,12 +163,12 @@ def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, r
     @functools.partial(jax.checkpoint, policy=KEEP_ATTENTION_OUTPUT)
     def add_stage(carry, stage):
         y_BsD, sink_BsD = carry
-        q_BsUd, k_Bswd, v_Bswd, sink_BsD = projections.qkv(
+        q_BsUd, k_Bswd, v_Bswd, sink_BsD = projection.qkv(
             params, x_input_BsD, positions_Bs, (stage * U, U), (first_kv[stage], width), sink_BsD
         )
         k_BSrd, v_BSrd = (to_heads(jnp.take(t, slots[stage], axis=2)) for t in (k_Bswd, v_Bswd))
         o_BSud = attend(to_heads(q_BsUd), k_BSrd, v_BSrd, segment_ids_BS)
-        return (y_BsD + projections.output(params, to_sequence(o_BSud), stage * U, U), sink_BsD), None
+        return (y_BsD + project_out(params, to_sequence(o_BSud), stage * U, U), sink_BsD), None
 
     # The stages add into the residual stream itself (no zero-filled sum,
     # which XLA would share between the forward and backward pass and keep
@@ -205,7 +192,7 @@ def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, r
 
 
 def _gather_sequence(x_Bs, axis):
-    """[B, S/C] per-token values -> [B, S] of the sp group (None stays None)."""
+    """[B, s] per-token values -> [B, S/R] of the sp group (None stays None)."""
     if axis is None or x_Bs is None:
         return x_Bs
     return jax.lax.all_gather(x_Bs, axis, axis=1, tiled=True)

@@ -7,8 +7,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jlong.model.tiling import join_tiles, split_tiles
-from jlong.parallel.placement import HIDDEN, REPLICATED, TOKENS, sequence_shards
+from jlong.model.shards import HIDDEN, REPLICATED, TOKENS, OneDevice, Shards
+from jlong.model.tiling import join_tiles, split_tiles, varying_like
 
 
 def output_logits(hidden_BSD, w_DV):
@@ -24,13 +24,12 @@ def cross_entropy(logits_BSV, targets_BS, mask_BS=None):
     return total / jnp.maximum(count, 1.0)
 
 
-def tiled_cross_entropy(hidden_BSD, w_DV, targets_BS, mask_BS=None, *, tile: int):
+def tiled_cross_entropy(hidden_BSD, w_DV, targets_BS, mask_BS=None, *, tile: int, shards: Shards = OneDevice()):
     """The same mean as `cross_entropy(hidden @ w, ...)` without the whole
     logits: each device walks its sequence shard `tile` tokens at a time, in
     the forward and in the backward pass (see `_tiled_loss_sums`)."""
     if mask_BS is None:
         mask_BS = jnp.ones(targets_BS.shape, jnp.bool_)
-    shards = sequence_shards()
     per_device = functools.partial(_device_loss_sums, tile=tile, axes=shards.all_axes)
     run = shards.map(per_device, (HIDDEN, REPLICATED, TOKENS, TOKENS), REPLICATED)
     total, count = run(hidden_BSD, w_DV, targets_BS, mask_BS)
@@ -38,13 +37,8 @@ def tiled_cross_entropy(hidden_BSD, w_DV, targets_BS, mask_BS=None, *, tile: int
 
 
 def _device_loss_sums(hidden, w_DV, targets, mask, *, tile, axes):
-    if not axes:
-        return _tiled_loss_sums(hidden, w_DV, targets, mask, tile)
-    # w is the same on every device, its gradient is not: mark it varying so
-    # the custom backward may return this device's part; the transpose of
-    # this mark sums the parts over the mesh.
-    w_DV = jax.lax.pcast(w_DV, axes, to="varying")
-    return jax.lax.psum(_tiled_loss_sums(hidden, w_DV, targets, mask, tile), axes)
+    sums = _tiled_loss_sums(hidden, varying_like(w_DV, hidden), targets, mask, tile)
+    return jax.lax.psum(sums, axes) if axes else sums
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

@@ -8,7 +8,8 @@ and composes with the checkpointed UPipe stages inside attention:
 - `full`: a layer keeps nothing of its own; the backward pass recomputes the
   whole layer from its input.
 - `save_inputs`: each layer keeps only its input (named `LAYER_INPUT`), one
-  [B, S/C, D] array per layer in the compute dtype.
+  [B, S/(R*C), D] shard per layer and device (R the ring, C the sp degree),
+  in the compute dtype.
 - `offload_inputs`: as `save_inputs`, but the inputs go to pinned host memory
   in the forward pass and come back for the backward pass. On CPU the copy
   compiles to nothing; the host bytes are counted from the shapes instead.
@@ -55,7 +56,7 @@ def _offload_inputs_and_attention(primitive, *_, **params):
 class RematPolicy:
     name: RematName
     jax_policy: Callable | None  # None: the layer is not checkpointed at all
-    keeps_layer_inputs: bool = False  # one [B, S/C, D] input per layer lives until the backward pass
+    keeps_layer_inputs: bool = False  # one [B, S/(R*C), D] input per layer lives until the backward pass
     offloads_layer_inputs: bool = False  # ... in host memory rather than on the device
     offloads_attention: bool = False  # the attention output and log-sum-exp too
 

@@ -1,8 +1,8 @@
 """Sequence tiles: cut a device's [B, s, ...] shard into tiles of T tokens.
 
 Used by the tiled MLP and final norm (`map_tiles`), the attention's normed
-input projections (`map_tiles_gradient_into`) and the tiled loss: one tile's
-intermediates exist at a time, in the forward and in the backward pass.
+input projections (`jlong.attention.projection`) and the tiled loss: one
+tile's intermediates exist at a time, in the forward and in the backward pass.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ def map_tiles(fn, params, x_BsD, tile: int):
     zero-fill it first). The backward pass recomputes one tile at a time and
     sums the parameters' gradients in float32.
     """
-    return _tiles_in_place(fn, tile, _varying_like(params, x_BsD), x_BsD)
+    return _tiles_in_place(fn, tile, varying_like(params, x_BsD), x_BsD)
 
 
-def _varying_like(params, x):
+def varying_like(params, x):
     """Inside shard_map the parameters are the same on every device, their
     gradients are not: marked varying like x, the custom backward passes may
     return this device's part, and the transpose of the mark sums the parts."""
@@ -48,30 +48,30 @@ def _varying_like(params, x):
     return params
 
 
-def _float32_zeros(params):
+def float32_zeros(params):
     return jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
 
 
-def _add_in_float32(total, gradient):
+def add_in_float32(total, gradient):
     return total + gradient.astype(jnp.float32)
 
 
-def _cast_like(gradients, params):
+def cast_like(gradients, params):
     return jax.tree.map(lambda g, p: g.astype(p.dtype), gradients, params)
 
 
-def _tile_at(x, i, tile):
+def tile_at(x, i, tile):
     return jax.lax.dynamic_slice_in_dim(x, i * tile, tile, axis=1)
 
 
-def _put_tile(x, tile_value, i, tile):
+def put_tile(x, tile_value, i, tile):
     return jax.lax.dynamic_update_slice_in_dim(x, tile_value, i * tile, axis=1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _tiles_in_place(fn, tile, params, x):
     def one_tile(i, y):
-        return _put_tile(y, fn(params, _tile_at(y, i, tile)), i, tile)
+        return put_tile(y, fn(params, tile_at(y, i, tile)), i, tile)
 
     return jax.lax.fori_loop(0, x.shape[1] // tile, one_tile, x)
 
@@ -85,59 +85,13 @@ def _tiles_backward(fn, tile, residuals, dy):
 
     def one_tile(i, carry):
         dx, dparams = carry
-        _, pullback = jax.vjp(fn, params, _tile_at(x, i, tile))
-        dparams_tile, dx_tile = pullback(_tile_at(dx, i, tile))
-        dparams = jax.tree.map(_add_in_float32, dparams, dparams_tile)
-        return _put_tile(dx, dx_tile, i, tile), dparams
+        _, pullback = jax.vjp(fn, params, tile_at(x, i, tile))
+        dparams_tile, dx_tile = pullback(tile_at(dx, i, tile))
+        dparams = jax.tree.map(add_in_float32, dparams, dparams_tile)
+        return put_tile(dx, dx_tile, i, tile), dparams
 
-    dx, dparams = jax.lax.fori_loop(0, x.shape[1] // tile, one_tile, (dy, _float32_zeros(params)))
-    return _cast_like(dparams, params), dx
+    dx, dparams = jax.lax.fori_loop(0, x.shape[1] // tile, one_tile, (dy, float32_zeros(params)))
+    return cast_like(dparams, params), dx
 
 
 _tiles_in_place.defvjp(_tiles_forward, _tiles_backward)
-
-
-def map_tiles_gradient_into(fn, params, x_BsD, tokens_Bs, sink_BsD, tile: int):
-    """(fn(params, x_tile, tokens_tile) for each sequence tile, joined along
-    the sequence; `sink` unchanged), where x's gradient goes into the sink's.
-
-    The backward pass recomputes one tile at a time and adds the tile's part
-    of x's gradient into the sink's gradient in place; x itself gets none. A
-    caller that applies fn to the same x several times (the attention's
-    stages) passes one sink along through all of them: their gradients add up
-    in one buffer, the sink's, and reach x through the sink's own start value.
-    `tokens` (per-token integers, e.g. positions) gets no gradient.
-    """
-    return _tiles_gradient_into(fn, tile, _varying_like(params, x_BsD), x_BsD, tokens_Bs, sink_BsD)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _tiles_gradient_into(fn, tile, params, x, tokens, sink):
-    def one_tile(_, tiles):
-        return None, fn(params, *tiles)
-
-    _, outputs = jax.lax.scan(one_tile, None, (split_tiles(x, tile), split_tiles(tokens, tile)))
-    return jax.tree.map(join_tiles, outputs), sink
-
-
-def _gradient_into_forward(fn, tile, params, x, tokens, sink):
-    return _tiles_gradient_into(fn, tile, params, x, tokens, sink), (params, x, tokens)
-
-
-def _gradient_into_backward(fn, tile, saved, cotangents):
-    params, x, tokens = saved
-    d_outputs, d_sink = cotangents
-
-    def one_tile(i, carry):
-        d_sink, dparams = carry
-        tokens_tile = _tile_at(tokens, i, tile)
-        _, pullback = jax.vjp(lambda p, x_tile: fn(p, x_tile, tokens_tile), params, _tile_at(x, i, tile))
-        dparams_tile, dx_tile = pullback(jax.tree.map(lambda d: _tile_at(d, i, tile), d_outputs))
-        dparams = jax.tree.map(_add_in_float32, dparams, dparams_tile)
-        return _put_tile(d_sink, _tile_at(d_sink, i, tile) + dx_tile, i, tile), dparams
-
-    d_sink, dparams = jax.lax.fori_loop(0, x.shape[1] // tile, one_tile, (d_sink, _float32_zeros(params)))
-    return _cast_like(dparams, params), None, None, d_sink
-
-
-_tiles_gradient_into.defvjp(_gradient_into_forward, _gradient_into_backward)

@@ -16,19 +16,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jlong.attention.kernels import AttentionKernel, choose_kernel
-from jlong.attention.ulysses import HeadProjections, staged_attention
+from jlong.attention.projection import ATTENTION_PARAMS, QKVProjection
+from jlong.attention.ulysses import staged_attention
 from jlong.config import Config, ModelConfig
-from jlong.model.layers import apply_rope, rms_norm, rope_inverse_frequencies, swiglu
+from jlong.model.layers import rms_norm, rope_inverse_frequencies, swiglu
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy
 from jlong.model.remat import remat_policy, scan_layers
-from jlong.model.tiling import map_tiles, map_tiles_gradient_into
+from jlong.model.shards import HIDDEN, REPLICATED, OneDevice, Shards
+from jlong.model.tiling import map_tiles
 from jlong.options import DType, RematName
-from jlong.parallel.placement import HIDDEN, REPLICATED, constrain, sequence_shards
-from jlong.parallel.zigzag import SequenceLayout
 
 INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
 
@@ -37,6 +36,7 @@ INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
 class ForwardOptions:
     """How the forward pass computes; none of it changes the parameters."""
 
+    shards: Shards = OneDevice()  # the devices the arrays are split over, as the model sees them
     compute_dtype: DType = "float32"
     attention: AttentionKernel = AttentionKernel()
     heads_per_stage: int | None = None  # UPipe's U; None = all heads in one stage
@@ -46,11 +46,12 @@ class ForwardOptions:
     loss_tile: int = 0  # the same for the output projection and the loss
 
     @classmethod
-    def for_training(cls, config: Config, platform: str) -> ForwardOptions:
-        """The forward pass a run's config asks for on `platform` (its mesh's,
-        "gpu" or "cpu"), where `attention.impl=auto` becomes the kernel that
-        platform runs."""
+    def for_training(cls, config: Config, shards: Shards, platform: str) -> ForwardOptions:
+        """The forward pass a run's config asks for on its mesh (`shards`) of
+        `platform` ("gpu" or "cpu"), where `attention.impl=auto` becomes the
+        kernel that platform runs."""
         return cls(
+            shards=shards,
             compute_dtype=config.train.compute_dtype,
             attention=AttentionKernel(
                 choose_kernel(
@@ -149,16 +150,17 @@ class Transformer(nnx.Module):
             )
 
     def __call__(self, tokens_BS, segment_ids_BS=None, positions_BS=None):
-        layout = _sequence_layout()
-        hidden_BSD = self.hidden_states(*map(layout.lay_out, (tokens_BS, segment_ids_BS, positions_BS)))
-        return layout.restore(self.logits(hidden_BSD))
+        """Logits of tokens in the model's layout (see `hidden_states`), in that layout."""
+        return self.logits(self.hidden_states(tokens_BS, segment_ids_BS, positions_BS))
 
     def hidden_states(self, tokens_BS, segment_ids_BS=None, positions_BS=None):
         """The final-normed hidden states [B, S, D] in the compute dtype, of
-        tokens in the model's layout: in sequence order, or zigzag over the
-        ring (`jlong.parallel.zigzag`). Without `positions`, each token's
-        position is its index in the sequence."""
+        tokens in the model's layout: in sequence order, or with a ring,
+        zigzag over it (`jlong.parallel.zigzag`: whoever places the batch
+        lays it out). Without `positions`, each token's position is its index
+        in the sequence."""
         config, options = self.config, self.options
+        constrain = options.shards.constrain
         dtype = jnp.dtype(options.compute_dtype)
         embed_VD = constrain(self.embed.get_value().astype(dtype), ("vocab", "embed"))
         x_BSD = constrain(jnp.take(embed_VD, tokens_BS, axis=0), HIDDEN)
@@ -184,7 +186,7 @@ class Transformer(nnx.Module):
 
     def output_weights(self, dtype):
         """The output embedding in the compute dtype and layout."""
-        return constrain(self.output_embedding().astype(dtype), ("embed", "vocab"))
+        return self.options.shards.constrain(self.output_embedding().astype(dtype), ("embed", "vocab"))
 
     def logits(self, hidden_BSD):
         return output_logits(hidden_BSD, self.output_weights(hidden_BSD.dtype))
@@ -194,24 +196,20 @@ class Transformer(nnx.Module):
         optionally `loss_mask`, `segment_ids`, `positions`, each [B, S]); with
         `loss_tile`, without the whole logits. A mean over tokens: the same
         in any layout of the sequence."""
-        layout = _sequence_layout()
-        batch = {name: layout.lay_out(array) for name, array in batch.items()}
         hidden_BSD = self.hidden_states(batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
         targets_BS, mask_BS = batch["targets"], batch.get("loss_mask")
         if tile := self.options.loss_tile:
-            return tiled_cross_entropy(hidden_BSD, self.output_weights(hidden_BSD.dtype), targets_BS, mask_BS, tile=tile)
+            return tiled_cross_entropy(
+                hidden_BSD, self.output_weights(hidden_BSD.dtype), targets_BS, mask_BS, tile=tile,
+                shards=self.options.shards,
+            )
         return cross_entropy(self.logits(hidden_BSD), targets_BS, mask_BS)
-
-
-def _sequence_layout():
-    """Zigzag over the active mesh's ring (in order without one)."""
-    return SequenceLayout(sequence_shards().ring_size)
 
 
 def decoder_layer(p, x_BSD, positions_BS, segment_ids_BS, config, options):
     """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(x))."""
-    x_BSD = attention_block(p, x_BSD, positions_BS, segment_ids_BS, config, options)
-    x_BSD = constrain(x_BSD, HIDDEN)
+    constrain = options.shards.constrain
+    x_BSD = constrain(attention_block(p, x_BSD, positions_BS, segment_ids_BS, config, options), HIDDEN)
     return constrain(mlp_block(p, x_BSD, config, options), HIDDEN)
 
 
@@ -222,7 +220,7 @@ def sequence_norm(x_BSD, weight, config, options):
     """RMSNorm of the residual stream; with `mlp_tile`, tile by tile like the
     MLP, so its float32 intermediates never span the whole shard."""
     norm = functools.partial(_tile_norm, eps=config.rms_norm_eps)
-    return _per_sequence_tile(norm, weight, x_BSD, options.mlp_tile)
+    return _per_sequence_tile(norm, weight, x_BSD, options)
 
 
 def _tile_norm(weight, x_BSD, *, eps):
@@ -234,15 +232,15 @@ def mlp_block(p, x_BSD, config, options):
     sequence tiles so no [tokens, intermediate] buffer spans the whole shard."""
     p = {name: p[name] for name in MLP_PARAMS}
     residual_mlp = functools.partial(_residual_mlp, eps=config.rms_norm_eps)
-    return _per_sequence_tile(residual_mlp, p, x_BSD, options.mlp_tile)
+    return _per_sequence_tile(residual_mlp, p, x_BSD, options)
 
 
-def _per_sequence_tile(fn, params, x_BSD, tile: int):
-    """fn(params, x) as it is (tile 0), or on each device's shard tile by tile."""
-    if not tile:
+def _per_sequence_tile(fn, params, x_BSD, options):
+    """fn(params, x) as it is (`mlp_tile` 0), or on each device's shard tile by tile."""
+    if not options.mlp_tile:
         return fn(params, x_BSD)
-    per_device = functools.partial(map_tiles, fn, tile=tile)
-    return sequence_shards().map(per_device, (REPLICATED, HIDDEN), HIDDEN)(params, x_BSD)
+    per_device = functools.partial(map_tiles, fn, tile=options.mlp_tile)
+    return options.shards.map(per_device, (REPLICATED, HIDDEN), HIDDEN)(params, x_BSD)
 
 
 def _residual_mlp(p, x_BSD, *, eps):
@@ -250,75 +248,26 @@ def _residual_mlp(p, x_BSD, *, eps):
     return x_BSD + swiglu(h_BSD, p["w_gate"], p["w_up"], p["w_down"])
 
 
-def project_qkv(p, x_BSD, positions_BS, q_heads, kv_heads, sink_BSD, *, config, tile):
-    """q for the query heads `q_heads` = (first, count) and k, v for the kv
-    heads `kv_heads`, each [B, S, count, d], of the normed x, with bias, q/k
-    norm and RoPE; and the gradient sink, which passes through and collects
-    x's gradient. One matmul computes q, k and v, `tile` tokens at a time
-    (0: the whole shard at once), so the normed x never exists whole."""
-    ranges = {"q": q_heads, "k": kv_heads, "v": kv_heads}
-    weights = {
-        "norm": p["attn_norm"],
-        "qkv": jnp.concatenate([_heads(p[f"w{name}"], *heads, axis=1) for name, heads in ranges.items()], axis=1),
-    }
-    if config.attention_bias:
-        weights["bias"] = jnp.concatenate([_heads(p[f"b{name}"], *heads, axis=0) for name, heads in ranges.items()])
-    if config.qk_norm:
-        weights.update(q_norm=p["q_norm"], k_norm=p["k_norm"])
-    counts = tuple(heads[1] for heads in ranges.values())
-    normed_qkv = functools.partial(_normed_qkv, config=config, counts=counts)
-    qkv, sink_BSD = map_tiles_gradient_into(normed_qkv, weights, x_BSD, positions_BS, sink_BSD, tile or x_BSD.shape[1])
-    return *qkv, sink_BSD
-
-
-def _normed_qkv(w, x_BSD, positions_BS, *, config, counts):
-    qkv_BSNd = _project(rms_norm(x_BSD, w["norm"], config.rms_norm_eps), w["qkv"])
-    if "bias" in w:
-        qkv_BSNd = qkv_BSNd + w["bias"]
-    q, k, v = jnp.split(qkv_BSNd, np.cumsum(counts)[:-1], axis=2)
-    inv_freq = rope_inverse_frequencies(config)
-    if config.qk_norm:
-        q = rms_norm(q, w["q_norm"], config.rms_norm_eps)
-        k = rms_norm(k, w["k_norm"], config.rms_norm_eps)
-    return apply_rope(q, positions_BS, inv_freq), apply_rope(k, positions_BS, inv_freq), v
-
-
-def _project(x_BSD, w_DNd):
-    """x @ w as one 2-D matmul: [B, S, D] x [D, N, d] -> [B, S, N, d]."""
-    B, S, D = x_BSD.shape
-    y = x_BSD.reshape(B * S, D) @ w_DNd.reshape(D, -1)
-    return y.reshape(B, S, *w_DNd.shape[1:])
-
-
-def _heads(w, first, count, axis):
-    if count == w.shape[axis]:
-        return w
-    return jax.lax.dynamic_slice_in_dim(w, first, count, axis)
-
-
-def project_out(p, o_BSHd, first, count):
-    """o [B, S, count, d] of heads [first, first + count) through Wo: [B, S, D]."""
-    wo = _heads(p["wo"], first, count, axis=0)
-    return jnp.einsum("bshk,hkd->bsd", o_BSHd, wo)
-
-
-ATTENTION_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm")
-
-
 def attention_block(p, x_BSD, positions_BS, segment_ids_BS, config, options):
     """x + self-attention of norm(x), in Ulysses/UPipe head stages (and with
     a ring, ring attention across the sp groups). Positions default to the
     tokens' indices in the sequence."""
     H = config.num_attention_heads
+    projection = QKVProjection(
+        norm_eps=config.rms_norm_eps,
+        rope_inv_freq=tuple(rope_inverse_frequencies(config).tolist()),
+        bias=config.attention_bias,
+        qk_norm=config.qk_norm,
+        tile=options.mlp_tile,
+    )
     return staged_attention(
         {name: p[name] for name in ATTENTION_PARAMS if name in p},
         x_BSD,
         positions_BS,
         segment_ids_BS,
-        projections=HeadProjections(
-            qkv=functools.partial(project_qkv, config=config, tile=options.mlp_tile), output=project_out
-        ),
+        projection=projection,
         heads=(H, config.kv_heads, options.heads_per_stage or H),
         kernel=options.attention,
+        shards=options.shards,
         unroll_stages=remat_policy(options.remat).offloads_attention,
     )

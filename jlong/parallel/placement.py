@@ -15,16 +15,14 @@ mesh axes twice:
   in the table's order, whose size the device count divides; a tensor with
   none stays replicated.
 
-While `computing_on(mesh)` is active, `constrain` pins arrays to their
-compute placement and `per_device` runs functions on each device's shard
-(`shard_map` with specs from the same table); outside it both are no-ops, so
-the model also runs unsharded.
+`MeshShards(mesh)` is what the model is handed to run on a mesh: it pins
+arrays to their compute placement and runs per-device code on each device's
+shard (`shard_map` with specs from the same table). The model itself never
+sees a mesh axis, and with `jlong.model.shards.OneDevice` runs unsharded.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 
 import jax
@@ -32,6 +30,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jlong.config import MeshConfig
 from jlong.errors import JlongError
+from jlong.model.shards import TOKENS, Axes
 
 MESH_AXES = ("data", "fsdp", "ring", "sp")
 BATCH_AXES = ("data", "fsdp")
@@ -56,11 +55,6 @@ LOGICAL_AXES: dict[str, AxisRule] = {
     "layers": AxisRule(GATHERED_AT_COMPUTE),  # the scan over layers takes one at a time
 }
 
-Axes = tuple[str, ...]
-REPLICATED: Axes = ()  # as a `per_device` spec: the same value on every device
-
-TOKENS: Axes = ("batch", "seq")
-HIDDEN: Axes = ("batch", "seq", "embed")
 
 
 def _rule(axis: str) -> AxisRule:
@@ -109,73 +103,37 @@ def replicated(mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-# --------------------------------------------------------------------------
-# The mesh the model computes on
-
-_ACTIVE_MESH: contextvars.ContextVar = contextvars.ContextVar("jlong_compute_mesh", default=None)
-
-
-@contextlib.contextmanager
-def computing_on(mesh):
-    """Traced model code inside places its arrays on `mesh` by the table."""
-    token = _ACTIVE_MESH.set(mesh)
-    try:
-        yield
-    finally:
-        _ACTIVE_MESH.reset(token)
-
-
-def constrain(x, axes: Axes):
-    """x pinned to its compute placement (itself without an active mesh)."""
-    mesh = _ACTIVE_MESH.get()
-    if mesh is None:
-        return x
-    return jax.lax.with_sharding_constraint(x, compute_sharding(mesh, axes))
-
-
 @dataclasses.dataclass(frozen=True)
-class SequenceShards:
-    """The active mesh as per-device code sees it: each device holds a shard
-    of the sequence (and of the batch)."""
+class MeshShards:
+    """A mesh as the model sees it (`jlong.model.shards.Shards`): each device
+    holds a shard of the batch and of the sequence, placed by the table."""
 
-    mesh: jax.sharding.Mesh | None
+    mesh: jax.sharding.Mesh
 
     @property
     def ulysses_size(self) -> int:
-        """C: the sp degree, over which attention exchanges heads all-to-all."""
-        return self._size("sp")
+        return self.mesh.shape["sp"]
 
     @property
     def ulysses_axis(self) -> str | None:
-        """The sp mesh axis when it has more than one device (else None)."""
         return "sp" if self.ulysses_size > 1 else None
 
     @property
     def ring_size(self) -> int:
-        """R: how many sp groups pass keys and values around in ring attention."""
-        return self._size("ring")
+        return self.mesh.shape["ring"]
 
     @property
     def ring_axis(self) -> str | None:
         return "ring" if self.ring_size > 1 else None
 
-    def _size(self, axis: str) -> int:
-        return 1 if self.mesh is None else self.mesh.shape[axis]
-
     @property
     def all_axes(self) -> tuple[str, ...]:
-        """Every mesh axis: a sum over the whole batch runs over all of them."""
-        return () if self.mesh is None else tuple(self.mesh.axis_names)
+        return tuple(self.mesh.axis_names)
+
+    def constrain(self, x, axes: Axes):
+        return jax.lax.with_sharding_constraint(x, compute_sharding(self.mesh, axes))
 
     def map(self, fn, in_axes: tuple[Axes, ...], out_axes: Axes):
-        """`fn` on each device's shard: arguments and result split by their
-        logical axes (`REPLICATED` for whole ones). Without a mesh, `fn` itself."""
-        if self.mesh is None:
-            return fn
         return jax.shard_map(
             fn, mesh=self.mesh, in_specs=tuple(compute_spec(a) for a in in_axes), out_specs=compute_spec(out_axes)
         )
-
-
-def sequence_shards() -> SequenceShards:
-    return SequenceShards(_ACTIVE_MESH.get())

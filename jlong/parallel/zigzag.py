@@ -42,7 +42,9 @@ def _zigzag_index(rank, ring: int, seq_len: int, in_chunk):
 @dataclasses.dataclass(frozen=True)
 class SequenceLayout:
     """How [B, S, ...] arrays are laid out along the sequence for the model:
-    in order (ring 1), or zigzag over a ring."""
+    in order (ring 1), or zigzag over a ring. The batch is laid out where it
+    is placed on the mesh (`jlong.train.program.TrainProgram.place_batch`),
+    and per-token results are restored wherever they come back."""
 
     ring: int = 1
 
@@ -59,7 +61,7 @@ class SequenceLayout:
             return x_BS
         B, S = x_BS.shape[:2]
         chunks = x_BS.reshape(B, 2 * self.ring, S // (2 * self.ring), *x_BS.shape[2:])
-        return jnp.take(chunks, order, axis=1).reshape(x_BS.shape)
+        return chunks.take(order, axis=1).reshape(x_BS.shape)  # numpy or jax, as x is
 
 
 def shard_token_index(seq_len: int, ring_axis: str | None, ring: int, sp_axis: str | None, sp: int):

@@ -14,22 +14,18 @@ import jax
 import jax.numpy as jnp
 
 from jlong.attention.kernels import AttentionKernel
+from jlong.attention.projection import ATTENTION_PARAMS
 from jlong.config import MeshConfig, ModelConfig
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy
-from jlong.model.transformer import (
-    ATTENTION_PARAMS,
-    MLP_PARAMS,
-    ForwardOptions,
-    attention_block,
-    layer_param_shapes,
-    mlp_block,
-)
-from jlong.parallel.placement import HIDDEN, TOKENS, compute_sharding, computing_on, constrain, make_mesh, replicated
+from jlong.model.shards import HIDDEN, TOKENS
+from jlong.model.transformer import MLP_PARAMS, ForwardOptions, attention_block, layer_param_shapes, mlp_block
+from jlong.parallel.placement import MeshShards, compute_sharding, make_mesh, replicated
 
 
 class _Probe:
     def __init__(self, model: ModelConfig, seq_len: int, sp: int, dtype: str, devices=None):
         self.mesh = make_mesh(MeshConfig(sp=sp), (jax.devices() if devices is None else devices)[:sp])
+        self.shards = MeshShards(self.mesh)
         self.model, self.dtype = model, dtype
         self.replicated = replicated(self.mesh)
         self.x = jax.ShapeDtypeStruct((1, seq_len, model.hidden_size), dtype, sharding=compute_sharding(self.mesh, HIDDEN))
@@ -47,10 +43,9 @@ class _Probe:
         cotangent is shaped like x, or a scalar 1 for a scalar block."""
 
         def forward_backward(params, x, *extra):
-            with computing_on(self.mesh):
-                out, pullback = jax.vjp(lambda p, x: block(p, x, *extra), params, x)
-                cotangent = jnp.ones_like(out) if out.ndim == 0 else constrain(jnp.ones_like(out), HIDDEN)
-                return pullback(cotangent)
+            out, pullback = jax.vjp(lambda p, x: block(p, x, *extra), params, x)
+            cotangent = jnp.ones_like(out) if out.ndim == 0 else self.shards.constrain(jnp.ones_like(out), HIDDEN)
+            return pullback(cotangent)
 
         compiled = jax.jit(forward_backward).lower(params, self.x, *extra).compile()
         return compiled.memory_analysis().temp_size_in_bytes
@@ -59,7 +54,10 @@ class _Probe:
 def attention_temp_bytes(model: ModelConfig, seq_len: int, sp: int, heads_per_stage: int, dtype="float32") -> int:
     """The attention block (norm, projections, exchanges, kernel, output projection, residual) in UPipe stages of U heads."""
     probe = _Probe(model, seq_len, sp, dtype)
-    options = ForwardOptions(compute_dtype=dtype, attention=AttentionKernel("blockwise"), heads_per_stage=heads_per_stage)
+    options = ForwardOptions(
+        shards=probe.shards, compute_dtype=dtype, attention=AttentionKernel("blockwise"),
+        heads_per_stage=heads_per_stage,
+    )
     block = lambda p, x, positions: attention_block(p, x, positions, None, model, options)  # noqa: E731
     return probe.vjp_temp_bytes(block, probe.layer_params(ATTENTION_PARAMS), probe.tokens)
 
@@ -67,7 +65,7 @@ def attention_temp_bytes(model: ModelConfig, seq_len: int, sp: int, heads_per_st
 def mlp_temp_bytes(model: ModelConfig, seq_len: int, sp: int, tile: int, dtype="float32", devices=None) -> int:
     """The residual MLP block (RMSNorm, SwiGLU, residual add), tiled when `tile` > 0."""
     probe = _Probe(model, seq_len, sp, dtype, devices)
-    options = ForwardOptions(compute_dtype=dtype, mlp_tile=tile)
+    options = ForwardOptions(shards=probe.shards, compute_dtype=dtype, mlp_tile=tile)
     block = lambda p, x: mlp_block(p, x, model, options)  # noqa: E731
     return probe.vjp_temp_bytes(block, probe.layer_params(MLP_PARAMS))
 
@@ -78,7 +76,7 @@ def loss_temp_bytes(model: ModelConfig, seq_len: int, sp: int, tile: int, dtype=
 
     def block(w, x, targets):
         if tile:
-            return tiled_cross_entropy(x, w, targets, tile=tile)
+            return tiled_cross_entropy(x, w, targets, tile=tile, shards=probe.shards)
         return cross_entropy(output_logits(x, w), targets)
 
     return probe.vjp_temp_bytes(block, probe.weight((model.hidden_size, model.vocab_size)), probe.tokens)

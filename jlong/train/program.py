@@ -21,7 +21,8 @@ from jax.sharding import NamedSharding
 from jlong.config import Config
 from jlong.data.sources import batch_layout
 from jlong.model.transformer import ForwardOptions, Transformer
-from jlong.parallel.placement import batch_sharding, computing_on, replicated, rest_spec
+from jlong.parallel.placement import MeshShards, batch_sharding, replicated, rest_spec
+from jlong.parallel.zigzag import SequenceLayout
 from jlong.train.host_optimizer import HostAdamW, in_memory
 from jlong.train.optimizer import make_optimizer, state_shardings
 
@@ -36,7 +37,7 @@ class TrainProgram:
 
     def __init__(self, config: Config, mesh):
         self.config, self.mesh = config, mesh
-        self.options = ForwardOptions.for_training(config, mesh.devices.flat[0].platform)
+        self.options = ForwardOptions.for_training(config, MeshShards(mesh), mesh.devices.flat[0].platform)
         abstract_model = nnx.eval_shape(lambda: self._fresh_model(0))
         self.graphdef, self._abstract_state = nnx.split(abstract_model)
         self.param_shardings = self._param_shardings()  # on the devices, where the step computes with them
@@ -120,8 +121,8 @@ class TrainProgram:
     # -- the step
 
     def loss(self, params: dict, batch: dict):
-        with computing_on(self.mesh):
-            return self.bind(params).loss(batch)
+        """The model's loss of a batch placed by `place_batch`."""
+        return self.bind(params).loss(batch)
 
     def _offloaded_step(self, master, opt_state, batch):
         params = self.optimizer.compute_copy(master, self.config.train.compute_dtype, self.param_shardings)
@@ -146,12 +147,17 @@ class TrainProgram:
         return self.lower().compile(compiler_options=compiler_options)
 
     def place_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """The global numpy batch -> arrays sharded over the mesh (each process
-        builds only the shards its devices hold)."""
-        return {
-            key: jax.make_array_from_callback(value.shape, self.batch_sharding, functools.partial(_index, value))
-            for key, value in batch.items()
-        }
+        """The global numpy batch -> arrays sharded over the mesh, laid out
+        along the sequence as the model computes on it (zigzag over a ring;
+        each process builds only the shards its devices hold)."""
+        layout = SequenceLayout(self.config.mesh.ring)
+        placed = {}
+        for key, value in batch.items():
+            laid_out = layout.lay_out(value)
+            placed[key] = jax.make_array_from_callback(
+                value.shape, self.batch_sharding, functools.partial(_index, laid_out)
+            )
+        return placed
 
 
 def _index(array: np.ndarray, index):

@@ -1,0 +1,130 @@
+"""Attention's projections of a sequence shard: the normed input to q, k, v
+for a range of heads, and a range of heads' output back through Wo.
+
+The model describes its projection (`QKVProjection`: norm epsilon, biases,
+per-head q/k norm, RoPE frequencies) and hands over its attention weights
+by name: `attn_norm`, `wq` [D, H, d], `wk`, `wv` [D, K, d], `wo` [H, d, D],
+and with the description's options `bq`, `bk`, `bv` and `q_norm`, `k_norm`.
+
+The input's gradient never flows through the projection's own output: each
+call takes a gradient sink and adds its part of x's gradient into the sink's
+gradient in place (`_tiles_gradient_into`). The UPipe stages pass one sink
+along, so the stages' gradients of x add up in one [B, s, D] buffer per device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jlong.model.layers import apply_rope, rms_norm
+from jlong.model.tiling import add_in_float32, cast_like, float32_zeros, join_tiles, put_tile, split_tiles, tile_at
+from jlong.model.tiling import varying_like
+
+ATTENTION_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm")
+
+
+@dataclasses.dataclass(frozen=True)
+class QKVProjection:
+    """How q, k, v are made from the residual stream x: RMSNorm(x) with
+    `attn_norm`, one matmul for q, k and v, then the optional bias, the
+    optional per-head RMSNorm of q and k, and RoPE at the tokens' positions."""
+
+    norm_eps: float
+    rope_inv_freq: tuple[float, ...]  # per-pair rotation rates [head_dim / 2]
+    bias: bool = False
+    qk_norm: bool = False
+    tile: int = 0  # tokens projected at a time; 0 = the whole shard at once
+
+    def qkv(self, p, x_BSD, positions_BS, q_heads, kv_heads, sink_BSD):
+        """(q, k, v, sink): q for the query heads `q_heads` = (first, count),
+        k and v for `kv_heads`, each [B, S, count, d]; the sink passes through
+        unchanged and its gradient collects x's."""
+        ranges = {"q": q_heads, "k": kv_heads, "v": kv_heads}
+        weights = {
+            "norm": p["attn_norm"],
+            "qkv": jnp.concatenate([_heads(p[f"w{name}"], *heads, axis=1) for name, heads in ranges.items()], axis=1),
+        }
+        if self.bias:
+            weights["bias"] = jnp.concatenate([_heads(p[f"b{name}"], *heads, axis=0) for name, heads in ranges.items()])
+        if self.qk_norm:
+            weights.update(q_norm=p["q_norm"], k_norm=p["k_norm"])
+        counts = tuple(heads[1] for heads in ranges.values())
+        normed_qkv = functools.partial(self._normed_qkv, counts=counts)
+        tile, weights = self.tile or x_BSD.shape[1], varying_like(weights, x_BSD)
+        qkv, sink_BSD = _tiles_gradient_into(normed_qkv, tile, weights, x_BSD, positions_BS, sink_BSD)
+        return *qkv, sink_BSD
+
+    def _normed_qkv(self, w, x_BSD, positions_BS, *, counts):
+        qkv_BSNd = _project(rms_norm(x_BSD, w["norm"], self.norm_eps), w["qkv"])
+        if "bias" in w:
+            qkv_BSNd = qkv_BSNd + w["bias"]
+        q, k, v = jnp.split(qkv_BSNd, np.cumsum(counts)[:-1], axis=2)
+        if self.qk_norm:
+            q = rms_norm(q, w["q_norm"], self.norm_eps)
+            k = rms_norm(k, w["k_norm"], self.norm_eps)
+        inv_freq = np.asarray(self.rope_inv_freq, np.float32)
+        return apply_rope(q, positions_BS, inv_freq), apply_rope(k, positions_BS, inv_freq), v
+
+
+def project_out(p, o_BSHd, first, count):
+    """o [B, S, count, d] of heads [first, first + count) through Wo: [B, S, D]."""
+    wo = _heads(p["wo"], first, count, axis=0)
+    return jnp.einsum("bshk,hkd->bsd", o_BSHd, wo)
+
+
+def _project(x_BSD, w_DNd):
+    """x @ w as one 2-D matmul: [B, S, D] x [D, N, d] -> [B, S, N, d]."""
+    B, S, D = x_BSD.shape
+    y = x_BSD.reshape(B * S, D) @ w_DNd.reshape(D, -1)
+    return y.reshape(B, S, *w_DNd.shape[1:])
+
+
+def _heads(w, first, count, axis):
+    if count == w.shape[axis]:
+        return w
+    return jax.lax.dynamic_slice_in_dim(w, first, count, axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _tiles_gradient_into(fn, tile, params, x, tokens, sink):
+    """(fn(params, x_tile, tokens_tile) for each sequence tile, joined along
+    the sequence; `sink` unchanged), where x's gradient goes into the sink's.
+
+    The backward pass recomputes one tile at a time and adds the tile's part
+    of x's gradient into the sink's gradient in place; x itself gets none.
+    `tokens` (per-token integers: positions) gets no gradient.
+    """
+
+    def one_tile(_, tiles):
+        return None, fn(params, *tiles)
+
+    _, outputs = jax.lax.scan(one_tile, None, (split_tiles(x, tile), split_tiles(tokens, tile)))
+    return jax.tree.map(join_tiles, outputs), sink
+
+
+def _gradient_into_forward(fn, tile, params, x, tokens, sink):
+    return _tiles_gradient_into(fn, tile, params, x, tokens, sink), (params, x, tokens)
+
+
+def _gradient_into_backward(fn, tile, saved, cotangents):
+    params, x, tokens = saved
+    d_outputs, d_sink = cotangents
+
+    def one_tile(i, carry):
+        d_sink, dparams = carry
+        tokens_tile = tile_at(tokens, i, tile)
+        _, pullback = jax.vjp(lambda p, x_tile: fn(p, x_tile, tokens_tile), params, tile_at(x, i, tile))
+        dparams_tile, dx_tile = pullback(jax.tree.map(lambda d: tile_at(d, i, tile), d_outputs))
+        dparams = jax.tree.map(add_in_float32, dparams, dparams_tile)
+        return put_tile(d_sink, tile_at(d_sink, i, tile) + dx_tile, i, tile), dparams
+
+    d_sink, dparams = jax.lax.fori_loop(0, x.shape[1] // tile, one_tile, (d_sink, float32_zeros(params)))
+    return cast_like(dparams, params), None, None, d_sink
+
+
+_tiles_gradient_into.defvjp(_gradient_into_forward, _gradient_into_backward)
