@@ -28,6 +28,7 @@ import transformers
 
 from jlong.config import Config, load_config
 from jlong.errors import JlongError
+from jlong.hf import hf_roles
 from jlong.train.optimizer import learning_rate
 
 
@@ -40,12 +41,14 @@ def batch_tokens(tokens: np.ndarray, step: int, seq_len: int, batch_size: int) -
     return np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int64) for s in starts])
 
 
-def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay on weight matrices only, as jlong (not on norms or biases)."""
+def parameter_groups(model: torch.nn.Module, config: Config) -> list[dict]:
+    """Decay where jlong decays: by each tensor's role in jlong's parameter
+    layout (matrices, not norms or biases)."""
+    roles = hf_roles(config.model)
     decay, plain = [], []
     for name, param in model.named_parameters():
-        (plain if name.endswith("norm.weight") or name.endswith(".bias") else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+        (decay if roles[name].decays else plain).append(param)
+    return [{"params": decay, "weight_decay": config.train.weight_decay}, {"params": plain, "weight_decay": 0.0}]
 
 
 def check_supported(config: Config) -> None:
@@ -66,7 +69,7 @@ def train(config: Config, run_dir: Path, *, device: str = "cpu", checkpointing: 
     if checkpointing:
         model.gradient_checkpointing_enable()
     optimizer = torch.optim.AdamW(
-        parameter_groups(model, train_cfg.weight_decay), lr=train_cfg.lr,
+        parameter_groups(model, config), lr=train_cfg.lr,
         betas=(train_cfg.b1, train_cfg.b2), eps=train_cfg.eps,
     )
     autocast_dtype = getattr(torch, train_cfg.compute_dtype) if device != "cpu" else torch.float32

@@ -20,7 +20,8 @@ from safetensors.flax import save_file
 from jlong.config import ModelConfig, build_section, validate_model
 from jlong.errors import JlongError
 from jlong.hf_config import hf_config_dict, read_hf_config
-from jlong.model.transformer import ForwardOptions, Transformer, layer_param_shapes
+from jlong.model.params import Role, layer_params, outer_params
+from jlong.model.transformer import ForwardOptions, Transformer
 
 SHARD_BYTES = 4 << 30  # safetensors file size cap when writing
 
@@ -70,7 +71,7 @@ def _layer_tensor_map(config: ModelConfig) -> dict[str, tuple[str, Callable, Cal
         "q_norm": ("self_attn.q_norm.weight", *same),
         "k_norm": ("self_attn.k_norm.weight", *same),
     }
-    return {name: table[name] for name in layer_param_shapes(config)}
+    return {name: table[name] for name in layer_params(config)}
 
 
 def _param_sources(config: ModelConfig) -> dict[tuple[str, ...], tuple[list[str], Callable]]:
@@ -78,21 +79,33 @@ def _param_sources(config: ModelConfig) -> dict[tuple[str, ...], tuple[list[str]
     it is built from (one per layer for stacked layer parameters) and the
     HF -> jlong layout change of one tensor."""
     sources = {
-        ("embed",): (["model.embed_tokens.weight"], lambda w: w),
-        ("final_norm",): (["model.norm.weight"], lambda w: w),
+        ("embed",): ([OUTER_TENSORS["embed"]], lambda w: w),
+        ("final_norm",): ([OUTER_TENSORS["final_norm"]], lambda w: w),
     }
     if not config.tie_word_embeddings:
-        sources[("lm_head",)] = (["lm_head.weight"], lambda w: w.T)
+        sources[("lm_head",)] = ([OUTER_TENSORS["lm_head"]], lambda w: w.T)
     for name, (suffix, to_jlong, _) in _layer_tensor_map(config).items():
         names = [f"model.layers.{i}.{suffix}" for i in range(config.num_hidden_layers)]
         sources[("layers", name)] = (names, to_jlong)
     return sources
 
 
+OUTER_TENSORS = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+
+
+def hf_roles(config: ModelConfig) -> dict[str, Role]:
+    """The role (`jlong.model.params`) of each Hugging Face tensor of the model."""
+    roles = {OUTER_TENSORS[name]: spec.role for name, spec in outer_params(config).items()}
+    for name, (suffix, _, _) in _layer_tensor_map(config).items():
+        role = layer_params(config)[name].role
+        roles.update({f"model.layers.{i}.{suffix}": role for i in range(config.num_hidden_layers)})
+    return roles
+
+
 def _expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for name, (suffix, _, to_hf) in _layer_tensor_map(config).items():
-        shape, _ = layer_param_shapes(config)[name]
+        shape = layer_params(config)[name].shape
         hf_shape = jax.eval_shape(to_hf, jax.ShapeDtypeStruct(shape, np.float32)).shape
         for i in range(config.num_hidden_layers):
             shapes[f"model.layers.{i}.{suffix}"] = hf_shape

@@ -24,12 +24,11 @@ from jlong.attention.ulysses import staged_attention
 from jlong.config import Config, ModelConfig
 from jlong.model.layers import rms_norm, rope_inverse_frequencies, swiglu
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy
+from jlong.model.params import ParamSpec, layer_params, outer_params
 from jlong.model.remat import remat_policy, scan_layers
 from jlong.model.shards import HIDDEN, REPLICATED, OneDevice, Shards
 from jlong.model.tiling import map_tiles
 from jlong.options import DType, RematName
-
-INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,37 +75,8 @@ def shortest_attention_window(config: Config) -> int:
     return config.train.seq_len if ring == 1 else config.train.seq_len // (2 * ring)
 
 
-def layer_param_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-    """Shape and logical axes of each per-layer parameter (without the layers axis)."""
-    D, F = config.hidden_size, config.intermediate_size
-    H, K, d = config.num_attention_heads, config.kv_heads, config.dim_per_head
-    shapes = {
-        "attn_norm": ((D,), ("embed",)),
-        "wq": ((D, H, d), ("embed", "heads", "head_dim")),
-        "wk": ((D, K, d), ("embed", "kv_heads", "head_dim")),
-        "wv": ((D, K, d), ("embed", "kv_heads", "head_dim")),
-        "wo": ((H, d, D), ("heads", "head_dim", "embed")),
-        "mlp_norm": ((D,), ("embed",)),
-        "w_gate": ((D, F), ("embed", "mlp")),
-        "w_up": ((D, F), ("embed", "mlp")),
-        "w_down": ((F, D), ("mlp", "embed")),
-    }
-    if config.attention_bias:
-        shapes["bq"] = ((H, d), ("heads", "head_dim"))
-        shapes["bk"] = ((K, d), ("kv_heads", "head_dim"))
-        shapes["bv"] = ((K, d), ("kv_heads", "head_dim"))
-    if config.qk_norm:
-        shapes["q_norm"] = ((d,), ("head_dim",))
-        shapes["k_norm"] = ((d,), ("head_dim",))
-    return shapes
-
-
-def _initial_value(name: str, key, shape, dtype):
-    if name.endswith("norm"):
-        return jnp.ones(shape, dtype)
-    if name.startswith("b"):
-        return jnp.zeros(shape, dtype)
-    return (INIT_STD * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+def _param(spec: ParamSpec, key, dtype) -> nnx.Param:
+    return nnx.Param(spec.role.initial(key, spec.shape, dtype), axes=spec.axes)
 
 
 class LayerStack(nnx.Module):
@@ -114,11 +84,11 @@ class LayerStack(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype):
         L = config.num_hidden_layers
-        shapes = layer_param_shapes(config)
-        self.names = tuple(shapes)
-        for name, (shape, axes) in shapes.items():
-            value = _initial_value(name, rngs.params(), (L, *shape), param_dtype)
-            setattr(self, name, nnx.Param(value, axes=("layers", *axes)))
+        specs = layer_params(config)
+        self.names = tuple(specs)
+        for name, spec in specs.items():
+            value = spec.role.initial(rngs.params(), (L, *spec.shape), param_dtype)
+            setattr(self, name, nnx.Param(value, axes=("layers", *spec.axes)))
 
     def arrays(self) -> dict[str, jax.Array]:
         return {name: getattr(self, name).get_value() for name in self.names}
@@ -137,17 +107,12 @@ class Transformer(nnx.Module):
     ):
         self.config = config
         self.options = options
-        V, D = config.vocab_size, config.hidden_size
-        self.embed = nnx.Param(
-            _initial_value("embed", rngs.params(), (V, D), param_dtype), axes=("vocab", "embed")
-        )
+        outer = outer_params(config)
+        self.embed = _param(outer["embed"], rngs.params(), param_dtype)
         self.layers = LayerStack(config, rngs=rngs, param_dtype=param_dtype)
-        self.final_norm = nnx.Param(jnp.ones((D,), param_dtype), axes=("embed",))
-        if not config.tie_word_embeddings:
-            self.lm_head = nnx.Param(
-                _initial_value("lm_head", rngs.params(), (D, V), param_dtype),
-                axes=("embed", "vocab"),
-            )
+        self.final_norm = _param(outer["final_norm"], None, param_dtype)  # ones: draws no key
+        if "lm_head" in outer:
+            self.lm_head = _param(outer["lm_head"], rngs.params(), param_dtype)
 
     def __call__(self, tokens_BS, segment_ids_BS=None, positions_BS=None):
         """Logits of tokens in the model's layout (see `hidden_states`), in that layout."""
@@ -165,7 +130,7 @@ class Transformer(nnx.Module):
         embed_VD = constrain(self.embed.get_value().astype(dtype), ("vocab", "embed"))
         x_BSD = constrain(jnp.take(embed_VD, tokens_BS, axis=0), HIDDEN)
 
-        layer_axes = {name: axes for name, (_, axes) in layer_param_shapes(config).items()}
+        layer_axes = {name: spec.axes for name, spec in layer_params(config).items()}
 
         def one_layer(x_BSD, params):
             # Cast, then constrain to the compute layout: under FSDP this is

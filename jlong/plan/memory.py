@@ -37,7 +37,6 @@ from jlong.model.remat import remat_policy
 from jlong.parallel.placement import make_mesh
 from jlong.plan.hlo import HloModule, parse_module
 from jlong.plan.targets import GIB, PlanTarget, node_shape
-from jlong.train.host_optimizer import lives_on_host
 from jlong.train.program import TrainProgram
 
 # XLA:CPU computes 16-bit matmuls in float32 (converted operands, float32
@@ -168,7 +167,7 @@ def plan_of(step: CompiledStep) -> MemoryPlan:
         host_offload = analysis.host_temp_size_in_bytes + analysis.host_argument_size_in_bytes
         temporaries = analysis.temp_size_in_bytes + max(analysis.output_size_in_bytes - analysis.alias_size_in_bytes, 0)
     # An offloaded optimizer's compute copies of the parameters are made inside the step.
-    in_temporaries = gradients + (parameters if program.offloads_optimizer else 0)
+    in_temporaries = gradients + (parameters if program.optimizer.makes_compute_copy else 0)
     if devices is None:
         _, devices_per_node = node_shape(config.mesh.size, target.gpus_per_node)
         compiler = target.compiler()
@@ -227,7 +226,7 @@ def state_bytes(config: Config, target: PlanTarget = PlanTarget(), devices=None)
 
 def in_host_memory(program: TrainProgram, leaf) -> bool:
     """Whether a leaf of the program's parameters or optimizer state lives in host memory between steps."""
-    return program.offloads_optimizer and lives_on_host(leaf)
+    return program.optimizer.in_host_memory(leaf)
 
 
 def host_state_bytes(program: TrainProgram) -> int:

@@ -18,7 +18,8 @@ from jlong.attention.projection import ATTENTION_PARAMS
 from jlong.config import MeshConfig, ModelConfig
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy
 from jlong.model.shards import HIDDEN, TOKENS
-from jlong.model.transformer import MLP_PARAMS, ForwardOptions, attention_block, layer_param_shapes, mlp_block
+from jlong.model.params import layer_params
+from jlong.model.transformer import MLP_PARAMS, ForwardOptions, attention_block, mlp_block
 from jlong.parallel.placement import MeshShards, compute_sharding, make_mesh, replicated
 
 
@@ -32,8 +33,8 @@ class _Probe:
         self.tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32, sharding=compute_sharding(self.mesh, TOKENS))
 
     def layer_params(self, names):
-        shapes = layer_param_shapes(self.model)
-        return {n: self.weight(shapes[n][0]) for n in names if n in shapes}
+        specs = layer_params(self.model)
+        return {n: self.weight(specs[n].shape) for n in names if n in specs}
 
     def weight(self, shape):
         return jax.ShapeDtypeStruct(shape, self.dtype, sharding=self.replicated)

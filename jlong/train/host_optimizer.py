@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jlong.config import TrainConfig
+from jlong.config import Config
 from jlong.train.optimizer import adamw, state_shardings
 
 LAYERS = "layers"  # the parameter dict's entry of stacked [num_layers, ...] arrays
@@ -51,27 +51,36 @@ def _split(tree: dict) -> tuple[dict, dict]:
 
 
 class HostAdamW:
-    """Init and update of the offloaded optimizer, for a parameter dict whose
-    `layers` entry holds stacked per-layer arrays. Its state is
-    {"layers": AdamW's state stacked per layer, "rest": AdamW's state of the
-    other parameters}."""
+    """The offloaded optimizer (`jlong.train.optimizer.Optimizer`), for a
+    parameter dict whose `layers` entry holds stacked per-layer arrays. Its
+    state is {"layers": AdamW's state stacked per layer, "rest": AdamW's
+    state of the other parameters}."""
 
-    def __init__(self, train: TrainConfig):
-        self.train, self.adamw = train, adamw(train)
+    makes_compute_copy = True
+
+    def __init__(self, config: Config):
+        self.train, self.adamw = config.train, adamw(config)
+
+    def rest_shardings(self, device_shardings: dict) -> dict:
+        """Between steps the master parameters live in host memory."""
+        return in_memory(device_shardings, "pinned_host")
+
+    def in_host_memory(self, leaf) -> bool:
+        return lives_on_host(leaf)
 
     def init(self, master: dict) -> dict:
         layers, rest = _split(master)
         return {LAYERS: jax.vmap(self.adamw.init)(layers), "rest": self.adamw.init(rest)}
 
-    def state_shardings(self, state_shapes: dict, param_shardings: dict, replicated) -> dict:
-        """Moments placed like their parameters (in host memory), counters
-        replicated on the devices."""
-        layers, rest = _split(param_shardings)
-        return {LAYERS: state_shardings(self.adamw, state_shapes[LAYERS], layers, replicated),
-                "rest": state_shardings(self.adamw, state_shapes["rest"], rest, replicated)}
+    def state_shardings(self, state_shapes: dict, rest_shardings: dict, counters) -> dict:
+        """Moments placed like their parameters (in host memory), counters on the devices."""
+        layers, rest = _split(rest_shardings)
+        return {LAYERS: state_shardings(self.adamw, state_shapes[LAYERS], layers, counters),
+                "rest": state_shardings(self.adamw, state_shapes["rest"], rest, counters)}
 
-    def compute_copy(self, master: dict, dtype, device_shardings: dict) -> dict:
+    def compute_params(self, master: dict, device_shardings: dict) -> dict:
         """The master parameters on the devices in the compute dtype, one layer at a time."""
+        dtype = self.train.compute_dtype
         layers, rest = _split(master)
 
         def one_layer(_, layer):
@@ -81,9 +90,10 @@ class HostAdamW:
         copy = {LAYERS: layers, **jax.tree.map(lambda w: jax.device_put(w, DEVICE).astype(dtype), rest)}
         return jax.lax.with_sharding_constraint(copy, device_shardings)
 
-    def update(self, grads: dict, grad_norm, state: dict, master: dict) -> tuple[dict, dict]:
-        """(new master parameters, new state), both in host memory; `grad_norm`
-        is the gradients' global norm, for the clipping."""
+    def update(self, grads: dict, state: dict, master: dict) -> tuple[dict, dict, jax.Array]:
+        """(new master parameters, new state), both in host memory, and the
+        gradients' global norm (in float32), by which they are clipped."""
+        grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
 
         def step(grads, state, master):
             grads = jax.tree.map(lambda g: self._clipped(g, grad_norm).astype(jnp.float32), grads)
@@ -102,7 +112,7 @@ class HostAdamW:
         # does not compile on XLA:GPU today). The plan counts it.
         _, (master_layers, state_layers) = jax.lax.scan(one_layer, None, (grads_layers, state[LAYERS], master_layers))
         master_rest, state_rest = step(grads_rest, state["rest"], master_rest)
-        return {LAYERS: master_layers, **master_rest}, {LAYERS: state_layers, "rest": state_rest}
+        return {LAYERS: master_layers, **master_rest}, {LAYERS: state_layers, "rest": state_rest}, grad_norm
 
     def _clipped(self, g, grad_norm):
         """optax's global-norm clipping, one gradient at a time."""

@@ -1,12 +1,52 @@
-"""AdamW with global-norm clipping and a warmup + cosine learning-rate schedule."""
+"""The optimizer: AdamW with global-norm clipping and a warmup + cosine
+learning-rate schedule, behind one interface (`Optimizer`) with two
+implementations, chosen once by `jlong.train.program.make_optimizer`:
+
+- `DeviceAdamW`: optax on the devices; parameters and moments sharded over
+  them (ZeRO-3);
+- `jlong.train.host_optimizer.HostAdamW` (`memory.optimizer_offload`): float32
+  master parameters and moments in pinned host memory, streamed through the
+  devices layer by layer.
+
+The train step (`jlong.train.program`) and the planner only talk to the interface.
+"""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jlong.config import TrainConfig
+from jlong.config import Config, TrainConfig
+from jlong.model.params import decay_mask
+
+
+class Optimizer(Protocol):
+    """Where the parameters and optimizer state live, and one update."""
+
+    # The step differentiates a compute-dtype copy it makes of the parameters
+    # (on the devices), rather than the parameters themselves.
+    makes_compute_copy: bool
+
+    def rest_shardings(self, device_shardings: dict) -> dict:
+        """The parameters' shardings between steps, from their shardings on the devices."""
+
+    def init(self, params: dict):
+        """The state for `params`."""
+
+    def state_shardings(self, state_shapes, rest_shardings: dict, counters) -> object:
+        """The state's shardings: moments placed like their parameters, step counters in `counters`."""
+
+    def compute_params(self, params: dict, device_shardings: dict) -> dict:
+        """Inside the step: the parameters the forward and backward passes use."""
+
+    def update(self, grads: dict, state, params: dict) -> tuple[dict, object, jax.Array]:
+        """Inside the step: (new parameters, new state, the gradients' global norm)."""
+
+    def in_host_memory(self, leaf) -> bool:
+        """Whether a leaf of the parameters or state lives in host memory between steps."""
 
 
 def learning_rate(train: TrainConfig, step):
@@ -26,30 +66,22 @@ def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
     return lambda count: learning_rate(train, count + 1)
 
 
-def decays(params) -> dict:
-    """Weight decay applies to weight matrices, not to norms and biases."""
-
-    def is_matrix(path, _):
-        name = str(getattr(path[-1], "key", path[-1]))
-        return not (name.endswith("norm") or name in ("bq", "bk", "bv"))
-
-    return jax.tree_util.tree_map_with_path(is_matrix, params)
-
-
 def clipping(train: TrainConfig) -> optax.GradientTransformation:
     """Global-norm clipping (stateless); identity when train.grad_clip is 0."""
     return optax.clip_by_global_norm(train.grad_clip) if train.grad_clip > 0 else optax.identity()
 
 
-def adamw(train: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with the schedule; elementwise, so it may update parameters piece by piece."""
+def adamw(config: Config) -> optax.GradientTransformation:
+    """AdamW with the schedule, decaying the parameters whose role decays
+    (`jlong.model.params`); elementwise, so it may update parameters piece by piece."""
+    train = config.train
     return optax.adamw(
         learning_rate_schedule(train),
         b1=train.b1,
         b2=train.b2,
         eps=train.eps,
         weight_decay=train.weight_decay,
-        mask=decays,
+        mask=lambda params: decay_mask(config.model, params),
     )
 
 
@@ -62,5 +94,31 @@ def state_shardings(optimizer: optax.GradientTransformation, state_shapes, param
     )
 
 
-def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
-    return optax.chain(clipping(train), adamw(train))
+class DeviceAdamW:
+    """optax's clipping and AdamW on the devices: the parameters the step
+    differentiates are the parameters themselves."""
+
+    makes_compute_copy = False
+
+    def __init__(self, config: Config):
+        self.optax = optax.chain(clipping(config.train), adamw(config))
+
+    def rest_shardings(self, device_shardings):
+        return device_shardings
+
+    def init(self, params):
+        return self.optax.init(params)
+
+    def state_shardings(self, state_shapes, rest_shardings, counters):
+        return state_shardings(self.optax, state_shapes, rest_shardings, counters)
+
+    def compute_params(self, params, device_shardings):
+        return params
+
+    def update(self, grads, state, params):
+        grad_norm = optax.tree.norm(grads)
+        updates, state = self.optax.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, grad_norm
+
+    def in_host_memory(self, leaf) -> bool:
+        return False

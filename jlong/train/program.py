@@ -12,9 +12,7 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -23,8 +21,13 @@ from jlong.data.sources import batch_layout
 from jlong.model.transformer import ForwardOptions, Transformer
 from jlong.parallel.placement import MeshShards, batch_sharding, replicated, rest_spec
 from jlong.parallel.zigzag import SequenceLayout
-from jlong.train.host_optimizer import HostAdamW, in_memory
-from jlong.train.optimizer import make_optimizer, state_shardings
+from jlong.train.host_optimizer import HostAdamW
+from jlong.train.optimizer import DeviceAdamW, Optimizer
+
+
+def make_optimizer(config: Config) -> Optimizer:
+    """The run's optimizer: in host memory with `memory.optimizer_offload`, else on the devices."""
+    return HostAdamW(config) if config.memory.optimizer_offload else DeviceAdamW(config)
 
 
 def _with_shardings(shapes, shardings):
@@ -43,23 +46,14 @@ class TrainProgram:
         self.param_shardings = self._param_shardings()  # on the devices, where the step computes with them
         param_shapes = nnx.to_pure_dict(self._abstract_state)
 
-        self.offloads_optimizer = config.memory.optimizer_offload
-        if self.offloads_optimizer:
-            self.optimizer = HostAdamW(config.train)
-            # Between steps master parameters and optimizer state live in host memory.
-            self.rest_shardings = in_memory(self.param_shardings, "pinned_host")
-            opt_shapes = jax.eval_shape(self.optimizer.init, param_shapes)
-            self.opt_shardings = self.optimizer.state_shardings(opt_shapes, self.rest_shardings, replicated(mesh))
-        else:
-            self.optimizer = make_optimizer(config.train)
-            self.rest_shardings = self.param_shardings
-            opt_shapes = jax.eval_shape(self.optimizer.init, param_shapes)
-            self.opt_shardings = state_shardings(self.optimizer, opt_shapes, self.param_shardings, replicated(mesh))
+        self.optimizer = make_optimizer(config)
+        self.rest_shardings = self.optimizer.rest_shardings(self.param_shardings)  # between steps
+        opt_shapes = jax.eval_shape(self.optimizer.init, param_shapes)
+        self.opt_shardings = self.optimizer.state_shardings(opt_shapes, self.rest_shardings, replicated(mesh))
         self.abstract_params = _with_shardings(param_shapes, self.rest_shardings)
         self.abstract_opt_state = _with_shardings(opt_shapes, self.opt_shardings)
-        # What the forward and backward passes hold on each device: the compute
-        # dtype's copies when the optimizer is offloaded, the parameters otherwise.
-        compute_dtype = config.train.compute_dtype if self.offloads_optimizer else None
+        # What the forward and backward passes hold on each device.
+        compute_dtype = config.train.compute_dtype if self.optimizer.makes_compute_copy else None
         self.abstract_compute_params = jax.tree.map(
             lambda s, sharding: jax.ShapeDtypeStruct(s.shape, compute_dtype or s.dtype, sharding=sharding),
             param_shapes, self.param_shardings,
@@ -72,7 +66,7 @@ class TrainProgram:
         }
         metrics_sharding = {"loss": replicated(mesh), "grad_norm": replicated(mesh)}
         self.step = jax.jit(
-            self._offloaded_step if self.offloads_optimizer else self._step,
+            self._step,
             in_shardings=(self.rest_shardings, self.opt_shardings, self.batch_sharding),
             out_shardings=(self.rest_shardings, self.opt_shardings, metrics_sharding),
             donate_argnums=(0, 1),
@@ -106,9 +100,7 @@ class TrainProgram:
 
         on_devices = _with_shardings(self.abstract_params, self.param_shardings)
         params = load_hf_params(path, self.config.model, on_devices)
-        if self.offloads_optimizer:  # the masters live in host memory between steps
-            params = jax.device_put(params, self.rest_shardings, donate=True)
-        return params
+        return jax.device_put(params, self.rest_shardings, donate=True)
 
     def init_opt_state(self, params: dict):
         return jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(params)
@@ -124,18 +116,10 @@ class TrainProgram:
         """The model's loss of a batch placed by `place_batch`."""
         return self.bind(params).loss(batch)
 
-    def _offloaded_step(self, master, opt_state, batch):
-        params = self.optimizer.compute_copy(master, self.config.train.compute_dtype, self.param_shardings)
-        loss, grads = jax.value_and_grad(self.loss)(params, batch)
-        grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
-        master, opt_state = self.optimizer.update(grads, grad_norm, opt_state, master)
-        return master, opt_state, {"loss": loss, "grad_norm": grad_norm}
-
     def _step(self, params, opt_state, batch):
-        loss, grads = jax.value_and_grad(self.loss)(params, batch)
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        compute_params = self.optimizer.compute_params(params, self.param_shardings)
+        loss, grads = jax.value_and_grad(self.loss)(compute_params, batch)
+        params, opt_state, grad_norm = self.optimizer.update(grads, opt_state, params)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
 
     def lower(self) -> jax.stages.Lowered:
