@@ -35,8 +35,8 @@ from jlong.plan.targets import GIB, PlanTarget  # noqa: E402
 
 COMMON = ["train.compute_dtype=bfloat16", "train.param_dtype=float32", "attention.impl=auto",
           "attention.block_size=1024", "data.source=synthetic"]
-FSDP = ["mesh.fsdp=8", "mesh.sp=1", "train.batch_size=8", "attention.heads_per_stage=0"]
-ULYSSES = ["mesh.fsdp=1", "mesh.sp=8", "train.batch_size=1", "attention.heads_per_stage=0"]
+FSDP = ["mesh.fsdp=8", "mesh.sp=1", "train.batch_size=8", "attention.heads_per_stage=all"]
+ULYSSES = ["mesh.fsdp=1", "mesh.sp=8", "train.batch_size=1", "attention.heads_per_stage=all"]
 CHECKPOINT = ["memory.remat=save_inputs"]
 OFFLOAD = ["memory.remat=offload_inputs"]
 TILES = ["memory.mlp_tile=2048", "memory.loss_tile=1024"]  # divide 3M/8 and 5M/8

@@ -27,7 +27,7 @@ from jlong.plan.targets import GIB  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 UNBOUNDED_HOST_GIB = 1e9
-VARIANTS = [("UPipe (U = 8)", ["attention.heads_per_stage=8"]), ("plain Ulysses (U = all heads)", ["attention.heads_per_stage=0"])]
+VARIANTS = [("UPipe (U = 8)", ["attention.heads_per_stage=8"]), ("plain Ulysses (U = all heads)", ["attention.heads_per_stage=all"])]
 
 
 def main() -> None:

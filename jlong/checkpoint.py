@@ -9,12 +9,11 @@ Each step holds `params`, `opt_state` (absent in converted checkpoints) and
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import orbax.checkpoint as ocp
 
-from jlong.config import ModelConfig, build_section
+from jlong.config import ModelConfig, model_config
 from jlong.errors import JlongError
 
 
@@ -30,7 +29,7 @@ class Checkpoints:
     def save(self, step: int, params, opt_state=None, *, model: ModelConfig, extra: dict | None = None):
         items = {
             "params": ocp.args.StandardSave(params),
-            "meta": ocp.args.JsonSave({"step": step, "model": dataclasses.asdict(model), **(extra or {})}),
+            "meta": ocp.args.JsonSave({"step": step, "model": model.model_dump(), **(extra or {})}),
         }
         if opt_state is not None:
             items["opt_state"] = ocp.args.StandardSave(opt_state)
@@ -73,10 +72,10 @@ def convert(source: str | Path, destination: str | Path, *, param_dtype: str = "
             f"{str(source)!r} is neither a Hugging Face checkpoint (config.json) "
             "nor a jlong checkpoint directory"
         )
-    model_config = build_section(ModelConfig, checkpoints.meta(step)["model"], "model")
+    saved_model = model_config(checkpoints.meta(step)["model"])
     from jlong.model.transformer import Transformer
 
-    model = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0), param_dtype=param_dtype))
+    model = nnx.eval_shape(lambda: Transformer(saved_model, rngs=nnx.Rngs(0), param_dtype=param_dtype))
     graphdef, state = nnx.split(model)
     params, _ = checkpoints.restore(step, nnx.to_pure_dict(state))
     nnx.replace_by_pure_dict(state, params)

@@ -224,10 +224,10 @@ def _maxlen(args) -> int:
             raise JlongError("--fastest ranks settings by the step cost, which is read from XLA:GPU programs: "
                              "plan with --target h100 (pip install 'jlong[gpu-plan]')")
         return _fastest(config, target, args.search, efficiency)
-    from jlong.plan.maxlen import granule, search_axes, settings, with_overrides
+    from jlong.plan.maxlen import search_axes, settings, with_overrides
     from jlong.plan.targets import GIB
 
-    _print_budgets(config, target, f"lengths are multiples of {granule(config):,}")
+    _print_budgets(config, target, f"lengths are multiples of {config.sequence_granule:,}")
     results, refusal = [], None
     for setting in settings(search_axes(args.search)):
         if args.search:

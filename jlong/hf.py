@@ -17,7 +17,7 @@ from jax.sharding import SingleDeviceSharding
 from safetensors import safe_open
 from safetensors.flax import save_file
 
-from jlong.config import ModelConfig, build_section, validate_model
+from jlong.config import ModelConfig, model_config
 from jlong.errors import JlongError
 from jlong.hf_config import hf_config_dict, read_hf_config
 from jlong.model.params import Role, layer_params, outer_params
@@ -31,9 +31,7 @@ SHARD_BYTES = 4 << 30  # safetensors file size cap when writing
 
 
 def model_config_from_hf(path: str | Path) -> ModelConfig:
-    config = build_section(ModelConfig, {**read_hf_config(path), "hf_path": str(path)}, "model")
-    validate_model(config)
-    return config
+    return model_config({**read_hf_config(path), "hf_path": str(path)})
 
 
 # --------------------------------------------------------------------------

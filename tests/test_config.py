@@ -40,6 +40,7 @@ def test_heads_per_stage_defaults_to_sp():
     config = load_config(None, ["model.preset=llama3-8b", "mesh.sp=8"])
     assert config.heads_per_stage == 8
     assert load_config(None, ["model.preset=llama3-8b", "attention.heads_per_stage=0"]).heads_per_stage == 32
+    assert load_config(None, ["model.preset=llama3-8b", "attention.heads_per_stage=all"]).heads_per_stage == 32
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from helpers import assert_one_line_error, run_cli
 
 from jlong.config import load_config
 from jlong.errors import JlongError
-from jlong.plan.maxlen import granule, longest_seq_len, with_seq_len
+from jlong.plan.maxlen import longest_seq_len, with_seq_len
 from jlong.plan.memory import GIB, plan, saved_layer_input_bytes, state_bytes
 from jlong.plan.targets import PlanTarget
 
@@ -43,10 +43,10 @@ def test_upipe_plans_below_plain_ulysses():
 
 def test_maxlen_finds_the_boundary_of_the_budget():
     config = small_long("memory.mlp_tile=1024", "memory.loss_tile=1024", "train.seq_len=32768")
-    assert granule(config) == 8 * 1024
+    assert config.sequence_granule == 8 * 1024
     budget_gib = plan(with_seq_len(config, 65536)).device_total / GIB  # somewhere in the doubling range
     found = longest_seq_len(config, PlanTarget(budget_gib=budget_gib))
-    step = granule(config)
+    step = config.sequence_granule
     assert found.seq_len % step == 0 and found.plan.fits
     assert found.seq_len >= 65536
     beyond = plan(with_seq_len(config, found.seq_len + step), PlanTarget(budget_gib=budget_gib))

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections.abc import Callable
 
-from jlong.config import Config, config_to_dict, load_config, validate
+from jlong.config import Config, config_to_dict, load_config, with_values
 from jlong.errors import JlongError
 from jlong.plan.memory import MemoryPlan, compile_train_step, plan, plan_of, state_bytes
 from jlong.plan.step_cost import Efficiency, StepCost, step_cost
@@ -32,22 +31,8 @@ class MaxLen:
     bound_by: str  # "device", "host" or "device and host": what the shortest length over the limit exceeds
 
 
-def granule(config: Config) -> int:
-    """seq_len must be a multiple of this: the mesh's sequence granule, with
-    every device's shard a multiple of each tile in use and, with a ring,
-    every zigzag chunk of a ring a multiple of the attention block."""
-    mesh = config.mesh
-    tiles = [t for t in (config.memory.mlp_tile, config.memory.loss_tile) if t]
-    multiples = [mesh.sequence_granule, mesh.sequence_shards * math.lcm(1, *tiles)]
-    if mesh.ring > 1:
-        multiples.append(2 * mesh.ring * config.attention.block_size)
-    return math.lcm(*multiples)
-
-
 def with_seq_len(config: Config, seq_len: int) -> Config:
-    config = dataclasses.replace(config, train=dataclasses.replace(config.train, seq_len=seq_len))
-    validate(config)
-    return config
+    return with_values(config, train={"seq_len": seq_len})
 
 
 def longest_seq_len(
@@ -56,9 +41,9 @@ def longest_seq_len(
     *,
     on_probe: Callable[[int, MemoryPlan], None] = lambda n, p: None,
 ) -> MaxLen:
-    """Doubling, then bisection, over multiples of `granule(config)`; plans
+    """Doubling, then bisection, over multiples of `config.sequence_granule`; plans
     compile for `target` (see `jlong.plan.memory.plan`)."""
-    step = granule(config)
+    step = config.sequence_granule
     probes: list[tuple[int, MemoryPlan]] = []
 
     def fits(granules: int) -> bool:

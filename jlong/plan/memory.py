@@ -32,7 +32,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jlong.config import Config
+from jlong.config import Config, with_values
 from jlong.model.remat import remat_policy
 from jlong.parallel.placement import make_mesh
 from jlong.plan.hlo import HloModule, parse_module
@@ -244,14 +244,8 @@ def _without_bfloat16(config: Config) -> Config:
     """bfloat16 dtypes replaced by float16: same bytes, not widened by XLA:CPU."""
     train = config.train
     swap = {"bfloat16": "float16"}
-    return dataclasses.replace(
-        config,
-        train=dataclasses.replace(
-            train,
-            param_dtype=swap.get(train.param_dtype, train.param_dtype),
-            compute_dtype=swap.get(train.compute_dtype, train.compute_dtype),
-        ),
-    )
+    dtypes = {key: swap.get(getattr(train, key), getattr(train, key)) for key in ("param_dtype", "compute_dtype")}
+    return with_values(config, train=dtypes)
 
 
 def shard_bytes(tree, where: Callable[[jax.ShapeDtypeStruct], bool] = lambda leaf: True) -> int:

@@ -1,0 +1,230 @@
+"""The run configuration's schema: one frozen pydantic model per section.
+
+A run is one YAML file whose top-level sections are `model`, `mesh`,
+`attention`, `memory`, `train`, `data` and `checkpoint`, plus `run_dir`.
+Each section checks its own fields and the rules among them; the rules that
+join sections (heads over sp, lengths over the mesh, tiles over shards) are
+`jlong.config.validation`'s. Values derived from several sections (U, the
+sequence granule) are resolved here, once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from jlong.config import validation
+from jlong.config.types import (
+    Flag,
+    Integer,
+    Mapping,
+    NonNegativeInt,
+    NonNegativeNumber,
+    Number,
+    PositiveInt,
+    PositiveNumber,
+    Text,
+    as_integer,
+    as_number,
+    choice,
+    optional,
+)
+from jlong.errors import JlongError
+from jlong.options import AttentionImpl, DType, RematName
+from jlong.plan.gpu_memory import DEFAULT_GPU_MEMORY_FRACTION
+
+
+def _heads_per_stage(value: Any) -> int | Literal["all"] | None:
+    """U: unset (None: as many as mesh.sp), "all" (or 0), or a count of heads."""
+    if value is None or value == "all":
+        return value
+    count = as_integer(value)
+    if count < 0:
+        raise ValueError(f"must not be negative, got {count}")
+    return count or "all"
+
+
+def _fraction(value: Any) -> float:
+    fraction = as_number(value)
+    if not 0 < fraction <= 1:
+        raise ValueError(f"must be in (0, 1], got {fraction:g}")
+    return fraction
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelConfig(_Section):
+    """Decoder architecture, named as in Hugging Face config.json files."""
+
+    vocab_size: PositiveInt
+    hidden_size: PositiveInt
+    intermediate_size: PositiveInt
+    num_hidden_layers: PositiveInt
+    num_attention_heads: PositiveInt
+    num_key_value_heads: optional(PositiveInt) = None  # default: num_attention_heads
+    head_dim: optional(PositiveInt) = None  # default: hidden_size // num_attention_heads
+    rope_theta: Number = 10000.0
+    rope_scaling: optional(Mapping) = None  # the llama3 form, or None for plain RoPE
+    rms_norm_eps: Number = 1e-5
+    tie_word_embeddings: Flag = False
+    attention_bias: Flag = False  # q/k/v projection biases (Qwen2.x)
+    qk_norm: Flag = False  # per-head RMSNorm of q and k (Qwen3)
+    max_position_embeddings: optional(Integer) = None
+    preset: optional(Text) = None
+    hf_path: optional(Text) = None
+
+    def __hash__(self):  # rope_scaling is a dict; models keep this config as static data
+        return hash(json.dumps(self.model_dump(), sort_keys=True))
+
+    @model_validator(mode="after")
+    def _check(self):
+        validation.check_model(self)
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def hf_architecture(self) -> str:
+        """The transformers class that has exactly this architecture."""
+        if self.qk_norm:
+            return "Qwen3ForCausalLM"
+        if self.attention_bias:
+            return "Qwen2ForCausalLM"
+        return "LlamaForCausalLM"
+
+
+class MeshConfig(_Section):
+    data: PositiveInt = 1
+    fsdp: PositiveInt = 1
+    ring: PositiveInt = 1  # ring attention across these groups of sp devices (context parallel, e.g. across nodes)
+    sp: PositiveInt = 1  # Ulysses: heads exchanged all-to-all within a group of sp devices
+
+    @property
+    def size(self) -> int:
+        return self.data * self.fsdp * self.ring * self.sp
+
+    @property
+    def sequence_shards(self) -> int:
+        """How many pieces each sequence is cut into, one per device: ring x sp."""
+        return self.ring * self.sp
+
+    @property
+    def sequence_granule(self) -> int:
+        """What seq_len must be a multiple of for the mesh: one token per
+        device, and with a ring, the zigzag layout's 2 x ring chunks
+        (`jlong.parallel.zigzag`)."""
+        return self.sp * (2 * self.ring if self.ring > 1 else 1)
+
+
+class AttentionConfig(_Section):
+    impl: choice(AttentionImpl) = "auto"
+    # U: unset = mesh.sp; "all" (or 0) = every head in one stage (plain Ulysses)
+    heads_per_stage: Annotated[int | Literal["all"] | None, BeforeValidator(_heads_per_stage)] = None
+    block_size: PositiveInt = 512  # query/key block of the blockwise kernel
+    max_documents: PositiveInt = 64  # packed documents per sequence cuDNN takes (sizes its statistics)
+
+
+class MemoryConfig(_Section):
+    remat: choice(RematName) = "none"
+    layers_per_checkpoint: PositiveInt = 1  # with save_inputs / offload_inputs: one kept input per this many layers
+    optimizer_offload: Flag = False  # master parameters and AdamW moments in host memory
+    mlp_tile: NonNegativeInt = 0  # tokens per tile of each device's sequence shard, 0 = untiled
+    loss_tile: NonNegativeInt = 0
+
+
+class TrainConfig(_Section):
+    steps: PositiveInt = 100
+    seq_len: PositiveInt = 2048
+    batch_size: PositiveInt = 8  # global sequences per step
+    lr: PositiveNumber = 3e-4
+    min_lr_ratio: Number = 0.1
+    warmup_steps: NonNegativeInt = 10
+    weight_decay: NonNegativeNumber = 0.1
+    grad_clip: NonNegativeNumber = 1.0
+    b1: Number = 0.9
+    b2: Number = 0.95
+    eps: Number = 1e-8
+    seed: Integer = 0
+    param_dtype: choice(DType) = "float32"
+    compute_dtype: choice(DType) = "bfloat16"
+    profile_start: Integer = 3  # first step of the jax.profiler trace window
+    profile_steps: NonNegativeInt = 0  # steps to trace into run_dir/profile; 0 = no trace
+    # The share of each GPU's memory the run asks XLA for (XLA_PYTHON_CLIENT_MEM_FRACTION);
+    # the planner's default device budget follows it.
+    gpu_memory_fraction: Annotated[float, BeforeValidator(_fraction)] = DEFAULT_GPU_MEMORY_FRACTION
+
+
+class DataConfig(_Section):
+    source: choice(Literal["synthetic", "tokens"]) = "synthetic"
+    path: optional(Text) = None
+    shuffle: Flag = False
+    eos_id: optional(Integer) = None  # set: packed documents split at this token
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.source == "tokens" and not self.path:
+            raise JlongError("data.source=tokens needs data.path, a 1-D integer .npy of token ids")
+        return self
+
+
+class CheckpointConfig(_Section):
+    dir: optional(Text) = None
+    every: NonNegativeInt = 0  # steps between checkpoints; 0 = only at the end
+    keep: PositiveInt = 2
+
+
+class Config(_Section):
+    model: ModelConfig
+    mesh: MeshConfig = Field(default_factory=MeshConfig)
+    attention: AttentionConfig = Field(default_factory=AttentionConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    run_dir: optional(Text) = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        validation.check_run(self)
+        return self
+
+    @property
+    def heads_per_stage(self) -> int:
+        """U resolved: as many as mesh.sp unless set, every head for "all"."""
+        u = self.attention.heads_per_stage
+        if u is None:
+            return self.mesh.sp
+        return self.model.num_attention_heads if u == "all" else u
+
+    @property
+    def shard_tokens(self) -> int:
+        """Tokens of each sequence that one device holds: seq_len / (ring x sp)."""
+        return self.train.seq_len // self.mesh.sequence_shards
+
+    @property
+    def sequence_granule(self) -> int:
+        """What every workable seq_len of this config is a multiple of: the
+        mesh's granule, every device's shard a multiple of each tile in use,
+        and with a ring every zigzag chunk a multiple of the attention block."""
+        mesh = self.mesh
+        tiles = [t for t in (self.memory.mlp_tile, self.memory.loss_tile) if t]
+        multiples = [mesh.sequence_granule, mesh.sequence_shards * math.lcm(1, *tiles)]
+        if mesh.ring > 1:
+            multiples.append(2 * mesh.ring * self.attention.block_size)
+        return math.lcm(*multiples)
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    name: field.annotation for name, field in Config.model_fields.items() if name != "run_dir"
+}

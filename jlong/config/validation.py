@@ -1,0 +1,135 @@
+"""The configuration's rules that a single field cannot state: the model's
+own consistency, and the rules that join sections (heads over sp, the
+batch over data x fsdp, lengths over the mesh and tiles, layer groups).
+
+Each raises a `JlongError` whose one line names the keys and a fix. The
+most fundamental problem comes first: no sequence length helps heads that
+sp cannot split.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jlong.errors import JlongError
+
+if TYPE_CHECKING:
+    from jlong.config.schema import Config, ModelConfig
+
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def check_model(m: ModelConfig) -> None:
+    if m.num_attention_heads % m.kv_heads:
+        raise JlongError(
+            f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of "
+            f"model.num_key_value_heads ({m.kv_heads})"
+        )
+    if m.dim_per_head <= 0:
+        raise JlongError(f"model.head_dim must be positive, got {m.dim_per_head}")
+    if m.dim_per_head % 2:
+        raise JlongError(f"model.head_dim must be even for rotary embeddings, got {m.dim_per_head}")
+    if m.rope_scaling is not None:
+        _check_rope_scaling(m.rope_scaling)
+
+
+def _check_rope_scaling(scaling: dict) -> None:
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "default":
+        return
+    if kind != "llama3":
+        raise JlongError(f"model.rope_scaling.rope_type {kind!r} is not supported; use 'llama3' or null")
+    missing = [k for k in LLAMA3_ROPE_KEYS if k not in scaling]
+    if missing:
+        raise JlongError(f"model.rope_scaling (llama3) lacks {', '.join(missing)}")
+
+
+def check_run(config: Config) -> None:
+    _check_head_split(config)
+    if config.train.profile_steps and not config.run_dir:
+        raise JlongError("train.profile_steps writes its trace into run_dir: set run_dir")
+    _check_batch_split(config)
+    _check_seq_len(config)
+    _check_ring_blocks(config)
+    _check_tiles(config)
+    _check_layer_groups(config)
+
+
+def _check_head_split(config: Config) -> None:
+    """Ulysses splits the query heads over sp; UPipe runs them in stages of U."""
+    H, sp = config.model.num_attention_heads, config.mesh.sp
+    if H % sp:
+        workable = [c for c in range(1, H + 1) if H % c == 0]
+        raise JlongError(
+            f"model.num_attention_heads ({H}) is not divisible by mesh.sp ({sp}); "
+            f"sp degrees that work: {', '.join(map(str, workable))}"
+        )
+    U = config.heads_per_stage
+    if U % sp or H % U:
+        workable = [u for u in range(sp, H + 1, sp) if H % u == 0]
+        raise JlongError(
+            f"attention.heads_per_stage ({U}) must be a multiple of mesh.sp ({sp}) that divides "
+            f"the {H} heads; values that work: {', '.join(map(str, workable))} (or all)"
+        )
+
+
+def _check_batch_split(config: Config) -> None:
+    mesh, batch = config.mesh, config.train.batch_size
+    if batch % (mesh.data * mesh.fsdp):
+        raise JlongError(
+            f"train.batch_size ({batch}) must be a multiple of mesh.data x mesh.fsdp "
+            f"({mesh.data * mesh.fsdp}): each of those ranks takes whole sequences"
+        )
+
+
+def _check_seq_len(config: Config) -> None:
+    mesh, seq_len = config.mesh, config.train.seq_len
+    granule = mesh.sequence_granule
+    if seq_len % granule:
+        lower = seq_len // granule * granule
+        what = f"mesh.sp ({mesh.sp})" if mesh.ring == 1 else (
+            f"2 x mesh.ring x mesh.sp ({granule}: the zigzag layout cuts the sequence into 2 x ring chunks, "
+            f"each split over sp)")
+        nearest = f"{lower or granule} or {lower + granule}"
+        raise JlongError(f"train.seq_len ({seq_len}) must be a multiple of {what}; nearest valid: {nearest}")
+
+
+def _check_ring_blocks(config: Config) -> None:
+    """Ring attention's steps walk each zigzag chunk (seq_len / (2 x ring) tokens) in whole blocks."""
+    if config.mesh.ring == 1:
+        return
+    chunk, block = config.train.seq_len // (2 * config.mesh.ring), config.attention.block_size
+    if chunk % min(block, chunk):
+        raise JlongError(
+            f"attention.block_size ({block}) must divide the {chunk} tokens of each zigzag chunk "
+            f"(train.seq_len / (2 x mesh.ring)) with ring attention"
+        )
+
+
+def _check_tiles(config: Config) -> None:
+    """Tiles cut each device's shard of seq_len / (ring x sp) tokens evenly."""
+    local = config.shard_tokens
+    for key in ("mlp_tile", "loss_tile"):
+        tile = getattr(config.memory, key)
+        if tile and local % tile:
+            divisors = [t for t in range(1, local + 1) if local % t == 0]
+            nearest = sorted(divisors, key=lambda t: abs(t - tile))[:2]
+            raise JlongError(
+                f"memory.{key} ({tile}) must divide the {local} tokens each device holds "
+                f"(train.seq_len / (mesh.ring x mesh.sp)); nearest that work: {', '.join(map(str, sorted(nearest)))}"
+            )
+
+
+def _check_layer_groups(config: Config) -> None:
+    k, layers, remat = config.memory.layers_per_checkpoint, config.model.num_hidden_layers, config.memory.remat
+    if k > 1 and remat not in ("save_inputs", "offload_inputs"):
+        raise JlongError(
+            f"memory.layers_per_checkpoint={k} groups the layer inputs that memory.remat keeps: "
+            f"use it with memory.remat=save_inputs or offload_inputs (got {remat})"
+        )
+    if layers % k:
+        workable = [g for g in range(1, layers + 1) if layers % g == 0]
+        raise JlongError(
+            f"memory.layers_per_checkpoint ({k}) must divide the {layers} layers; "
+            f"values that work: {', '.join(map(str, workable))}"
+        )
