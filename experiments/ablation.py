@@ -24,14 +24,14 @@ import json
 import sys
 import time
 
-from common import RESULTS, add_target_argument, markdown_table, planning_target, provenance, use_cpu_devices, write_result
+from common import GIB, RESULTS, add_target_argument, markdown_table, planning_target, provenance, use_cpu_devices, write_result
 
 use_cpu_devices(8)
 
 from jlong.config import load_config  # noqa: E402
 from jlong.plan.maxlen import longest_seq_len  # noqa: E402
 from jlong.plan.memory import plan  # noqa: E402
-from jlong.plan.targets import GIB, PlanTarget  # noqa: E402
+from jlong.plan.targets import PlanTarget  # noqa: E402
 
 COMMON = ["train.compute_dtype=bfloat16", "train.param_dtype=float32", "attention.impl=auto",
           "attention.block_size=1024", "data.source=synthetic"]

@@ -34,13 +34,13 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from common import GIB
 
 from jlong.config import Config, load_config
 from jlong.hf_config import hf_config_dict
 from jlong.train.flops import PEAK_BF16_FLOPS, model_flops_per_token
 
 HERE = Path(__file__).resolve().parent
-GIB = 1024**3
 
 
 def prepare_inputs(config: Config, work: Path, tokens_needed: int) -> list[str]:

@@ -6,7 +6,9 @@ import os
 import platform
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+RESULTS = ROOT / "experiments" / "results"
+GIB = 2**30
 
 
 def use_cpu_devices(count: int = 8) -> None:

@@ -18,7 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-GIB = 1024**3
+from common import GIB
+
 
 
 def fail(message: str, status: int = 2):

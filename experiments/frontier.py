@@ -13,17 +13,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-from common import add_target_argument, markdown_table, planning_target, provenance, use_cpu_devices, write_result
+from common import GIB, ROOT, add_target_argument, markdown_table, planning_target, provenance, use_cpu_devices, write_result
 
 use_cpu_devices(8)
 
 from jlong.config import load_config  # noqa: E402
 from jlong.plan.memory import plan  # noqa: E402
-from jlong.plan.targets import GIB  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = [
     "configs/llama3-8b-2m.yaml", "configs/llama3-8b-5m.yaml", "configs/llama3-8b-8m.yaml", "configs/qwen3-32b-3m.yaml",
     "configs/llama3-8b-32m-4nodes.yaml",

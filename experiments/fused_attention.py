@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from common import add_target_argument, planning_target, use_cpu_devices
+from common import GIB, ROOT, add_target_argument, planning_target, use_cpu_devices
 from common import estimate_assumptions, markdown_table, provenance, write_result
 
 use_cpu_devices(8)
@@ -27,9 +26,7 @@ use_cpu_devices(8)
 from jlong.config import load_config  # noqa: E402
 from jlong.plan.memory import compile_train_step, plan_of  # noqa: E402
 from jlong.plan.step_cost import step_cost  # noqa: E402
-from jlong.plan.targets import GIB  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = [
     ("Llama3-8B, one node", "configs/llama3-8b-5m.yaml", ["train.seq_len=131072"]),
     ("Llama3-8B, one node, packed", "configs/llama3-8b-5m.yaml", ["train.seq_len=131072", "data.eos_id=0"]),

@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import markdown_table, publish
+from common import GIB, markdown_table, publish
 
 from jlong.attention.ulysses import StagePlan
 from jlong.config import load_config
 
-GIB = 2**30
 BF16, F32 = 2, 4
 
 

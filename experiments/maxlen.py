@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import add_target_argument, markdown_table, planning_target, provenance, use_cpu_devices, write_result
+from common import GIB, ROOT, add_target_argument, markdown_table, planning_target, provenance, use_cpu_devices, write_result
 
 use_cpu_devices(8)
 
@@ -23,9 +23,8 @@ import dataclasses  # noqa: E402
 
 from jlong.config import load_config  # noqa: E402
 from jlong.plan.maxlen import longest_seq_len  # noqa: E402
-from jlong.plan.targets import GIB  # noqa: E402
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = ROOT / "configs"
 UNBOUNDED_HOST_GIB = 1e9
 VARIANTS = [("UPipe (U = 8)", ["attention.heads_per_stage=8"]), ("plain Ulysses (U = all heads)", ["attention.heads_per_stage=all"])]
 

@@ -16,14 +16,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import add_target_argument, markdown_table, planning_target, provenance, use_cpu_devices, write_result
+from common import GIB, add_target_argument, markdown_table, planning_target, provenance, use_cpu_devices, write_result
 
 use_cpu_devices(8)
 
 from jlong.config import ModelConfig, load_config  # noqa: E402
 from jlong.plan.probe import loss_temp_bytes, mlp_temp_bytes  # noqa: E402
 from jlong.plan.memory import plan  # noqa: E402
-from jlong.plan.targets import GIB, PlanTarget  # noqa: E402
+from jlong.plan.targets import PlanTarget  # noqa: E402
 
 MIB = 2**20
 

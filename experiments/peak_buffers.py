@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import add_target_argument, markdown_table, planning_target, provenance, publish, use_cpu_devices
+from common import GIB, add_target_argument, markdown_table, planning_target, provenance, publish, use_cpu_devices
 
 _DUMP = tempfile.mkdtemp(prefix="jlong-xla-dump-")
 os.environ["XLA_FLAGS"] = (
@@ -33,7 +33,6 @@ use_cpu_devices(8)
 
 from jlong.config import load_config  # noqa: E402
 from jlong.plan.memory import plan  # noqa: E402
-from jlong.plan.targets import GIB  # noqa: E402
 
 _VALUE = re.compile(r" value: <\d+ ([^\s{]+)(\{[\d,]*\})?(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\): (\S+)")
 _LIVE_RANGE = re.compile(r"\s+(\S+):(\d+)-(\d+)$")

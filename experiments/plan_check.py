@@ -21,11 +21,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import markdown_table
+from common import GIB, markdown_table
 
 from jlong.plan.targets import cuda_plugin_installed
 
-GIB = 1024**3
 
 
 def jlong(*args: str) -> subprocess.CompletedProcess:

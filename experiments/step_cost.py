@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from common import (
+    GIB,
+    ROOT,
     add_target_argument,
     estimate_assumptions,
     markdown_table,
@@ -30,9 +31,7 @@ use_cpu_devices(8)
 from jlong.config import load_config  # noqa: E402
 from jlong.plan.memory import compile_train_step, plan_of  # noqa: E402
 from jlong.plan.step_cost import step_cost  # noqa: E402
-from jlong.plan.targets import GIB  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_STACK = "configs/llama3-8b-5m.yaml"
 LENGTHS = [2**17 * 2**k for k in range(7)]  # 131,072 ... 8,388,608
 CONFIGS = ["configs/llama3-8b-2m.yaml", "configs/llama3-8b-5m.yaml", "configs/llama3-8b-8m.yaml",

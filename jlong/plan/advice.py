@@ -78,7 +78,7 @@ def _larger_groups(config: Config) -> list[int]:
 def lower_memory_settings(config: Config) -> list[str]:
     """The memory knobs this config does not use yet, in the order they pay."""
     memory, mesh, model = config.memory, config.mesh, config.model
-    local = config.train.seq_len // mesh.sequence_shards
+    local = config.shard_tokens
     suggestions = []
     if not remat_policy(memory.remat).offloads_layer_inputs:
         suggestions.append("memory.remat=offload_inputs")

@@ -261,7 +261,7 @@ def shard_bytes(tree, where: Callable[[jax.ShapeDtypeStruct], bool] = lambda lea
 def _local_tokens(config: Config) -> int:
     """Tokens of one device's sequence shard, over the sequences it holds."""
     mesh, train = config.mesh, config.train
-    return train.batch_size // (mesh.data * mesh.fsdp) * train.seq_len // mesh.sequence_shards
+    return train.batch_size // (mesh.data * mesh.fsdp) * config.shard_tokens
 
 
 def saved_layer_input_bytes(config: Config) -> int:
