@@ -90,7 +90,8 @@ def sharded_block(model, params, inputs, mesh_config, heads_per_stage, impl="blo
     layout = SequenceLayout(mesh_config.ring)
     # mlp_tile: the normed projections run in tiles of 4 of each shard's 8+ tokens.
     options = ForwardOptions(
-        shards=MeshShards(mesh), attention=AttentionKernel(impl, 16), heads_per_stage=heads_per_stage, mlp_tile=4
+        shards=MeshShards(mesh), attention=AttentionKernel(impl, 16),
+        head_stages=model.num_attention_heads // heads_per_stage, mlp_tile=4,
     )
     tokens, hidden = compute_sharding(mesh, TOKENS), compute_sharding(mesh, HIDDEN)
     block = lambda p, x, pos, seg: attention_block(p, x, pos, seg, model, options)  # noqa: E731

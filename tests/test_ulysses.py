@@ -67,8 +67,8 @@ def test_single_device_stages_equal_plain_attention():
     params = attention_params(model)
     x, cotangent, positions, segment_ids = inputs = attention_inputs(model, batch=2, packed=True)
     want = reference_block(model, params, inputs)
-    for U in (1, 2, 4):
-        options = ForwardOptions(attention=AttentionKernel("blockwise", 16), heads_per_stage=U)
+    for stages in (8, 4, 2):  # U = 1, 2, 4
+        options = ForwardOptions(attention=AttentionKernel("blockwise", 16), head_stages=stages)
         block = lambda p, x, pos, seg: attention_block(p, x, pos, seg, model, options)  # noqa: E731
         got = jax.jit(value_and_grads, static_argnums=0)(block, params, x, positions, segment_ids, cotangent)
         assert_block_close(got, want)

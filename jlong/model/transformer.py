@@ -38,7 +38,7 @@ class ForwardOptions:
     shards: Shards = OneDevice()  # the devices the arrays are split over, as the model sees them
     compute_dtype: DType = "float32"
     attention: AttentionKernel = AttentionKernel()
-    heads_per_stage: int | None = None  # UPipe's U; None = all heads in one stage
+    head_stages: int = 1  # UPipe: the query heads run in this many stages of U = H / head_stages heads
     remat: RematName = "none"  # the `jlong.model.remat` policy of each layer
     layers_per_checkpoint: int = 1  # k: the policy keeps one input per k layers
     mlp_tile: int = 0  # tokens per sequence tile of the MLP on each device; 0 = untiled
@@ -60,7 +60,7 @@ class ForwardOptions:
                 config.attention.block_size,
                 config.attention.max_documents,
             ),
-            heads_per_stage=config.heads_per_stage,
+            head_stages=config.model.num_attention_heads // config.heads_per_stage,
             remat=config.memory.remat,
             layers_per_checkpoint=config.memory.layers_per_checkpoint,
             mlp_tile=config.memory.mlp_tile,
@@ -231,7 +231,7 @@ def attention_block(p, x_BSD, positions_BS, segment_ids_BS, config, options):
         positions_BS,
         segment_ids_BS,
         projection=projection,
-        heads=(H, config.kv_heads, options.heads_per_stage or H),
+        heads=(H, config.kv_heads, H // options.head_stages),
         kernel=options.attention,
         shards=options.shards,
         unroll_stages=remat_policy(options.remat).offloads_attention,

@@ -57,7 +57,7 @@ def attention_temp_bytes(model: ModelConfig, seq_len: int, sp: int, heads_per_st
     probe = _Probe(model, seq_len, sp, dtype)
     options = ForwardOptions(
         shards=probe.shards, compute_dtype=dtype, attention=AttentionKernel("blockwise"),
-        heads_per_stage=heads_per_stage,
+        head_stages=model.num_attention_heads // heads_per_stage,
     )
     block = lambda p, x, positions: attention_block(p, x, positions, None, model, options)  # noqa: E731
     return probe.vjp_temp_bytes(block, probe.layer_params(ATTENTION_PARAMS), probe.tokens)

@@ -31,7 +31,10 @@ def make_optimizer(config: Config) -> Optimizer:
 
 
 def _with_shardings(shapes, shardings):
-    return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes, shardings)
+    def placed(s, sharding):
+        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
+
+    return jax.tree.map(placed, shapes, shardings)
 
 
 class TrainProgram:
