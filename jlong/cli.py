@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--num-processes", type=int, help="multi-process: number of processes")
     train.add_argument("--process-id", type=int, help="multi-process: this process's index")
     train.add_argument("--until-step", type=int, help="stop after this step (the schedule still spans train.steps)")
+    train.add_argument(
+        "--dry-run", action="store_true",
+        help="check the launch without training: the devices found, the mesh, the data, the steps, where outputs "
+        "go, and the compiled step's memory; nothing is written",
+    )
     train.set_defaults(handler=_train)
 
     plan = commands.add_parser(
@@ -168,8 +173,16 @@ def _train(args) -> int:
     start_backends(cpu_devices=config.mesh.size // processes)
     import jax
 
-    if jax.default_backend() == "gpu":
+    if jax.default_backend() == "gpu" and jax.process_index() == 0:
         print(f"GPU memory for XLA: {memory_fraction.describe()}", flush=True)
+    if args.dry_run:
+        from jlong.train.dry_run import describe
+
+        description = describe(config, args.until_step)
+        if jax.process_index() == 0:
+            print(description)
+        shutdown_distributed()
+        return 0
     from jlong.train.loop import train
 
     train(config, until_step=args.until_step)

@@ -22,6 +22,7 @@ from jlong.parallel.placement import make_mesh
 from jlong.train.flops import model_flops_per_token, peak_flops_per_device
 from jlong.train.optimizer import learning_rate
 from jlong.train.program import TrainProgram
+from jlong.train.report import nothing_to_do, summary
 from jlong.train.run_dir import RunDir
 
 
@@ -81,8 +82,12 @@ def train(config: Config, *, until_step: int | None = None) -> list[dict]:
     checkpoints = Checkpoints(config.checkpoint.dir, config.checkpoint.keep) if config.checkpoint.dir else None
     try:
         run = start(config, mesh, checkpoints, last)
+        if run.step >= last:
+            _say(nothing_to_do(config, run.step, until_step))
+            return []
         if run_dir:
             run_dir.start(resumed_at=run.step)
+        began = time.perf_counter()
         with Recorder(config, run_dir, first=run.step, last=last) as recorder:
             for step in range(run.step + 1, last + 1):
                 loss, grad_norm, seconds = _update(run, batches, step)
@@ -93,10 +98,19 @@ def train(config: Config, *, until_step: int | None = None) -> list[dict]:
                     # The data position and RNG are functions of the step and seed; kept for readers.
                     extra = {"samples_seen": step * config.train.batch_size, "seed": config.train.seed}
                     checkpoints.save(step, run.params, run.opt_state, model=config.model, extra=extra)
+        if run_dir:
+            run_dir.plot_losses()
+        _say(summary(config, recorder.records, time.perf_counter() - began, last if checkpoints else None))
         return recorder.records
     finally:
         if checkpoints:
             checkpoints.close()
+
+
+def _say(text: str) -> None:
+    """Printed once, by the first process."""
+    if jax.process_index() == 0:
+        print(text, flush=True)
 
 
 def _update(run: Started, batches: Batches, step: int) -> tuple[float, float, float]:

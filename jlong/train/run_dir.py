@@ -1,4 +1,4 @@
-"""A run's directory: its config and one JSON line of metrics per step."""
+"""A run's directory: its config, one JSON line of metrics per step, and the loss curve."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import yaml
 
 from jlong.config import Config, config_to_dict
 from jlong.errors import JlongError
+from jlong.train.report import LOSS_PLOT, plot_losses
 
 # Keys a resumed run may change: how long to train, how often to save.
 RESUMABLE_CHANGES = {"train.steps", "checkpoint.every", "checkpoint.keep"}
@@ -54,6 +55,10 @@ class RunDir:
     def log(self, record: dict) -> None:
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+
+    def plot_losses(self) -> None:
+        """The run's loss curve so far, as run_dir/loss.png."""
+        plot_losses(self.metrics_path, self.path / LOSS_PLOT)
 
 
 def _logged_step(line: str) -> float:

@@ -1,0 +1,81 @@
+"""`jlong train --dry-run`: everything a launch checks before its first step
+(devices, mesh, data, checkpoints, outputs, the compiled step's memory),
+printed, with no step run and nothing written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+
+from jlong.checkpoint import Checkpoints
+from jlong.config import Config
+from jlong.data.sources import Batches, TokenFile
+from jlong.plan.memory import format_plan, plan
+from jlong.plan.targets import GIB, PlanTarget
+from jlong.train.report import LOSS_PLOT
+
+
+def describe(config: Config, until_step: int | None) -> str:
+    """What `jlong train` would do with `config` on the devices this process sees."""
+    batches = Batches(config)  # the data checks of a real run, first
+    devices = jax.devices()
+    mesh, train = config.mesh, config.train
+    last = min(train.steps, until_step or train.steps)
+    done = _checkpointed_step(config)
+    lines = [
+        f"devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}) in "
+        f"{jax.process_count()} process(es)",
+        f"mesh: data {mesh.data} x fsdp {mesh.fsdp} x ring {mesh.ring} x sp {mesh.sp}; "
+        f"{config.shard_tokens:,} tokens of each sequence per device, attention heads in stages of "
+        f"{config.heads_per_stage}",
+        f"data: {_data(config, batches)}",
+        f"steps: {done + 1}-{last} of train.steps={train.steps}, {train.batch_size} x {train.seq_len:,} tokens each"
+        if done < last else f"steps: none left (checkpointed at step {done} of {last})",
+        f"outputs: {_outputs(config, done)}",
+    ]
+    stats = devices[0].memory_stats() or {}
+    capacity = stats.get("bytes_limit")
+    target = PlanTarget(budget_gib=capacity / GIB if capacity else None)
+    lines.append(format_plan(plan(config, target, devices=devices), config))
+    return "\n".join(lines)
+
+
+def _data(config: Config, batches: Batches) -> str:
+    if isinstance(batches.source, TokenFile):
+        source = batches.source
+        tokens = len(source.tokens)
+        steps_per_pass = source.num_samples / config.train.batch_size
+        order = "shuffled" if config.data.shuffle else "in order"
+        packed = f", documents split at id {config.data.eos_id}" if config.data.eos_id is not None else ""
+        return (f"{config.data.path}: {tokens:,} tokens, {source.num_samples:,} sequences ({order}{packed}); "
+                f"one pass is {steps_per_pass:,.1f} steps")
+    return "synthetic (learnable random sequences; set data.source=tokens and data.path for real data)"
+
+
+def _checkpointed_step(config: Config) -> int:
+    if not config.checkpoint.dir or not Path(config.checkpoint.dir).is_dir():
+        return 0
+    checkpoints = Checkpoints(config.checkpoint.dir, config.checkpoint.keep)
+    try:
+        return checkpoints.latest_step() or 0
+    finally:
+        checkpoints.close()
+
+
+def _outputs(config: Config, done: int) -> str:
+    parts = []
+    if config.run_dir:
+        run_dir = Path(config.run_dir)
+        parts.append(f"metrics {run_dir / 'metrics.jsonl'}, config {run_dir / 'config.yaml'}, "
+                     f"loss curve {run_dir / LOSS_PLOT}")
+    else:
+        parts.append("no run_dir: metrics are not kept")
+    checkpoint = config.checkpoint
+    if checkpoint.dir:
+        cadence = f"every {checkpoint.every} steps and at the end" if checkpoint.every else "at the end"
+        resume = f"; resumes from step {done}" if done else ""
+        parts.append(f"checkpoints in {checkpoint.dir} {cadence}, keeping {checkpoint.keep}{resume}")
+    else:
+        parts.append("no checkpoint.dir: nothing to resume from")
+    return "; ".join(parts)

@@ -1,0 +1,67 @@
+"""What a run says when it ends: where its outputs went, how the loss moved,
+how fast it ran, and a loss curve (PNG) in the run directory; and what a
+run that has nothing left to do says instead of training."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from jlong.config import Config
+
+LOSS_PLOT = "loss.png"
+
+
+def summary(config: Config, records: list[dict], seconds: float, checkpoint_step: int | None) -> str:
+    """Lines for the end of a run that trained `records` (this session's steps)."""
+    first, last = records[0], records[-1]
+    tokens_per_s = statistics.median(r["tokens_per_s"] for r in records)
+    lines = [
+        f"trained steps {first['step']}-{last['step']} of {config.train.steps} in {seconds:,.0f} s "
+        f"(median {tokens_per_s:,.0f} tokens/s)",
+        f"  loss         {first['loss']:.4f} at step {first['step']} -> {last['loss']:.4f} at step {last['step']}",
+    ]
+    if config.run_dir:
+        run_dir = Path(config.run_dir)
+        lines += [f"  metrics      {run_dir / 'metrics.jsonl'}", f"  loss curve   {run_dir / LOSS_PLOT}",
+                  f"  config       {run_dir / 'config.yaml'}"]
+    else:
+        lines.append("  metrics      not kept (set run_dir to keep metrics, the config and a loss curve)")
+    if config.checkpoint.dir:
+        lines.append(f"  checkpoints  {config.checkpoint.dir} (newest: step {checkpoint_step})")
+    else:
+        lines.append("  checkpoints  none (set checkpoint.dir to keep them and resume)")
+    return "\n".join(lines)
+
+
+def nothing_to_do(config: Config, step: int, until_step: int | None) -> str:
+    """One line for a run whose checkpoint is already at the last step asked for."""
+    where = f"run_dir {config.run_dir!r}" if config.run_dir else f"checkpoint.dir {config.checkpoint.dir!r}"
+    if until_step is not None and until_step < config.train.steps:
+        return (f"{where} is already at step {step}, past --until-step {until_step}; nothing to train "
+                f"(raise --until-step, up to train.steps={config.train.steps})")
+    return (f"{where} already finished: step {step} of train.steps={config.train.steps} is checkpointed; "
+            f"to train on, raise train.steps (e.g. train.steps={2 * config.train.steps}), or choose a new run_dir "
+            "and checkpoint.dir to start over")
+
+
+def plot_losses(metrics_path: Path, png_path: Path) -> None:
+    """The loss of every step in metrics.jsonl (all sessions of the run) against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    figure, axes = plt.subplots(figsize=(7, 4))
+    axes.plot([r["step"] for r in records], [r["loss"] for r in records], linewidth=1.2)
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss (next-token cross-entropy)")
+    axes.set_title(metrics_path.parent.name)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    tmp = png_path.with_name(png_path.name + ".tmp.png")
+    figure.savefig(tmp, dpi=100)
+    plt.close(figure)
+    tmp.replace(png_path)
