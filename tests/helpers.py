@@ -26,6 +26,8 @@ from jlong.plan.targets import (
 )
 from jlong.train.program import TrainProgram
 
+REPO = Path(__file__).resolve().parents[1]
+
 SMALL_MODEL = [
     "model.vocab_size=128", "model.hidden_size=64", "model.intermediate_size=128",
     "model.num_hidden_layers=2", "model.num_attention_heads=8", "model.num_key_value_heads=4",

@@ -4,11 +4,10 @@ token file, and the speed table reports each."""
 import os
 import subprocess
 import sys
-from pathlib import Path
+from helpers import REPO as ROOT
 
 from jlong.plan.targets import cuda_plugin_installed
 
-ROOT = Path(__file__).resolve().parents[1]
 # Without the 8 virtual devices the tests' conftest gives the CPU: jlong gives
 # the runs as many as their one-device mesh needs.
 ONE_DEVICE = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

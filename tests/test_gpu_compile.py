@@ -7,11 +7,10 @@ These need the CUDA plugin and cuDNN (`pip install -e '.[gpu-plan]'`, as
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
-from helpers import H100, needs_gpu_compiler, whole_stack
+from helpers import H100, REPO, needs_gpu_compiler, whole_stack
 
 from jlong.config import load_config
 from jlong.model.remat import remat_policy
@@ -26,8 +25,6 @@ from jlong.plan.memory import (
 from jlong.plan.step_cost import step_cost
 from jlong.plan.targets import GPUS, PlanTarget, default_budget_gib, target_config_text
 
-REPO = Path(__file__).resolve().parents[1]
-XLA_SPECS = REPO.parent / "shared" / "gpu_specs"  # XLA's published descriptions, beside the project in CI
 
 def cudnn_attention_calls(hlo: str) -> int:
     return len(re.findall(r'custom_call_target="__cudnn\$fmha', hlo))
@@ -173,22 +170,12 @@ COMPARED = [f"gpu_device_info.{key}" for key in DEVICE_FACTS] + ["platform_name"
 
 
 XLA_FACTS = json.loads((REPO / "tests" / "data" / "xla_gpu_device_facts.json").read_text())["devices"]
-SPEC_FILES = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}
 
 
-@pytest.mark.parametrize("gpu", sorted(SPEC_FILES))
+@pytest.mark.parametrize("gpu", sorted(XLA_FACTS))
 def test_target_descriptions_match_xlas_published_ones(gpu):
     """Against the facts of XLA's published descriptions, kept in tests/data (with their source)."""
     ours = _text_proto_fields(target_config_text(GPUS[gpu], (9, 10, 0)))
     assert {key: ours.get(key) for key in COMPARED} == XLA_FACTS[gpu]
     assert XLA_FACTS[gpu]["gpu_device_info.core_count"] == str(GPUS[gpu].sm_count)
     assert ours["dnn_version_info.major"] == "9"  # the installed cuDNN's version, not the file's
-
-
-@pytest.mark.parametrize("gpu", sorted(SPEC_FILES))
-def test_kept_facts_are_those_of_the_published_files(gpu):
-    path = XLA_SPECS / SPEC_FILES[gpu]
-    if not path.is_file():
-        pytest.skip(f"SKIPPED: XLA's published description {path} is not beside the project to compare with")
-    theirs = _text_proto_fields(path.read_text())
-    assert {key: theirs.get(key) for key in COMPARED} == XLA_FACTS[gpu]
