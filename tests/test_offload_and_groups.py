@@ -11,9 +11,9 @@ from jlong.plan.memory import plan
 from jlong.train.loop import train
 
 FOUR_LAYERS = ["model.num_hidden_layers=4", "train.steps=5"]
+# Layer groups with offloaded inputs, then the optimizer in host memory with the rest of the stack,
+# on fsdp x sp and on a ring (layer groups with kept inputs: tests/test_memory_stack.py).
 VARIANTS = {
-    "optimizer offload": ["memory.optimizer_offload=true"],
-    "2 layers per checkpoint": ["memory.remat=save_inputs", "memory.layers_per_checkpoint=2"],
     "4 layers per checkpoint, offloaded inputs": ["memory.remat=offload_inputs", "memory.layers_per_checkpoint=4"],
     "all, with UPipe and tiles": ["memory.optimizer_offload=true", "memory.remat=offload_inputs",
                                   "memory.layers_per_checkpoint=2", "attention.heads_per_stage=4",

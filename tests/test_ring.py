@@ -63,8 +63,8 @@ def _ring_only(R, q, k, v, segments, kernel, window=8):
     return lambda do: [np.asarray(x)[:, restore] for x in (out, *pullback(laid(do)))]
 
 
-BLOCKWISE_CASES = [("blockwise", R, kv_heads, mask) for R in (2, 4, 8) for kv_heads in (1, 4)
-                   for mask in ("causal", "packed")]
+BLOCKWISE_CASES = [("blockwise", R, kv_heads, mask) for R in (2, 4) for kv_heads in (1, 4)
+                   for mask in ("causal", "packed")] + [("blockwise", 8, 1, "packed"), ("blockwise", 8, 4, "causal")]
 # cuDNN's code adds segment handling to the ring; each ring size meets it once, with both kv layouts.
 CUDNN_CASES = [("cudnn", 2, 1, "packed"), ("cudnn", 4, 4, "packed"), ("cudnn", 8, 1, "packed"),
                ("cudnn", 2, 4, "causal")]
@@ -117,12 +117,11 @@ def test_ring_kernel_in_bfloat16_is_as_close_to_float32_as_plain_attention():
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed"])
-@pytest.mark.parametrize("kv_heads", [1, 8])
-@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("mesh, kv_heads", [("ring2-sp4", 1), ("ring4-sp2", 8), ("ring8", 1), ("fsdp2-ring2-sp2", 8)])
 def test_ulysses_ring_attention_equals_single_device(mesh, kv_heads, packed):
     """32 query heads; U = C with one kv head (every device's heads share it,
     replicated over sp), U = H with 8, and the other way round on packed
-    documents: each mesh meets both U with both kv layouts."""
+    documents: each mesh meets both U, and both kv layouts meet every U."""
     model = attention_model(32, kv_heads)
     params = attention_params(model)
     inputs = attention_inputs(model, packed=packed)
@@ -135,7 +134,8 @@ def single_device_step():
     return loss_and_grads(small_config(), jax.devices()[:1])
 
 
-@pytest.mark.parametrize("mesh", list(MESHES))
+# ring 2 x sp 4 runs the whole step in the cuDNN test below; ring 4 x sp 2 meets the attention block above.
+@pytest.mark.parametrize("mesh", ["ring8", "fsdp2-ring2-sp2"])
 def test_ring_step_equals_single_device(mesh, single_device_step):
     m = MESHES[mesh]
     config = small_config(f"mesh.fsdp={m.fsdp}", f"mesh.ring={m.ring}", f"mesh.sp={m.sp}")
