@@ -20,7 +20,7 @@ from safetensors.flax import save_file
 from jlong.config import ModelConfig, model_config
 from jlong.errors import JlongError
 from jlong.hf_config import hf_config_dict, read_hf_config
-from jlong.model.params import Role, layer_params, outer_params
+from jlong.model.params import Role, layer_params, outer_params, roles
 from jlong.model.transformer import ForwardOptions, Transformer
 
 SHARD_BYTES = 4 << 30  # safetensors file size cap when writing
@@ -93,11 +93,11 @@ OUTER_TENSORS = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm
 
 def hf_roles(config: ModelConfig) -> dict[str, Role]:
     """The role (`jlong.model.params`) of each Hugging Face tensor of the model."""
-    roles = {OUTER_TENSORS[name]: spec.role for name, spec in outer_params(config).items()}
+    role = roles(config)
+    tensors = {OUTER_TENSORS[name]: role[name] for name in outer_params(config)}
     for name, (suffix, _, _) in _layer_tensor_map(config).items():
-        role = layer_params(config)[name].role
-        roles.update({f"model.layers.{i}.{suffix}": role for i in range(config.num_hidden_layers)})
-    return roles
+        tensors.update({f"model.layers.{i}.{suffix}": role[name] for i in range(config.num_hidden_layers)})
+    return tensors
 
 
 def _expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -87,11 +87,12 @@ def outer_params(config: ModelConfig) -> dict[str, ParamSpec]:
     return specs
 
 
-def role_of(config: ModelConfig, name: str) -> Role:
-    """The role of the parameter whose leaf in the parameter dict is `name`."""
-    return {**outer_params(config), **layer_params(config)}[name].role
+def roles(config: ModelConfig) -> dict[str, Role]:
+    """The role of each parameter, by its leaf's name in the parameter dict."""
+    return {name: spec.role for name, spec in {**outer_params(config), **layer_params(config)}.items()}
 
 
 def decay_mask(config: ModelConfig, params) -> dict:
     """True for each leaf of `params` (the whole dict or any part of it) that AdamW decays."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: role_of(config, path[-1].key).decays, params)
+    role = roles(config)
+    return jax.tree_util.tree_map_with_path(lambda path, _: role[path[-1].key].decays, params)
