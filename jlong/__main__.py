@@ -1,5 +1,3 @@
-import sys
+from jlong.cli import run
 
-from jlong.cli import main
-
-sys.exit(main())
+run()

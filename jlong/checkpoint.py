@@ -5,16 +5,32 @@ each into a temporary directory and renames it when complete, so a crash at
 any moment leaves the previous complete checkpoint as the newest one.
 Each step holds `params`, `opt_state` (absent in converted checkpoints) and
 `meta` (the step and the model architecture).
+
+A run resumes from the newest checkpoint that reads back: one that does not
+(a file truncated or lost after it was written, found by comparing the files
+with the sizes listed when they were written, or failing to read) is moved
+aside to `STEP.unreadable` and the next older one is tried. A write that fails (a
+full disk) stops the run and leaves the previous checkpoints as they were.
 """
 
 from __future__ import annotations
 
+import gc
+import json
+import os
+import time
 from pathlib import Path
 
 import orbax.checkpoint as ocp
+from etils import epath
 
 from jlong.config import ModelConfig, model_config
-from jlong.errors import JlongError
+from jlong.errors import JlongError, RunFailure
+from jlong.jax_startup import quiet_native_stderr
+
+FILE_LIST = "jlong_files.json"  # in each step's directory: the size of each of its files
+# How long a failed write waits for orbax's other writer threads to finish reporting it.
+_WRITERS_SETTLE_SECONDS = 1.0
 
 
 class Checkpoints:
@@ -22,6 +38,7 @@ class Checkpoints:
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.failed = False
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -33,8 +50,53 @@ class Checkpoints:
         }
         if opt_state is not None:
             items["opt_state"] = ocp.args.StandardSave(opt_state)
-        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
-        self.manager.wait_until_finished()
+        previous, failure = self.latest_step(), None
+        # A failed write is reported by each of orbax's writer threads, with tracebacks; the run says it once.
+        with quiet_native_stderr():
+            try:
+                self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+                self.manager.wait_until_finished()
+            except Exception as err:  # orbax and tensorstore raise plain Exception and ValueError for I/O errors
+                failure = err
+                time.sleep(_WRITERS_SETTLE_SECONDS)
+        if failure is not None:
+            self.failed = True
+            kept = f"step {previous} is intact" if previous is not None else "no earlier checkpoint exists"
+            raise RunFailure(
+                f"writing the checkpoint of step {step} to {str(self.directory)!r} failed ({_reason(failure)}); "
+                f"{kept}. Free space or fix the directory's permissions, then run again to resume"
+            ) from None
+        self._write_file_list(step)
+
+    def _write_file_list(self, step: int) -> None:
+        """Records the size of every file of a written step, so that one
+        damaged later (truncated, lost) is found before orbax reads it."""
+        import jax
+
+        if jax.process_index() != 0:
+            return
+        step_dir = self.directory / str(step)
+        sizes = {str(f.relative_to(step_dir)): f.stat().st_size for f in sorted(step_dir.rglob("*")) if f.is_file()}
+        tmp = step_dir / (FILE_LIST + ".tmp")
+        tmp.write_text(json.dumps(sizes, indent=0))
+        os.replace(tmp, step_dir / FILE_LIST)
+
+    def _damage(self, step: int) -> str | None:
+        """What differs from the step's file list (None: nothing, or no list: written before lists were kept)."""
+        step_dir = self.directory / str(step)
+        try:
+            sizes = json.loads((step_dir / FILE_LIST).read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as err:
+            return f"its {FILE_LIST} cannot be read: {err}"
+        for name, size in sizes.items():
+            file = step_dir / name
+            if not file.is_file():
+                return f"{name} is missing"
+            if file.stat().st_size != size:
+                return f"{name} holds {file.stat().st_size:,} bytes, {size:,} when it was written"
+        return None
 
     def meta(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
@@ -46,8 +108,103 @@ class Checkpoints:
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         return restored["params"], restored.get("opt_state") if abstract_opt_state is not None else None
 
+    def restore_newest_readable(self, abstract_params, abstract_opt_state, say) -> tuple[int, object, object]:
+        """(step, params, opt_state) of the newest checkpoint that reads back
+        into the given shardings, or (0, None, None) when there is none.
+        Unreadable ones are moved aside, each reported by `say` in one line."""
+        wanted = {"params": abstract_params, "opt_state": abstract_opt_state}
+        trained = [step for step in self.manager.all_steps() if step > 0]  # step 0: converted weights, no state
+        for step in sorted(trained, reverse=True):
+            restored = self._read(step, wanted)
+            if isinstance(restored, tuple):
+                return step, *restored
+            aside = self._move_aside(step)
+            say(f"checkpoint step {step} in {str(self.directory)!r} cannot be read ({restored}); "
+                f"moved it to {aside.name} and trying the one before")
+        if any(self.directory.glob("*.unreadable")):
+            raise JlongError(f"no checkpoint in {str(self.directory)!r} can be read (see the *.unreadable "
+                             "directories there); restore one, or choose a new checkpoint.dir to start over")
+        return 0, None, None
+
+    def _read(self, step: int, wanted: dict) -> tuple | str:
+        """(params, opt_state) of step `step`, or why they cannot be read."""
+        import jax
+
+        damage = self._damage(step)
+        if damage:
+            return damage
+        # A damage the file list does not show is reported by each of orbax's readers, with tracebacks,
+        # and again as their coroutines are collected; the caller says it once.
+        with quiet_native_stderr():
+            try:
+                self._check_layout(step, wanted)
+                return self.restore(step, wanted["params"], wanted["opt_state"])
+            except (JlongError, jax.errors.JaxRuntimeError):  # the config's fault, or the devices'
+                raise
+            except Exception as err:  # tensorstore reports a damaged file as a plain Exception
+                reason = _reason(err)
+            gc.collect()
+        return reason
+
+    def _check_layout(self, step: int, wanted: dict) -> None:
+        """Refuses a checkpoint whose arrays' names, shapes or dtypes differ
+        from what this config builds: it is intact, so it is never moved aside."""
+        for item, abstract in wanted.items():
+            if abstract is None:
+                continue
+            saved = ocp.StandardCheckpointHandler().metadata(epath.Path(self.directory / str(step) / item))
+            if _layout(saved) != _layout(abstract):
+                raise JlongError(
+                    f"checkpoint step {step} in {str(self.directory)!r} holds {item} of another layout than "
+                    "this config makes (a changed model, train.param_dtype or memory.optimizer_offload); "
+                    "resume with the settings it was written with, or choose a new checkpoint.dir"
+                )
+
+    def _move_aside(self, step: int) -> Path:
+        """Renames step `step`'s directory to one orbax does not read as a step."""
+        import jax
+        from jax.experimental import multihost_utils
+
+        original = self.directory / str(step)
+        aside, copy = original.with_name(f"{step}.unreadable"), 1
+        while aside.exists():
+            copy += 1
+            aside = original.with_name(f"{step}.unreadable-{copy}")
+        if jax.process_index() == 0:
+            original.rename(aside)
+        multihost_utils.sync_global_devices(f"jlong: moved checkpoint {step} aside")
+        self.manager.reload()
+        return aside
+
     def close(self):
-        self.manager.close()
+        if not self.failed:  # after a failed write, closing would wait on writer threads that went wrong
+            self.manager.close()
+
+
+def _layout(tree) -> dict:
+    """Each array's path (named alike whether a level is a dict, a tuple or a
+    named tuple: orbax reads named tuples back as dicts) -> shape and dtype."""
+    import jax
+
+    def name(key):
+        for attribute in ("key", "name", "idx"):
+            if hasattr(key, attribute):
+                return str(getattr(key, attribute))
+        return str(key)
+
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return {"/".join(map(name, path)): (tuple(leaf.shape), str(leaf.dtype)) for path, leaf in leaves}
+
+
+def _reason(err: Exception) -> str:
+    """The first line of the innermost error (tensorstore's, naming the file and
+    the system's reason, under orbax's); of a long one, the end, where the reason is."""
+    while (err.__cause__ or err.__context__) is not None:
+        err = err.__cause__ or err.__context__
+    lines = str(err).strip().splitlines()
+    if not lines:
+        return type(err).__name__
+    return lines[0] if len(lines[0]) <= 240 else "..." + lines[0][-200:]
 
 
 def convert(source: str | Path, destination: str | Path, *, param_dtype: str = "float32") -> None:

@@ -10,10 +10,10 @@ import argparse
 import os
 import sys
 
-from jlong.errors import JlongError
+from jlong.errors import JlongError, RunFailure
 from jlong.jax_startup import import_jax_quietly, start_backends
 
-EXIT_USAGE = 2
+EXIT_FAILURE, EXIT_USAGE = 1, 2
 
 
 class _Parser(argparse.ArgumentParser):
@@ -144,19 +144,41 @@ def _parse(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     """Runs one command; returns the exit status."""
+    from jlong.train.preemption import StopRequests
+
+    stop_requests = StopRequests()
     try:
         args = _parse(argv)
         if args.command in ("plan", "maxlen"):
             # XLA's warnings are not the plan's: its remat pass reports totals that count host buffers.
             os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        if args.command == "train":  # before jax starts: a stop signal during start-up is kept, not fatal
+            stop_requests = args.stop_requests = StopRequests.installed()
         import_jax_quietly()
         return args.handler(args) or 0
     except JlongError as err:
         print(f"jlong: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except RunFailure as err:
+        print(f"jlong: error: {err}", file=sys.stderr)
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         print("jlong: interrupted", file=sys.stderr)
         return 130
+    finally:
+        stop_requests.uninstall()
+
+
+def run() -> None:
+    """The `jlong` command. After a run failure (a checkpoint write that
+    failed) the process ends at once: orbax's writer threads that went wrong
+    would otherwise report it again, with tracebacks, while Python shuts down."""
+    status = main()
+    if status == EXIT_FAILURE:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
 
 
 def _train(args) -> int:
@@ -185,7 +207,7 @@ def _train(args) -> int:
         return 0
     from jlong.train.loop import train
 
-    train(config, until_step=args.until_step)
+    train(config, until_step=args.until_step, stop_requests=args.stop_requests)
     shutdown_distributed()
     return 0
 

@@ -50,5 +50,6 @@ def quiet_native_stderr():
             os.dup2(devnull.fileno(), 2)
             yield
     finally:
+        sys.stderr.flush()  # what Python wrote meanwhile goes where fd 2 went, not after it
         os.dup2(saved, 2)
         os.close(saved)

@@ -30,8 +30,8 @@ def test_speed_table_on_cpu(tmp_path):
 
 
 def test_plan_check_on_cpu(tmp_path):
-    """Plans and real runs at two lengths; XLA:CPU measures no peak. The GPU
-    compiler's plan (deviceless H100) is there where the CUDA plugin is."""
+    """A plan and a real run; XLA:CPU measures no peak. The GPU compiler's
+    plan (deviceless H100) is there where the CUDA plugin is."""
     config = tmp_path / "one-device.yaml"
     config.write_text(
         "model: {vocab_size: 128, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2,\n"
@@ -41,15 +41,14 @@ def test_plan_check_on_cpu(tmp_path):
     )
     out = tmp_path / "plan_vs_peak.md"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / "plan_check.py"), str(config), "--seq-lens", "64", "128",
+        [sys.executable, str(ROOT / "experiments" / "plan_check.py"), str(config), "--seq-lens", "128",
          "--out", str(out)],
         capture_output=True, text=True, timeout=600, env=ONE_DEVICE,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith(("| 64 ", "| 128 "))]
-    assert [row[0].strip() for row in rows] == ["64", "128"]
-    planned = [float(row[1]) for row in rows]
-    assert 0 < planned[0] <= planned[1]
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| 128 ")]
+    assert [row[0].strip() for row in rows] == ["128"]
+    assert float(rows[0][1]) > 0
     assert all(row[3].strip() == "-" for row in rows)  # no measured peak
     if cuda_plugin_installed():
         assert all(float(row[2]) > 0 for row in rows)

@@ -3,7 +3,9 @@ environment faked, `jlong` replaced by a recorder), what a run prints at its
 end, and what a finished run says when it is started again."""
 
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +96,42 @@ def test_slurm_scripts_start_one_process_per_node_on_the_first_node_s_coordinato
         for rank in range(nodes)
     ]
     assert (REPO / config).is_file()
+
+
+def test_slurm_time_limit_warning_stops_every_process_then_requeues_the_job(tmp_path):
+    """SIGUSR1 to the batch script (SLURM's --signal=B:USR1@...): it signals
+    the job's steps with SIGTERM (scancel, faked to signal the fake jlongs),
+    waits for the processes to stop, and requeues the job."""
+    bin_dir, calls, pids = tmp_path / "bin", tmp_path / "calls.txt", tmp_path / "pids"
+    bin_dir.mkdir()
+    pids.mkdir()
+    fakes = {
+        # jlong: runs until SIGTERM, then says so and exits 0, as a run that saved its checkpoint does.
+        "jlong": f'trap \'echo "$SLURM_PROCID stopped" >> {calls}; exit 0\' TERM\n'
+                 f'echo $$ > {pids}/$SLURM_PROCID\nwhile true; do sleep 0.05; done\n',
+        "scontrol": f'if [ "$1" = requeue ]; then echo "scontrol $*" >> {calls}; else printf "gpu-a07\\ngpu-a08\\n"; fi\n',
+        "scancel": f'echo "scancel $*" >> {calls}\nkill -TERM $(cat {pids}/*)\n',
+        "srun": 'while [[ "$1" == --* ]]; do shift; done\n'
+                'for ((i = 0; i < SLURM_NTASKS; i++)); do SLURM_PROCID=$i "$@" & done\nwait\n',
+    }
+    for name, body in fakes.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "JLONG": str(bin_dir / "jlong"),
+           "SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_NODELIST": "gpu-[a07-a08]", "SLURM_NNODES": "2",
+           "SLURM_NTASKS": "2", "SLURM_JOB_ID": "73512"}
+    assert "--signal=B:USR1@10800" in _sbatch_options(LAUNCH / "slurm_1node.sbatch")
+    job = subprocess.Popen(["bash", str(LAUNCH / "slurm_1node.sbatch")], env=env, cwd=tmp_path)
+    deadline = time.monotonic() + 30
+    while len(list(pids.iterdir())) < 2:
+        assert job.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    job.send_signal(signal.SIGUSR1)
+    assert job.wait(timeout=30) == 0
+    lines = calls.read_text().splitlines()
+    assert lines[0] == "scancel --signal=TERM 73512"
+    assert sorted(lines[1:3]) == ["0 stopped", "1 stopped"]
+    assert lines[3:] == ["scontrol requeue 73512"]
 
 
 def test_slurm_script_passes_a_config_and_overrides_through(tmp_path):

@@ -1,6 +1,6 @@
 """The host-memory knobs: `memory.optimizer_offload` (master parameters and
 AdamW state in host memory) and `memory.layers_per_checkpoint` train exactly
-as the plain run does, resume exactly, and move the bytes they should."""
+as the plain run does, resume exactly (on another mesh too), and move the bytes they should."""
 
 import jax
 import pytest
@@ -38,10 +38,12 @@ def test_variant_trains_like_the_plain_run(variant, plain, tmp_path):
     assert losses_of(tmp_path, *VARIANTS[variant]) == pytest.approx(plain, rel=1e-5)
 
 
-def test_offloaded_optimizer_resumes_exactly(plain, tmp_path):
+def test_offloaded_optimizer_resumes_on_another_mesh(plain, tmp_path):
+    """Checkpointed on fsdp=8, continued on fsdp=2 x sp=4: the host-memory
+    state is restored straight into the new mesh's host shardings."""
     overrides = ["memory.optimizer_offload=true", "memory.remat=save_inputs", "memory.layers_per_checkpoint=2",
                  "checkpoint.every=2"]
-    first = losses_of(tmp_path, *overrides, until_step=2)
+    first = losses_of(tmp_path, *overrides, "mesh.fsdp=8", "mesh.sp=1", until_step=2)
     rest = losses_of(tmp_path, *overrides)
     assert first + rest == pytest.approx(plain, rel=1e-5)
     assert len(rest) == 3

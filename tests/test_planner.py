@@ -41,19 +41,6 @@ def test_upipe_plans_below_plain_ulysses():
     assert upipe.device_total < ulysses.device_total
 
 
-def test_maxlen_finds_the_boundary_of_the_budget():
-    config = small_long("memory.mlp_tile=1024", "memory.loss_tile=1024", "train.seq_len=32768")
-    assert config.sequence_granule == 8 * 1024
-    budget_gib = plan(with_seq_len(config, 65536)).device_total / GIB  # somewhere in the doubling range
-    found = longest_seq_len(config, PlanTarget(budget_gib=budget_gib))
-    step = config.sequence_granule
-    assert found.seq_len % step == 0 and found.plan.fits
-    assert found.seq_len >= 65536
-    beyond = plan(with_seq_len(config, found.seq_len + step), PlanTarget(budget_gib=budget_gib))
-    assert not beyond.fits
-    assert found.bound_by == "device"
-
-
 def test_maxlen_stops_at_the_host_budget_when_it_binds_first():
     config = small_long("memory.mlp_tile=4096", "memory.loss_tile=4096", "train.seq_len=65536")
     host_budget_gib = 8 * saved_layer_input_bytes(with_seq_len(config, 65536)) / GIB  # a node of 8 at 64K
@@ -86,9 +73,10 @@ def test_maxlen_command_reports_the_search(tmp_path):
     result = run_cli("maxlen", str(config), "--target", "cpu", "--budget-gib", f"{budget:.6f}", *SMALL_LONG, *tiles)
     assert result.returncode == 0, result.stderr
     assert "seq_len        8,192" in result.stdout and "over the device budget" in result.stdout
-    assert [line.split(":")[0].split()[-1] for line in result.stdout.splitlines() if "  seq_len" in line] == [
-        "8,192", "16,384", "32,768", "24,576"]
+    probes = {line.split(":")[0].split()[-1]: line for line in result.stdout.splitlines() if "  seq_len" in line}
+    assert list(probes) == ["8,192", "16,384", "32,768", "24,576"]  # doubling, then bisection
     assert "longest seq_len that fits: 16,384" in result.stdout
+    assert "over the device budget" in probes["24,576"]  # one granule beyond the longest does not fit
     assert "the device budget binds" in result.stdout
 
 

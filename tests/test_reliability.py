@@ -1,5 +1,6 @@
 """Runs survive crashes and stop cleanly on faults: SIGKILL at random moments,
-a diverging loss, out of device memory, and the same losses run to run."""
+the cluster's stop signals, a diverging loss, out of device memory, and the
+same losses run to run."""
 
 import json
 import random
@@ -48,20 +49,24 @@ def _kill_at(process, run_dir: Path, steps: int, delay: float) -> bool:
     return True
 
 
-def test_sigkill_at_ten_random_moments_resumes_to_the_same_losses(tmp_path):
-    """Killed ten times, the run resumes each time and ends with the
+@pytest.fixture(scope="module")
+def uninterrupted_long_run(tmp_path_factory):
+    return [r["loss"] for r in train(run_config(tmp_path_factory.mktemp("reference"), *LONG_RUN))]
+
+
+def test_sigkill_at_random_moments_resumes_to_the_same_losses(tmp_path, uninterrupted_long_run):
+    """Killed six times, the run resumes each time and ends with the
     uninterrupted run's losses. The moments are drawn from the run's progress,
     not the wall clock, so they fall where they should on a fast or a slow
     machine: during start-up and compilation (before a new step is logged),
     or a few milliseconds after a step is logged, while its checkpoint is
     being written (checkpoint.every=1) or the next step runs."""
-    uninterrupted = [r["loss"] for r in train(run_config(tmp_path / "reference", *LONG_RUN))]
     run_dir = tmp_path / "run"
     command, env = train_command(tmp_path, run_config(tmp_path, *LONG_RUN))
     moments = random.Random(0)
     # Step counts at which to kill, never past step 10 of 16, so at least six
     # steps and their checkpoints remain after the last kill's moment.
-    at_steps = sorted(moments.randint(0, 10) for _ in range(10))
+    at_steps = sorted(moments.randint(0, 10) for _ in range(6))
     for kill, steps in enumerate(at_steps):
         steps = max(steps, _steps_logged(run_dir))
         starting_up = steps == _steps_logged(run_dir)
@@ -69,7 +74,62 @@ def test_sigkill_at_ten_random_moments_resumes_to_the_same_losses(tmp_path):
         process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         assert _kill_at(process, run_dir, steps, delay), f"the run ended before kill {kill + 1}"
     subprocess.run(command, env=env, check=True, capture_output=True)
-    assert logged_losses(run_dir) == pytest.approx(uninterrupted, rel=1e-6)
+    assert logged_losses(run_dir) == pytest.approx(uninterrupted_long_run, rel=1e-6)
+
+
+def _handles_sigterm(pid: int) -> bool:
+    """Whether the process has installed its SIGTERM handler (Linux: the SigCgt mask of /proc/PID/status)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (signal.SIGTERM - 1) & 1)
+
+
+def _signal_at(process, run_dir: Path, steps: int, delay: float, signals: list) -> None:
+    """Sends `signals` (each after its own delay) once `steps` steps are logged and `delay` seconds more."""
+    deadline = time.monotonic() + 300
+    while _steps_logged(run_dir) < steps or not _handles_sigterm(process.pid):
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended before its signal"
+        time.sleep(0.005)
+    time.sleep(delay)
+    for pause, signum in signals:
+        time.sleep(pause)
+        process.send_signal(signum)
+
+
+def test_stop_signals_at_random_moments_save_and_resume_to_the_same_losses(tmp_path, uninterrupted_long_run):
+    """SIGTERM or SIGUSR1 at start-up, during a step, and right after a step,
+    while its checkpoint is written (with a second signal 10 ms later): each
+    time the run exits 0 with one line naming the step, the checkpoint of that
+    step is there, and the run resumed from it ends with the uninterrupted
+    run's losses, exactly."""
+    run_dir, checkpoints = tmp_path / "run", tmp_path / "ckpt"
+    command, env = train_command(tmp_path, run_config(tmp_path, *LONG_RUN))
+    moments = random.Random(1)
+    stops = [  # (steps logged, then seconds, then the signals with their pauses)
+        (0, moments.uniform(0.0, 1.0), [(0.0, signal.SIGTERM)]),  # start-up: imports, compilation
+        (3, moments.uniform(0.0, 0.1), [(0.0, signal.SIGUSR1)]),  # a step under way
+        (6, 0.0, [(0.0, signal.SIGTERM), (0.01, signal.SIGTERM)]),  # the checkpoint of step 6 being written
+        (6, moments.uniform(0.0, 1.0), [(0.0, signal.SIGTERM)]),  # a resumed run's start-up
+    ]
+    for steps, delay, signals in stops:
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _signal_at(process, run_dir, max(steps, _steps_logged(run_dir)), delay, signals)
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-2000:]
+        line = out.strip().splitlines()[-1]
+        name = signals[0][1].name
+        if line == f"stopped on {name} before the first step; nothing to save":
+            assert not checkpoints.exists() or not any(checkpoints.iterdir())
+            continue
+        stopped_at = int(line.removeprefix("stopped at step ").split(" ")[0])
+        assert line == f"stopped at step {stopped_at} on {name}; checkpoint saved in {checkpoints} " \
+            "(the same command resumes)"
+        saved = Checkpoints(checkpoints)
+        assert saved.latest_step() == stopped_at == _steps_logged(run_dir)
+        saved.close()
+    finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert logged_losses(run_dir) == uninterrupted_long_run
 
 
 def test_diverging_loss_stops_keeps_the_last_good_checkpoint(tmp_path):

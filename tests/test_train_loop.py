@@ -2,8 +2,10 @@
 and the plan compiling the very program the loop runs."""
 
 import json
+import signal
 import socket
 import subprocess
+import time
 
 import jax
 import numpy as np
@@ -66,19 +68,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("mesh", [[], ["mesh.fsdp=1", "mesh.ring=2"]], ids=["fsdp-sp", "ring-across-processes"])
-def test_two_processes_train_like_one(tmp_path, uninterrupted, mesh):
-    """4 CPU devices per process; with mesh.ring=2 (x sp=4) the ring's two ranks are the two processes."""
-    config = run_config(tmp_path, "checkpoint.dir=null", *mesh)
+@pytest.mark.parametrize("mesh, signalled", [([], 1), (["mesh.fsdp=1", "mesh.ring=2", "checkpoint.dir=null"], None)],
+                         ids=["fsdp-sp-one-process-signalled", "ring-across-processes"])
+def test_two_processes_train_like_one(tmp_path, uninterrupted, mesh, signalled):
+    """4 CPU devices per process; with mesh.ring=2 (x sp=4) the ring's two
+    ranks are the two processes. In the first, a SIGTERM sent to process 1
+    alone after two steps stops both after the same step, with its checkpoint."""
+    config = run_config(tmp_path, *mesh)
     port = _free_port()
     processes = []
     for rank in range(2):
         command, env = train_command(tmp_path, config, "--coordinator", f"127.0.0.1:{port}",
                                      "--num-processes", "2", "--process-id", str(rank))
         processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    if signalled is not None:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        while not metrics.is_file() or len(metrics.read_text().splitlines()) < 2:
+            assert all(p.poll() is None for p in processes), "a process ended before the signal"
+            time.sleep(0.005)
+        processes[signalled].send_signal(signal.SIGTERM)
     outputs = [p.communicate(timeout=300)[0].decode() for p in processes]
     assert all(p.returncode == 0 for p in processes), outputs[0][-2000:] + outputs[1][-2000:]
-    np.testing.assert_allclose(logged_losses(tmp_path / "run"), uninterrupted, rtol=1e-5)
+    losses = logged_losses(tmp_path / "run")
+    if signalled is not None:
+        assert 2 <= len(losses) < len(uninterrupted)
+        assert f"stopped at step {len(losses)} on SIGTERM; checkpoint saved" in outputs[0]
+        checkpoints = Checkpoints(tmp_path / "ckpt")
+        assert checkpoints.latest_step() == len(losses)
+        checkpoints.close()
+    np.testing.assert_allclose(losses, uninterrupted[:len(losses)], rtol=1e-5)
 
 
 def test_profile_window_writes_a_trace(tmp_path):

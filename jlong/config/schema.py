@@ -163,6 +163,8 @@ class TrainConfig(_Section):
     # The share of each GPU's memory the run asks XLA for (XLA_PYTHON_CLIENT_MEM_FRACTION);
     # the planner's default device budget follows it.
     gpu_memory_fraction: Annotated[float, BeforeValidator(_fraction)] = DEFAULT_GPU_MEMORY_FRACTION
+    # On a GPU, compare the step's host bytes on each node with the node's available memory before step 1.
+    check_host_memory: Flag = True
 
 
 class DataConfig(_Section):

@@ -20,7 +20,9 @@ from jlong.errors import JlongError
 from jlong.plan.advice import is_out_of_memory, out_of_memory_error
 from jlong.parallel.placement import make_mesh
 from jlong.train.flops import model_flops_per_token, peak_flops_per_device
+from jlong.train.host_memory import available_bytes, check_host_memory
 from jlong.train.optimizer import learning_rate
+from jlong.train.preemption import StopRequests
 from jlong.train.program import TrainProgram
 from jlong.train.report import nothing_to_do, summary
 from jlong.train.run_dir import RunDir
@@ -55,13 +57,16 @@ class Started:
 
 
 def start(config: Config, mesh, checkpoints: Checkpoints | None, last: int) -> Started:
-    """Restores the newest checkpoint (or initialises, from hf_path when set)
-    and compiles the step, when steps up to `last` remain."""
+    """Restores the newest readable checkpoint into this mesh's shardings (or
+    initialises, from hf_path when set) and compiles the step, when steps up
+    to `last` remain."""
     program = TrainProgram(config, mesh)
-    step = (checkpoints.latest_step() or 0) if checkpoints else 0
-    if step:
-        params, opt_state = checkpoints.restore(step, program.abstract_params, program.abstract_opt_state)
-    else:
+    step, params, opt_state = 0, None, None
+    if checkpoints:
+        step, params, opt_state = checkpoints.restore_newest_readable(
+            program.abstract_params, program.abstract_opt_state, say=_say
+        )
+    if not step:
         hf_path = config.model.hf_path
         params = program.load_hf_params(hf_path) if hf_path else program.init_params(config.train.seed)
         opt_state = program.init_opt_state(params)
@@ -69,17 +74,30 @@ def start(config: Config, mesh, checkpoints: Checkpoints | None, last: int) -> S
     if step < last:
         with explained_out_of_memory(config, mesh, "compiling the train step"):
             compiled = program.compile()
+        if config.train.check_host_memory and mesh.devices.flat[0].platform == "gpu":
+            check_host_memory(host_bytes_per_node(program, compiled), available_bytes())
     return Started(program, compiled, params, opt_state, step)
 
 
-def train(config: Config, *, until_step: int | None = None) -> list[dict]:
+def host_bytes_per_node(program: TrainProgram, compiled: jax.stages.Compiled) -> int:
+    """What the compiled step keeps in host memory on this process's node (the plan's figure)."""
+    from jlong.plan.memory import CompiledStep, plan_of
+    from jlong.plan.targets import PlanTarget
+
+    return plan_of(CompiledStep(program, compiled, PlanTarget(), list(program.mesh.devices.flat))).host_per_node
+
+
+def train(config: Config, *, until_step: int | None = None, stop_requests: StopRequests | None = None) -> list[dict]:
     """Trains to train.steps (or `until_step`), resuming from the newest
-    checkpoint in checkpoint.dir; returns this run's metric records."""
+    checkpoint in checkpoint.dir; returns this run's metric records. SIGTERM
+    or SIGUSR1 (recorded by `stop_requests`, by default handlers installed
+    for the call) stops it after the step under way, with a checkpoint."""
     last = min(config.train.steps, until_step or config.train.steps)
     batches = Batches(config)  # the data and the run directory are checked before anything is built
     run_dir = RunDir(config) if config.run_dir and jax.process_index() == 0 else None
     mesh = make_mesh(config.mesh)
     checkpoints = Checkpoints(config.checkpoint.dir, config.checkpoint.keep) if config.checkpoint.dir else None
+    stops = stop_requests or StopRequests.installed()
     try:
         run = start(config, mesh, checkpoints, last)
         if run.step >= last:
@@ -87,24 +105,50 @@ def train(config: Config, *, until_step: int | None = None) -> list[dict]:
             return []
         if run_dir:
             run_dir.start(resumed_at=run.step)
-        began = time.perf_counter()
+            if run.step and run_dir.relaid:
+                _say(f"resuming step {run.step}'s checkpoint with a new layout: {'; '.join(run_dir.relaid)}")
+        began, stopped_by = time.perf_counter(), None
         with Recorder(config, run_dir, first=run.step, last=last) as recorder:
             for step in range(run.step + 1, last + 1):
+                stopped_by = stops.agreed()
+                if stopped_by:
+                    break
                 loss, grad_norm, seconds = _update(run, batches, step)
                 _check_finite(step, loss, grad_norm, checkpoints)
                 recorder.record(step, loss, grad_norm, seconds)
                 every = config.checkpoint.every
                 if checkpoints and ((every and step % every == 0) or step == last):
-                    # The data position and RNG are functions of the step and seed; kept for readers.
-                    extra = {"samples_seen": step * config.train.batch_size, "seed": config.train.seed}
-                    checkpoints.save(step, run.params, run.opt_state, model=config.model, extra=extra)
-        if run_dir:
+                    _save(config, checkpoints, run)
+        if run_dir and recorder.records:
             run_dir.plot_losses()
-        _say(summary(config, recorder.records, time.perf_counter() - began, last if checkpoints else None))
+        if stopped_by:
+            _say(_stop(config, checkpoints, run, stopped_by))
+        else:
+            _say(summary(config, recorder.records, time.perf_counter() - began, last if checkpoints else None))
         return recorder.records
     finally:
+        if stop_requests is None:
+            stops.uninstall()
         if checkpoints:
             checkpoints.close()
+
+
+def _save(config: Config, checkpoints: Checkpoints, run: Started) -> None:
+    # The data position and RNG are functions of the step and seed; kept for readers.
+    extra = {"samples_seen": run.step * config.train.batch_size, "seed": config.train.seed}
+    checkpoints.save(run.step, run.params, run.opt_state, model=config.model, extra=extra)
+
+
+def _stop(config: Config, checkpoints: Checkpoints | None, run: Started, signal) -> str:
+    """Saves the step the run stopped at, unless saved already; the line that says so."""
+    if not run.step:
+        return f"stopped on {signal.name} before the first step; nothing to save"
+    stopped = f"stopped at step {run.step} on {signal.name}"
+    if not checkpoints:
+        return f"{stopped}; no checkpoint.dir is set, so nothing was saved"
+    if checkpoints.latest_step() != run.step:
+        _save(config, checkpoints, run)
+    return f"{stopped}; checkpoint saved in {config.checkpoint.dir} (the same command resumes)"
 
 
 def _say(text: str) -> None:

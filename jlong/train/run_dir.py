@@ -12,8 +12,21 @@ from jlong.config import Config, config_to_dict
 from jlong.errors import JlongError
 from jlong.train.report import LOSS_PLOT, plot_losses
 
-# Keys a resumed run may change: how long to train, how often to save.
-RESUMABLE_CHANGES = {"train.steps", "checkpoint.every", "checkpoint.keep"}
+# What a resumed run may change: how long to train, how often to save, where its
+# directories are (moved or named from another directory), and how the same
+# mathematics is laid out on the devices: the mesh (device count, fsdp, sp,
+# ring), attention's kernel and stages, and the memory knobs. The optimizer's
+# offload is not one of them: it changes the state's layout and the gradients' dtype.
+RESUMABLE_CHANGES = {
+    "train.steps", "train.profile_start", "train.profile_steps", "train.gpu_memory_fraction",
+    "train.check_host_memory", "checkpoint.every", "checkpoint.keep", "checkpoint.dir", "run_dir",
+}
+RESUMABLE_SECTIONS = ("mesh.", "attention.", "memory.")
+NOT_RESUMABLE = {"memory.optimizer_offload"}
+
+
+def resumable(key: str) -> bool:
+    return key in RESUMABLE_CHANGES or (key.startswith(RESUMABLE_SECTIONS) and key not in NOT_RESUMABLE)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -32,16 +45,20 @@ class RunDir:
         self.config_path = self.path / "config.yaml"
         self.metrics_path = self.path / "metrics.jsonl"
         self.config = config_to_dict(config)
+        self.relaid: list[str] = []  # how the layout on the devices changed since the run's last session
         if self.config_path.is_file():
             before = _flatten(yaml.safe_load(self.config_path.read_text()) or {})
             now = _flatten(self.config)
-            changed = sorted(k for k in before.keys() | now.keys()
-                             if before.get(k) != now.get(k) and k not in RESUMABLE_CHANGES)
-            if changed:
+            changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+            refused = [k for k in changed if not resumable(k)]
+            if refused:
                 raise JlongError(
-                    f"run_dir {str(self.path)!r} belongs to a different configuration "
-                    f"(differs in {', '.join(changed[:4])}); choose a new run_dir"
+                    f"run_dir {str(self.path)!r} belongs to a different configuration: {', '.join(refused[:4])} "
+                    "changed, which changes the run's mathematics (a resumed run may change the mesh, attention, "
+                    "memory knobs but memory.optimizer_offload, train.steps and checkpoint cadence); "
+                    "choose a new run_dir"
                 )
+            self.relaid = [f"{k} {before.get(k)} -> {now.get(k)}" for k in changed if k.startswith(RESUMABLE_SECTIONS)]
 
     def start(self, resumed_at: int) -> None:
         """Writes the config; drops metrics of steps after the resumed checkpoint."""
