@@ -116,13 +116,24 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
     convert.set_defaults(handler=_convert)
 
-    prepare = commands.add_parser("prepare", help="text files -> a .npy of token ids")
+    prepare = commands.add_parser(
+        "prepare", help="a corpus -> a .npy of token ids and its document index",
+        description="Tokenizes text files, JSON Lines (.jsonl), Parquet (.parquet) and 'datasets' directories "
+        "(save_to_disk) in one streaming pass, each document followed by the end-of-document id, and writes OUT.npy "
+        "with OUT.documents.npy (document offsets), OUT.documents.json (length summary) and OUT.documents.png "
+        "(length histogram).",
+    )
     prepare.add_argument("output", help="the .npy file to write")
-    prepare.add_argument("inputs", nargs="+", help="text files or directories")
+    prepare.add_argument("inputs", nargs="+", help="files or directories")
     prepare.add_argument("--glob", default="*", help="file pattern inside directories (default: all)")
-    prepare.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (default: bytes)")
-    prepare.add_argument("--eos-id", type=int, help="end-of-document id (bytes: 0)")
+    prepare.add_argument("--text-field", default="text", help="the text's field or column in JSON Lines, Parquet "
+                         "and datasets (default: text)")
+    prepare.add_argument("--tokenizer", help="a Hugging Face tokenizer.json or a directory holding one "
+                         "(default: bytes)")
+    prepare.add_argument("--eos-id", type=int, help="end-of-document id (bytes: 0; a tokenizer directory: its "
+                         "eos_token)")
     prepare.add_argument("--max-tokens", type=int, help="stop after this many tokens")
+    prepare.add_argument("--vocab-size", type=int, help="the model's vocabulary: refuse a tokenizer with more ids")
     prepare.set_defaults(handler=_prepare)
     return parser
 
@@ -377,11 +388,14 @@ def _prepare(args) -> int:
     from jlong.data.prepare import prepare
 
     summary = prepare(
-        args.output, args.inputs, pattern=args.glob, tokenizer_path=args.tokenizer,
-        eos_id=args.eos_id, max_tokens=args.max_tokens,
+        args.output, args.inputs, pattern=args.glob, text_field=args.text_field, tokenizer_path=args.tokenizer,
+        eos_id=args.eos_id, max_tokens=args.max_tokens, vocab_size=args.vocab_size,
     )
+    length = summary["length"]
     print(
-        f"wrote {args.output}: {summary['tokens']:,} tokens from {summary['files']} files "
-        f"(vocab {summary['vocab_size']}, end-of-document id {summary['eos_id']})"
+        f"wrote {args.output}: {summary['tokens']:,} tokens in {summary['documents']:,} documents from "
+        f"{summary['sources']} sources (vocab {summary['vocab_size']}, end-of-document id {summary['eos_id']}); "
+        f"document length median {length['median']:,.0f}, p90 {length['p90']:,.0f}, max {length['max']:,} tokens; "
+        f"index and histogram beside it (.documents.npy/.json/.png)"
     )
     return 0

@@ -62,7 +62,8 @@ def test_prepare_writes_bytes_with_document_ends(tmp_path):
     summary = prepare(str(tmp_path / "out.npy"), [str(tmp_path / "docs")], pattern="*.py")
     tokens = np.load(tmp_path / "out.npy")
     assert list(tokens) == [97, 98, 0, 0xC3, 0xA9, 0]
-    assert summary == {"files": 2, "tokens": 6, "vocab_size": 256, "eos_id": 0}
+    assert {k: summary[k] for k in ("sources", "documents", "tokens", "vocab_size", "eos_id")} == {
+        "sources": 2, "documents": 2, "tokens": 6, "vocab_size": 256, "eos_id": 0}
 
 
 def test_synthetic_batches_are_seeded():

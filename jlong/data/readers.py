@@ -1,0 +1,122 @@
+"""The documents of a corpus, one text at a time, from what `jlong prepare` is given.
+
+- a text file: one document (read whole);
+- `.jsonl` / `.json` (JSON Lines): one document per line, its `text_field`;
+- `.parquet`: one document per row of the `text_field` column, read a batch
+  of rows at a time;
+- a directory written by `datasets`' `save_to_disk` (it holds
+  `dataset_info.json` or `state.json`): one document per row;
+- any other directory: the files under it matching the pattern, each read
+  by its kind as above.
+
+Nothing is read whole but a text file, so corpora larger than memory stream.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from jlong.errors import JlongError
+
+JSON_LINES = (".jsonl", ".json")
+PARQUET = (".parquet",)
+PARQUET_BATCH_ROWS = 1024
+
+
+def sources(inputs: list[str], pattern: str) -> list[Path]:
+    """The files and datasets directories the inputs name, in a fixed order."""
+    found = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir() and _is_saved_dataset(path):
+            found.append(path)
+        elif path.is_dir():
+            found.extend(sorted(p for p in path.rglob(pattern) if p.is_file()))
+        elif path.is_file():
+            found.append(path)
+        else:
+            raise JlongError(f"input {item!r} is neither a file nor a directory")
+    if not found:
+        raise JlongError(f"no files matching {pattern!r} under {', '.join(inputs)}")
+    return found
+
+
+def documents(source: Path, text_field: str) -> Iterator[str]:
+    """The texts of one source, in order."""
+    if source.is_dir():
+        yield from _saved_dataset(source, text_field)
+    elif source.suffix in JSON_LINES:
+        yield from _json_lines(source, text_field)
+    elif source.suffix in PARQUET:
+        yield from _parquet(source, text_field)
+    else:
+        try:
+            yield source.read_text(encoding="utf-8", errors="replace")
+        except OSError as err:
+            raise JlongError(f"cannot read {str(source)!r}: {err.strerror or err}") from None
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return (path / "dataset_info.json").is_file() or (path / "state.json").is_file()
+
+
+def _json_lines(path: Path, field: str) -> Iterator[str]:
+    try:
+        with path.open(encoding="utf-8", errors="replace") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise JlongError(f"{str(path)!r} line {number} is not JSON ({err.msg})") from None
+                yield _text_of(record, field, f"{str(path)!r} line {number}")
+    except OSError as err:
+        raise JlongError(f"cannot read {str(path)!r}: {err.strerror or err}") from None
+
+
+def _parquet(path: Path, field: str) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as err:  # pyarrow's errors for a file that is not Parquet
+        raise JlongError(f"cannot read {str(path)!r} as Parquet ({err})") from None
+    if field not in table.schema_arrow.names:
+        raise JlongError(f"{str(path)!r} has no column {field!r} (its columns: {', '.join(table.schema_arrow.names)});"
+                         " name the text with --text-field")
+    for batch in table.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[field]):
+        for row, text in enumerate(batch.column(0).to_pylist()):
+            yield _checked_text(text, field, f"{str(path)!r} row {row}")
+
+
+def _saved_dataset(path: Path, field: str) -> Iterator[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise JlongError(f"{str(path)!r} is a 'datasets' directory: pip install datasets") from None
+    try:
+        dataset = datasets.load_from_disk(str(path))
+    except Exception as err:  # datasets raises several kinds for a damaged directory
+        raise JlongError(f"cannot load {str(path)!r} with datasets.load_from_disk ({err})") from None
+    if isinstance(dataset, datasets.DatasetDict):
+        raise JlongError(f"{str(path)!r} holds several splits ({', '.join(dataset)}); give one split's directory")
+    if field not in dataset.column_names:
+        raise JlongError(f"{str(path)!r} has no column {field!r} (its columns: {', '.join(dataset.column_names)}); "
+                         "name the text with --text-field")
+    for row, record in enumerate(dataset.select_columns([field])):
+        yield _checked_text(record[field], field, f"{str(path)!r} row {row}")
+
+
+def _text_of(record, field: str, where: str) -> str:
+    if not isinstance(record, dict) or field not in record:
+        raise JlongError(f"{where} has no field {field!r}; name the text with --text-field")
+    return _checked_text(record[field], field, where)
+
+
+def _checked_text(text, field: str, where: str) -> str:
+    if not isinstance(text, str):
+        raise JlongError(f"{where}: field {field!r} is {type(text).__name__}, not text")
+    return text
