@@ -48,7 +48,7 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:
-    return config.model_dump()
+    return config.model_dump(mode="json")  # lists, not tuples: what YAML writes and reads back
 
 
 def model_config(values: dict[str, Any]) -> ModelConfig:

@@ -1,7 +1,7 @@
 """The run configuration's schema: one frozen pydantic model per section.
 
 A run is one YAML file whose top-level sections are `model`, `mesh`,
-`attention`, `memory`, `train`, `data` and `checkpoint`, plus `run_dir`.
+`attention`, `memory`, `train`, `data`, `checkpoint` and `eval`, plus `run_dir`.
 Each section checks its own fields and the rules among them; the rules that
 join sections (heads over sp, lengths over the mesh, tiles over shards) are
 `jlong.config.validation`'s. Values derived from several sections (U, the
@@ -31,6 +31,7 @@ from jlong.config.types import (
     as_number,
     choice,
     optional,
+    sequence_of,
 )
 from jlong.errors import JlongError
 from jlong.options import AttentionImpl, DType, RematName
@@ -45,6 +46,13 @@ def _heads_per_stage(value: Any) -> int | Literal["all"] | None:
     if count < 0:
         raise ValueError(f"must not be negative, got {count}")
     return count or "all"
+
+
+def _share(value: Any) -> float:
+    share = as_number(value)
+    if not 0 <= share <= 1:
+        raise ValueError(f"must be in [0, 1], got {share:g}")
+    return share
 
 
 def _fraction(value: Any) -> float:
@@ -163,6 +171,9 @@ class TrainConfig(_Section):
     # The share of each GPU's memory the run asks XLA for (XLA_PYTHON_CLIENT_MEM_FRACTION);
     # the planner's default device budget follows it.
     gpu_memory_fraction: Annotated[float, BeforeValidator(_fraction)] = DEFAULT_GPU_MEMORY_FRACTION
+    eval_every: NonNegativeInt = 0  # steps between evaluations of loss by position on eval.path; 0 = none
+    # Where each step's metrics go besides run_dir/metrics.jsonl (always written: resuming and loss.png read it).
+    log_to: sequence_of(choice(Literal["jsonl", "tensorboard", "wandb"])) = ("jsonl",)
     # On a GPU, compare the step's host bytes on each node with the node's available memory before step 1.
     check_host_memory: Flag = True
 
@@ -172,12 +183,30 @@ class DataConfig(_Section):
     path: optional(Text) = None
     shuffle: Flag = False
     eos_id: optional(Integer) = None  # set: packed documents split at this token
+    # windows: contiguous windows of the token file; documents: sequences packed from whole documents
+    sampling: choice(Literal["windows", "documents"]) = "windows"
+    # documents: how many times as often as the others a document of at least train.seq_len tokens is drawn
+    long_document_weight: PositiveNumber = 1.0
 
     @model_validator(mode="after")
     def _check(self):
         if self.source == "tokens" and not self.path:
             raise JlongError("data.source=tokens needs data.path, a 1-D integer .npy of token ids")
+        if self.sampling == "documents" and (self.source != "tokens" or self.eos_id is None):
+            raise JlongError("data.sampling=documents packs documents of a token file: it needs data.source=tokens "
+                             "and data.eos_id (the end-of-document id 'jlong prepare' printed)")
+        if self.long_document_weight < 1:
+            raise JlongError(f"data.long_document_weight ({self.long_document_weight:g}) must be at least 1")
         return self
+
+
+class EvalConfig(_Section):
+    path: optional(Text) = None  # held-out tokens (a .npy like data.path) for the loss by position
+    sequences: PositiveInt = 8  # train.seq_len windows of eval.path to score
+    passkey_trials: NonNegativeInt = 4  # per (length, depth) cell; 0 = no passkey retrieval
+    passkey_lengths: optional(sequence_of(PositiveInt)) = None  # default: seq_len/8, /4, /2 and seq_len
+    passkey_depths: sequence_of(Annotated[float, BeforeValidator(_share)]) = (0.0, 0.25, 0.5, 0.75, 1.0)
+    tokenizer: optional(Text) = None  # a Hugging Face tokenizer.json or directory for the passkey's text
 
 
 class CheckpointConfig(_Section):
@@ -194,6 +223,7 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     run_dir: optional(Text) = None
 
     @model_validator(mode="after")

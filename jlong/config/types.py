@@ -117,3 +117,19 @@ def optional(kind):
         return value
 
     return Annotated[kind.__origin__ | None, BeforeValidator(check)]
+
+
+def sequence_of(kind):
+    """A YAML list of `kind` (one of the types above), kept as a tuple; a single value is a list of one."""
+    steps = [m.func for m in kind.__metadata__ if isinstance(m, (BeforeValidator, AfterValidator))]
+
+    def check(value):
+        values = value if isinstance(value, (list, tuple)) else [value]
+        checked = []
+        for item in values:
+            for step in steps:
+                item = step(item)
+            checked.append(item)
+        return tuple(checked)
+
+    return Annotated[tuple[kind.__origin__, ...], BeforeValidator(check)]

@@ -53,6 +53,7 @@ def check_run(config: Config) -> None:
     _check_ring_blocks(config)
     _check_tiles(config)
     _check_layer_groups(config)
+    _check_eval(config)
 
 
 def _check_head_split(config: Config) -> None:
@@ -133,3 +134,14 @@ def _check_layer_groups(config: Config) -> None:
             f"memory.layers_per_checkpoint ({k}) must divide the {layers} layers; "
             f"values that work: {', '.join(map(str, workable))}"
         )
+
+
+def _check_eval(config: Config) -> None:
+    if config.train.eval_every and not config.eval.path:
+        raise JlongError("train.eval_every scores held-out tokens: set eval.path (a .npy made by 'jlong prepare')")
+    if config.train.eval_every and not config.run_dir:
+        raise JlongError("train.eval_every logs into run_dir/metrics.jsonl: set run_dir")
+    too_long = [n for n in config.eval.passkey_lengths or () if n > config.train.seq_len]
+    if too_long:
+        raise JlongError(f"eval.passkey_lengths {too_long} exceed train.seq_len ({config.train.seq_len}): "
+                         "the passkey prompts run in the run's sequences")

@@ -9,7 +9,8 @@ only on the step (and the seed), resuming needs no data-loader state.
 `tokens` semantics (data.shuffle=false): sample i is tokens[i*S : i*S + S + 1],
 sample indices wrap modulo the number of whole samples, and step t takes
 samples (t-1)*B ... t*B-1. With shuffle, each pass over the samples follows
-its own seeded permutation.
+its own seeded permutation. `data.sampling: documents` packs sequences from
+whole documents instead (`jlong.data.documents`).
 """
 
 from __future__ import annotations
@@ -106,12 +107,24 @@ def batch_layout(config: Config) -> dict[str, tuple[tuple[int, int], np.dtype]]:
     return {key: (shape, np.dtype(np.int32)) for key in keys}
 
 
+def make_source(config: Config):
+    """What `sequences(step)` reads from: the token file (windows, or packed whole
+    documents: `jlong.data.documents`) or the synthetic sequences."""
+    if config.data.source == "synthetic":
+        return SyntheticTokens(config)
+    tokens = TokenFile(config)
+    if config.data.sampling == "documents":
+        from jlong.data.documents import PackedDocuments
+
+        return PackedDocuments(config, tokens.tokens)
+    return tokens
+
+
 class Batches:
     """The global batch of each step, with document structure when packed."""
 
     def __init__(self, config: Config):
-        source = {"tokens": TokenFile, "synthetic": SyntheticTokens}[config.data.source]
-        self.source = source(config)
+        self.source = make_source(config)
         self.eos_id = config.data.eos_id
         self.max_documents = config.attention.max_documents
         self.layout = batch_layout(config)

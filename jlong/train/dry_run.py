@@ -10,6 +10,7 @@ import jax
 
 from jlong.checkpoint import Checkpoints
 from jlong.config import Config
+from jlong.data.documents import PackedDocuments, describe as describe_documents
 from jlong.data.sources import Batches, TokenFile
 from jlong.plan.memory import format_plan, plan
 from jlong.plan.targets import GIB, PlanTarget
@@ -42,6 +43,8 @@ def describe(config: Config, until_step: int | None) -> str:
 
 
 def _data(config: Config, batches: Batches) -> str:
+    if isinstance(batches.source, PackedDocuments):
+        return describe_documents(batches.source, config.data.path)
     if isinstance(batches.source, TokenFile):
         source = batches.source
         tokens = len(source.tokens)
