@@ -1,4 +1,4 @@
-"""The `jlong` command line: train, plan, maxlen, convert, prepare.
+"""The `jlong` command line: train, eval, plan, maxlen, convert, prepare.
 
 Every user error ends as one line on stderr and exit status 2, before any
 compilation and without a traceback.
@@ -70,6 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.set_defaults(handler=_train)
 
+    evaluate = commands.add_parser(
+        "eval", help="loss by position and passkey retrieval of a checkpoint, forward pass only",
+        description="Runs the model's forward pass on the config's mesh and attention layout at train.seq_len: the "
+        "held-out loss of eval.path by position (power-of-two buckets) and passkey retrieval accuracy per (length, "
+        "depth). Writes eval.json, position_loss.png and passkey.png to --out (default: run_dir/eval/step-N).",
+    )
+    _config_arguments(evaluate)
+    evaluate.add_argument("--checkpoint", required=True, help="a jlong checkpoint directory (its newest step) or a "
+                          "Hugging Face directory")
+    evaluate.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    evaluate.add_argument("--out", help="where to write eval.json and the plots")
+    evaluate.set_defaults(handler=_eval)
+
     plan = commands.add_parser(
         "plan", help="per-device memory and the estimated cost of the configured train step, compiled ahead of time",
         description="Compiles the train step for the configured mesh with abstract inputs (nothing "
@@ -81,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     _config_arguments(plan)
     _plan_arguments(plan)
     plan.add_argument("--json", action="store_true", help="print one JSON object (bytes)")
+    plan.add_argument("--eval", action="store_true", help="plan the eval program (the forward pass of jlong eval and "
+                      "train.eval_every) instead of the train step; memory only, no step cost")
     plan.set_defaults(handler=_plan)
 
     maxlen = commands.add_parser(
@@ -223,6 +238,30 @@ def _train(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    import json
+    from pathlib import Path
+
+    from jlong.config import load_config
+
+    config = load_config(args.config, args.overrides)
+    start_backends(cpu_devices=config.mesh.size)
+    from jlong.eval import report
+    from jlong.eval.evaluate import evaluate
+    from jlong.parallel.placement import make_mesh
+
+    result = evaluate(config, args.checkpoint, make_mesh(config.mesh))
+    out = args.out or (config.run_dir and str(Path(config.run_dir) / "eval" / f"step-{result['step']}"))
+    written = report.write(result, Path(out)) if out else []
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(report.summary(result))
+        for path in written:
+            print(f"wrote {path}")
+    return 0
+
+
 def _plan(args) -> int:
     import json
 
@@ -234,14 +273,19 @@ def _plan(args) -> int:
     from jlong.plan.memory import compile_train_step, format_plan, plan_of
     from jlong.plan.step_cost import cost_dict, format_cost, step_cost
 
-    step = compile_train_step(config, target)
-    result, cost = plan_of(step), step_cost(step, efficiency)
+    step = compile_train_step(config, target, forward_only=args.eval)
+    result = plan_of(step)
+    cost = None if args.eval else step_cost(step, efficiency)
     if args.json:
-        print(json.dumps({**result.as_dict(), **cost_dict(cost)}))
+        print(json.dumps({**result.as_dict(), "program": "eval" if args.eval else "train",
+                          **(cost_dict(cost) if cost else {})}))
     else:
+        if args.eval:
+            print("program: eval (forward only: jlong eval, train.eval_every)")
         print(format_plan(result, config))
         print(f"device budget: {target.describe_budget(config.train.gpu_memory_fraction)}")
-        print(format_cost(cost))
+        if cost:
+            print(format_cost(cost))
     if not result.fits:
         from jlong.plan.advice import over_budget_error
 

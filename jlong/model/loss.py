@@ -1,4 +1,5 @@
-"""Next-token cross-entropy, from whole logits or tile by tile (`memory.loss_tile`)."""
+"""Next-token cross-entropy, from whole logits or tile by tile (`memory.loss_tile`),
+as a mean (training) or per token (evaluation)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,36 @@ def _tiled_loss_backward(tile, residuals, cotangents):
 
 
 _tiled_loss_sums.defvjp(_tiled_loss_forward, _tiled_loss_backward)
+
+
+def token_scores(hidden_BSD, w_DV, targets_BS, *, tile: int = 0, shards: Shards = OneDevice()):
+    """[B, S, 2] float32: each token's cross-entropy and whether its target is
+    the most likely token (1.0) or not (0.0), in the layout of the sequence
+    given. With `tile`, a tile of logits at a time on each device."""
+    if not tile:
+        return _scores(output_logits(hidden_BSD, w_DV), targets_BS)
+    per_device = functools.partial(_device_token_scores, tile=tile)
+    # HIDDEN's trailing axis is unsharded while computing: here it holds the two scores.
+    return shards.map(per_device, (HIDDEN, REPLICATED, TOKENS), HIDDEN)(hidden_BSD, w_DV, targets_BS)
+
+
+def _device_token_scores(hidden_BsD, w_DV, targets_Bs, *, tile):
+    w_DV = varying_like(w_DV, hidden_BsD)
+
+    def score_tile(_, inputs):
+        h_BTD, targets_BT = inputs
+        return None, _scores(output_logits(h_BTD, w_DV), targets_BT)
+
+    _, scores = jax.lax.scan(score_tile, None, (split_tiles(hidden_BsD, tile), split_tiles(targets_Bs, tile)))
+    return join_tiles(scores)
+
+
+def _scores(logits_BSV, targets_BS):
+    logits = logits_BSV.astype(jnp.float32)
+    target_logit = jnp.take_along_axis(logits, targets_BS[..., None], axis=-1)[..., 0]
+    losses = jax.nn.logsumexp(logits, axis=-1) - target_logit
+    hits = (jnp.argmax(logits, axis=-1) == targets_BS).astype(jnp.float32)
+    return jnp.stack([losses, hits], axis=-1)
 
 
 def _loss_sums(logits_BSV, targets_BS, mask_BS):

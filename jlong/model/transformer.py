@@ -23,7 +23,7 @@ from jlong.attention.projection import ATTENTION_PARAMS, QKVProjection
 from jlong.attention.ulysses import staged_attention
 from jlong.config import Config, ModelConfig
 from jlong.model.layers import rms_norm, rope_inverse_frequencies, swiglu
-from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy
+from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy, token_scores
 from jlong.model.params import ParamSpec, layer_params, outer_params
 from jlong.model.remat import remat_policy, scan_layers
 from jlong.model.shards import HIDDEN, REPLICATED, OneDevice, Shards
@@ -169,6 +169,13 @@ class Transformer(nnx.Module):
                 shards=self.options.shards,
             )
         return cross_entropy(self.logits(hidden_BSD), targets_BS, mask_BS)
+
+    def token_scores(self, batch: dict):
+        """[B, S, 2] float32 per target token, in the batch's layout: its
+        cross-entropy, and 1.0 where it is the model's most likely next token."""
+        hidden_BSD = self.hidden_states(batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
+        return token_scores(hidden_BSD, self.output_weights(hidden_BSD.dtype), batch["targets"],
+                            tile=self.options.loss_tile, shards=self.options.shards)
 
 
 def decoder_layer(p, x_BSD, positions_BS, segment_ids_BS, config, options):

@@ -111,6 +111,7 @@ class CompiledStep:
     compiled: jax.stages.Compiled
     target: PlanTarget
     own_devices: list | None  # a running program's devices, when it compiled for them
+    forward_only: bool = False  # the eval program (`jlong eval`): no gradients, no optimizer update
 
     @property
     def on_cpu(self) -> bool:
@@ -122,14 +123,17 @@ class CompiledStep:
         return parse_module(self.compiled.as_text())
 
 
-def compile_train_step(config: Config, target: PlanTarget = PlanTarget(), devices=None) -> CompiledStep:
+def compile_train_step(config: Config, target: PlanTarget = PlanTarget(), devices=None, *,
+                       forward_only: bool = False) -> CompiledStep:
     """Compiles the training program of `config` for its mesh on `target` (or
-    on `devices`, a running program's own) with abstract inputs."""
+    on `devices`, a running program's own) with abstract inputs; with
+    `forward_only`, its eval program (`TrainProgram.eval_step`) instead."""
     mesh = _planning_mesh(config, target, devices)
     on_cpu = mesh.devices.flat[0].platform == "cpu"
     program = TrainProgram(_without_bfloat16(config) if on_cpu else config, mesh)
+    lowered = program.lower_eval() if forward_only else program.lower()
     if on_cpu:
-        compiled = program.compile(CPU_COMPILER_OPTIONS)
+        compiled = lowered.compile(CPU_COMPILER_OPTIONS)
     else:
         # A compile-only GPU executable cannot be loaded back from jax's
         # persistent compilation cache (there is no device to load it on), so
@@ -137,8 +141,8 @@ def compile_train_step(config: Config, target: PlanTarget = PlanTarget(), device
         from jax._src import config as jax_config
 
         with jax_config.persistent_cache_min_compile_time_secs(float("inf")):
-            compiled = program.compile()
-    return CompiledStep(program, compiled, target, devices)
+            compiled = lowered.compile()
+    return CompiledStep(program, compiled, target, devices, forward_only)
 
 
 def plan(config: Config, target: PlanTarget = PlanTarget(), devices=None) -> MemoryPlan:
@@ -158,7 +162,12 @@ def plan_of(step: CompiledStep) -> MemoryPlan:
     host_states = host_state_bytes(program)
     device_states = shard_bytes(program.abstract_opt_state, lambda leaf: not in_host_memory(program, leaf))
     layer_inputs = saved_layer_input_bytes(config)
-    if step.on_cpu:  # see the module docstring
+    if step.forward_only:  # no gradients, no optimizer state, nothing kept for a backward pass
+        gradients = device_states = layer_inputs = 0
+        host_states = shard_bytes(program.abstract_params, lambda leaf: in_host_memory(program, leaf))
+    if step.on_cpu and step.forward_only:
+        host_offload, temporaries = host_states, analysis.temp_size_in_bytes
+    elif step.on_cpu:  # see the module docstring
         policy = remat_policy(config.memory.remat)
         offloaded = (layer_inputs if policy.offloads_layer_inputs else 0) + offloaded_attention_bytes(config)
         host_offload = offloaded + host_states

@@ -108,6 +108,7 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
             if run.step and run_dir.relaid:
                 _say(f"resuming step {run.step}'s checkpoint with a new layout: {'; '.join(run_dir.relaid)}")
         began, stopped_by = time.perf_counter(), None
+        evaluation = PeriodicEvaluation(config, run.program)
         with Recorder(config, run_dir, first=run.step, last=last) as recorder:
             for step in range(run.step + 1, last + 1):
                 stopped_by = stops.agreed()
@@ -115,7 +116,7 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
                     break
                 loss, grad_norm, seconds = _update(run, batches, step)
                 _check_finite(step, loss, grad_norm, checkpoints)
-                recorder.record(step, loss, grad_norm, seconds)
+                recorder.record(step, loss, grad_norm, seconds, evaluation.at(step, run.params))
                 every = config.checkpoint.every
                 if checkpoints and ((every and step % every == 0) or step == last):
                     _save(config, checkpoints, run)
@@ -129,8 +130,31 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
     finally:
         if stop_requests is None:
             stops.uninstall()
+        if run_dir:
+            run_dir.close()
         if checkpoints:
             checkpoints.close()
+
+
+class PeriodicEvaluation:
+    """train.eval_every: the loss by position on eval.path, with the run's
+    parameters and forward pass, every that many steps."""
+
+    def __init__(self, config: Config, program: TrainProgram):
+        self.every = config.train.eval_every
+        if self.every:
+            from jlong.eval.evaluate import Evaluator, held_out_rows
+
+            self.evaluator, self.rows = Evaluator(program), held_out_rows(config)
+
+    def at(self, step: int, params: dict) -> dict:
+        """The metrics to log with step `step` (none between evaluations)."""
+        if not self.every or step % self.every:
+            return {}
+        from jlong.eval.evaluate import position_losses
+
+        result = position_losses(self.evaluator, params, self.rows)
+        return {"eval_loss": result["loss"], "eval_loss_by_position": result["loss_by_position"]}
 
 
 def _save(config: Config, checkpoints: Checkpoints, run: Started) -> None:
@@ -203,7 +227,7 @@ class Recorder:
         self.profiler.stop()
         self.progress.close()
 
-    def record(self, step: int, loss: float, grad_norm: float, seconds: float) -> None:
+    def record(self, step: int, loss: float, grad_norm: float, seconds: float, evaluation: dict) -> None:
         record = {
             "step": step,
             "loss": loss,
@@ -212,7 +236,8 @@ class Recorder:
             "tokens_per_s": self.tokens_per_step / seconds,
             "step_time_s": seconds,
         }
-        record.update(device_memory(), **mfu(record["tokens_per_s"], self.flops_per_token, self.peak_flops))
+        record.update(device_memory(), **mfu(record["tokens_per_s"], self.flops_per_token, self.peak_flops),
+                      **evaluation)
         self.records.append(record)
         if self.run_dir:
             self.run_dir.log(record)

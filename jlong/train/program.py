@@ -74,6 +74,9 @@ class TrainProgram:
             out_shardings=(self.rest_shardings, self.opt_shardings, metrics_sharding),
             donate_argnums=(0, 1),
         )
+        # Forward only: (params, batch) -> [B, S, 2] per-token cross-entropy and argmax hits (`jlong.eval`).
+        self.eval_step = jax.jit(self._token_scores, in_shardings=(self.rest_shardings, self.batch_sharding),
+                                 out_shardings=self.batch_sharding)
 
     def _fresh_model(self, seed: int) -> Transformer:
         return Transformer(
@@ -124,6 +127,13 @@ class TrainProgram:
         loss, grads = jax.value_and_grad(self.loss)(compute_params, batch)
         params, opt_state, grad_norm = self.optimizer.update(grads, opt_state, params)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
+
+    def _token_scores(self, params, batch):
+        return self.bind(self.optimizer.compute_params(params, self.param_shardings)).token_scores(batch)
+
+    def lower_eval(self) -> jax.stages.Lowered:
+        """The forward-only program of `eval_step`, lowered for abstract parameters and batch."""
+        return self.eval_step.lower(self.abstract_params, self.abstract_batch)
 
     def lower(self) -> jax.stages.Lowered:
         """The step lowered for the abstract parameters, state and batch: the

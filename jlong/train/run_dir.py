@@ -1,4 +1,5 @@
-"""A run's directory: its config, one JSON line of metrics per step, and the loss curve."""
+"""A run's directory: its config, one JSON line of metrics per step (and the
+same values in TensorBoard or W&B, with train.log_to), and the loss curve."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import yaml
 
 from jlong.config import Config, config_to_dict
 from jlong.errors import JlongError
+from jlong.train.metric_sinks import TensorBoard, WeightsAndBiases
 from jlong.train.report import LOSS_PLOT, plot_losses
 
 # What a resumed run may change: how long to train, how often to save, where its
@@ -26,6 +28,9 @@ NOT_RESUMABLE = {"memory.optimizer_offload"}
 
 
 def resumable(key: str) -> bool:
+    """Whether a resumed run may change `key`: the layout, the cadences, and what is measured and where it goes."""
+    if key.startswith("eval.") or key in ("train.eval_every", "train.log_to"):
+        return True
     return key in RESUMABLE_CHANGES or (key.startswith(RESUMABLE_SECTIONS) and key not in NOT_RESUMABLE)
 
 
@@ -45,6 +50,7 @@ class RunDir:
         self.config_path = self.path / "config.yaml"
         self.metrics_path = self.path / "metrics.jsonl"
         self.config = config_to_dict(config)
+        self.sinks: list = []  # train.log_to's, besides metrics.jsonl
         self.relaid: list[str] = []  # how the layout on the devices changed since the run's last session
         if self.config_path.is_file():
             before = _flatten(yaml.safe_load(self.config_path.read_text()) or {})
@@ -61,17 +67,29 @@ class RunDir:
             self.relaid = [f"{k} {before.get(k)} -> {now.get(k)}" for k in changed if k.startswith(RESUMABLE_SECTIONS)]
 
     def start(self, resumed_at: int) -> None:
-        """Writes the config; drops metrics of steps after the resumed checkpoint."""
+        """Writes the config; drops metrics of steps after the resumed checkpoint; opens the train.log_to sinks."""
         self.path.mkdir(parents=True, exist_ok=True)
         _write_atomically(self.config_path, yaml.safe_dump(self.config, sort_keys=False))
         if self.metrics_path.is_file():
             kept = [line for line in self.metrics_path.read_text().splitlines()
                     if _logged_step(line) <= resumed_at]
             _write_atomically(self.metrics_path, "".join(line + "\n" for line in kept))
+        log_to = self.config["train"]["log_to"]
+        if "tensorboard" in log_to:
+            self.sinks.append(TensorBoard(self.path, resumed_at))
+        if "wandb" in log_to:
+            self.sinks.append(WeightsAndBiases(self.path, self.config))
 
     def log(self, record: dict) -> None:
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        for sink in self.sinks:
+            sink.log(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
     def plot_losses(self) -> None:
         """The run's loss curve so far, as run_dir/loss.png."""

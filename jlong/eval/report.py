@@ -1,0 +1,94 @@
+"""What `jlong eval` writes and prints: eval.json, a position-loss plot and a passkey heatmap."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from jlong.eval.evaluate import perplexity
+
+JSON, POSITION_PLOT, PASSKEY_PLOT = "eval.json", "position_loss.png", "passkey.png"
+
+
+def write(result: dict, out: Path) -> list[Path]:
+    """The result's files in `out`, each written whole under a temporary name first."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (JSON + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    os.replace(tmp, out / JSON)
+    written = [out / JSON]
+    if result.get("loss_by_position"):
+        written.append(_save(_position_figure(result), out / POSITION_PLOT))
+    if result.get("passkey"):
+        written.append(_save(_passkey_figure(result), out / PASSKEY_PLOT))
+    return written
+
+
+def summary(result: dict) -> str:
+    lines = [f"checkpoint {result['checkpoint']} (step {result['step']}) at seq_len {result['seq_len']:,}"]
+    if "loss" in result:
+        lines.append(f"held-out loss {result['loss']:.4f} (perplexity {perplexity(result['loss']):,.2f}) over "
+                     f"{result['tokens']:,} tokens; by position:")
+        lines += [f"  [{b['start']:>9,}, {b['end']:>9,})  loss {b['loss']:.4f}  ({b['tokens']:,} tokens)"
+                  for b in result["loss_by_position"]]
+    if result["passkey"]:
+        lines.append("passkey accuracy (rows: depth; columns: length):")
+        lengths = sorted({c["length"] for c in result["passkey"]})
+        depths = sorted({c["depth"] for c in result["passkey"]})
+        cell = {(c["length"], c["depth"]): c["accuracy"] for c in result["passkey"]}
+        lines.append("  depth  " + "".join(f"{n:>10,}" for n in lengths))
+        lines += ["  " + f"{d:>5.2f}  " + "".join(f"{cell[n, d]:>10.2f}" for n in lengths) for d in depths]
+    return "\n".join(lines)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _position_figure(result: dict):
+    plt = _pyplot()
+    buckets = result["loss_by_position"]
+    figure, axes = plt.subplots(figsize=(7, 4))
+    axes.plot([max(b["end"], 1) for b in buckets], [b["loss"] for b in buckets], marker="o")
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("position in context (bucket end, tokens)")
+    axes.set_ylabel("next-token loss")
+    axes.set_title(f"loss by position, step {result['step']}, seq_len {result['seq_len']:,}")
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    return figure
+
+
+def _passkey_figure(result: dict):
+    plt = _pyplot()
+    lengths = sorted({c["length"] for c in result["passkey"]})
+    depths = sorted({c["depth"] for c in result["passkey"]})
+    cell = {(c["length"], c["depth"]): c["accuracy"] for c in result["passkey"]}
+    grid = [[cell[n, d] for n in lengths] for d in depths]
+    figure, axes = plt.subplots(figsize=(1.2 * len(lengths) + 2.5, 0.6 * len(depths) + 1.8))
+    image = axes.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    for i, row in enumerate(grid):
+        for j, value in enumerate(row):
+            axes.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
+    axes.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths])
+    axes.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+    axes.set_xlabel("context length (tokens)")
+    axes.set_ylabel("depth of the key")
+    axes.set_title(f"passkey accuracy, step {result['step']}")
+    figure.colorbar(image, ax=axes)
+    figure.tight_layout()
+    return figure
+
+
+def _save(figure, path: Path) -> Path:
+    tmp = path.with_name(path.name + ".tmp.png")
+    figure.savefig(tmp, dpi=100)
+    _pyplot().close(figure)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,188 @@
+"""`jlong eval` and `train.eval_every`: the loss by position adds up to the
+whole loss, the sharded forward pass scores as one device does, passkey
+scoring tells a model that retrieves the key from one that does not, and
+every metric reaches TensorBoard (and W&B) as it reaches metrics.jsonl."""
+
+import json
+import struct
+import sys
+
+import jax
+import numpy as np
+import pytest
+from helpers import SMALL_MODEL, run_cli
+
+from jlong.config import load_config
+from jlong.data.prepare import prepare
+from jlong.eval import passkey
+from jlong.eval.evaluate import Evaluator, passkey_accuracy, position_losses
+from jlong.eval.positions import loss_by_position
+from jlong.parallel.placement import make_mesh
+from jlong.train.loop import train
+from jlong.train.metric_sinks import TENSORBOARD_DIR, scalars
+from jlong.train.program import TrainProgram
+
+BYTES = [*SMALL_MODEL, "model.vocab_size=256"]
+
+
+@pytest.fixture(scope="module")
+def held_out(tmp_path_factory):
+    """Real text as bytes, prepared into documents: the package's own sources."""
+    tmp = tmp_path_factory.mktemp("held-out")
+    from helpers import REPO
+
+    prepare(str(tmp / "eval.npy"), [str(REPO / "jlong" / "eval")], pattern="*.py")
+    return tmp / "eval.npy"
+
+
+def test_buckets_weighted_by_their_tokens_average_to_the_whole_loss():
+    rng = np.random.default_rng(0)
+    losses, positions = rng.random((3, 100)) * 5, rng.integers(0, 100, (3, 100))
+    buckets = loss_by_position(losses, positions, 100)
+    assert [(b["start"], b["end"]) for b in buckets][:3] == [(0, 1), (1, 2), (2, 4)] and buckets[-1]["end"] == 100
+    assert sum(b["tokens"] for b in buckets) == losses.size
+    weighted = sum(b["loss"] * b["tokens"] for b in buckets) / losses.size
+    assert weighted == pytest.approx(losses.mean(), rel=1e-12)
+
+
+def _scored(config, devices, rows):
+    program = TrainProgram(config, make_mesh(config.mesh, devices))
+    return position_losses(Evaluator(program), program.init_params(seed=0), rows)
+
+
+@pytest.mark.parametrize("mesh", [
+    ["mesh.fsdp=2", "mesh.sp=4", "attention.heads_per_stage=4", "memory.loss_tile=4"],  # fsdp x sp, UPipe, tiles
+    ["mesh.fsdp=2", "mesh.ring=2", "mesh.sp=2"],  # a ring (zigzag layout restored)
+], ids=["fsdp2-sp4-upipe", "ring2-sp2-fsdp2"])
+def test_eval_on_the_sharded_mesh_equals_one_device(mesh, held_out):
+    config = load_config(None, [*BYTES, "data.eos_id=0", f"eval.path={held_out}", "eval.sequences=8"])
+    from jlong.eval.evaluate import held_out_rows
+
+    rows = held_out_rows(config)
+    one = _scored(config, jax.devices()[:1], rows)
+    sharded = _scored(load_config(None, [*BYTES, "data.eos_id=0", *mesh]), jax.devices(), rows)
+    assert sharded["tokens"] == one["tokens"] == 8 * 64
+    assert sharded["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    for got, want in zip(sharded["loss_by_position"], one["loss_by_position"], strict=True):
+        assert (got["start"], got["end"], got["tokens"]) == (want["start"], want["end"], want["tokens"])
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    weighted = sum(b["loss"] * b["tokens"] for b in one["loss_by_position"]) / one["tokens"]
+    assert weighted == pytest.approx(one["loss"], rel=1e-6)
+
+
+class _Reader:
+    """A stand-in for the model that reads the key from the prompt: its most
+    likely next tokens after "The pass key is " are the key's digits (or, when
+    built to answer wrong, the key with its last digit changed), until `reach`
+    tokens into the prompt, past which it sees nothing."""
+
+    def __init__(self, config, *, wrong=False, reach=None):
+        self.config, self.wrong, self.reach = config, wrong, reach
+
+    def scores(self, params, rows):
+        hits = np.zeros((*rows[:, 1:].shape, 2), np.float32)
+        question = passkey.QUESTION.encode()
+        for r, row in enumerate(rows):
+            text = bytes(row.astype(np.uint8).tolist())
+            at = text.index(question) + len(question)
+            needle = text.index(b"The pass key is ") + len(b"The pass key is ")
+            key = bytearray(text[needle : needle + 5])
+            if self.wrong:
+                key[-1] = ord("0") + (key[-1] - ord("0") + 1) % 10
+            if self.reach is not None and needle > self.reach:
+                key = bytearray(b"00000")
+            hits[r, at - 1 : at + 4, 1] = np.frombuffer(bytes(key), np.uint8) == row[at : at + 5]
+        return hits
+
+
+def test_passkey_scoring_tells_right_answers_from_wrong_ones():
+    config = load_config(None, [*BYTES, "train.seq_len=512", "eval.passkey_trials=3",
+                                "eval.passkey_lengths=[256,512]", "eval.passkey_depths=[0,0.5,1]"])
+    right = passkey_accuracy(_Reader(config), params=None)
+    assert [(c["length"], c["depth"], c["trials"], c["accuracy"]) for c in right] == [
+        (n, d, 3, 1.0) for n in (256, 512) for d in (0.0, 0.5, 1.0)]
+    assert all(c["accuracy"] == 0.0 for c in passkey_accuracy(_Reader(config, wrong=True), params=None))
+    # A model that sees only its first 300 tokens finds keys hidden early and misses those hidden late.
+    cells = {(c["length"], c["depth"]): c["accuracy"] for c in passkey_accuracy(_Reader(config, reach=300), None)}
+    assert cells[256, 1.0] == cells[512, 0.0] == 1.0 and cells[512, 1.0] == 0.0
+
+
+def _events(directory):
+    """(tag, step, value) of every scalar in the TensorBoard event files (TFRecord framing, Event protos)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    found = []
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = Event.FromString(data[at + 12 : at + 12 + length])
+            at += 12 + length + 4
+            found += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+    return found
+
+
+class _WandbStandIn:
+    """W&B is not installed here: a stand-in module records what jlong hands it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def init(self, **options):
+        return self
+
+    def log(self, values, step):
+        self.calls.append((step, values))
+
+    def finish(self):
+        self.calls.append("finished")
+
+
+def test_eval_every_logs_the_loss_by_position_and_every_sink_reads_back_as_metrics_jsonl(tmp_path, held_out,
+                                                                                          monkeypatch):
+    wandb = _WandbStandIn()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    # At 256 tokens, which a passkey prompt (173 bytes) fits in.
+    config = load_config(None, [*BYTES, "mesh.fsdp=2", "mesh.sp=4", "train.seq_len=256", "train.steps=4",
+                                "train.eval_every=2",
+                                f"eval.path={held_out}", "eval.sequences=8", "train.log_to=[jsonl,tensorboard,wandb]",
+                                f"run_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}"])
+    train(config)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert ["eval_loss" in r for r in records] == [False, True, False, True]
+    logged = {(name, r["step"]): value for r in records for name, value in scalars(r).items()}
+    assert "eval/loss_by_position/0-1" in {name for name, _ in logged}
+    events = {(tag, step): value for tag, step, value in _events(tmp_path / "run" / TENSORBOARD_DIR)}
+    assert events.keys() == logged.keys()
+    for key, value in logged.items():
+        assert events[key] == pytest.approx(value, rel=1e-6), key  # TensorBoard keeps float32
+    assert wandb.calls == [(r["step"], scalars(r)) for r in records] + ["finished"]
+
+    # The checkpoint the run ended with, evaluated by the command line: the same loss at step 4.
+    out = tmp_path / "eval"
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text("{}\n")
+    result = run_cli("eval", config_file, *BYTES, "mesh.fsdp=2", "mesh.sp=4", "train.seq_len=256",
+                     f"eval.path={held_out}", "eval.sequences=8", "eval.passkey_trials=1",
+                     "--checkpoint", tmp_path / "ckpt",
+                     "--out", out, "--json")
+    assert result.returncode == 0, result.stderr
+    printed = json.loads(result.stdout)
+    assert printed == json.loads((out / "eval.json").read_text())
+    assert printed["step"] == 4 and printed["loss"] == pytest.approx(records[-1]["eval_loss"], rel=1e-5)
+    assert {"start", "end", "tokens", "loss"} == set(printed["loss_by_position"][0])
+    assert {"length", "depth", "trials", "accuracy"} == set(printed["passkey"][0])
+    assert (out / "position_loss.png").is_file() and (out / "passkey.png").is_file()
+
+
+def test_plan_covers_the_eval_program(tmp_path):
+    config = tmp_path / "small.yaml"
+    config.write_text("{}\n")
+    shape = [*BYTES, "mesh.fsdp=2", "mesh.sp=4", "train.seq_len=256", "--target", "cpu", "--json"]
+    train_plan = json.loads(run_cli("plan", config, *shape).stdout)
+    result = run_cli("plan", config, *shape, "--eval")
+    assert result.returncode == 0, result.stderr
+    eval_plan = json.loads(result.stdout)
+    assert eval_plan["program"] == "eval" and "step_time_s" not in eval_plan
+    assert eval_plan["gradients"] == eval_plan["optimizer_state"] == 0 and eval_plan["parameters"] > 0
+    assert 0 < eval_plan["device_total"] < train_plan["device_total"]
