@@ -209,6 +209,7 @@ def _reason(err: Exception) -> str:
 
 def convert(source: str | Path, destination: str | Path, *, param_dtype: str = "float32") -> None:
     """Hugging Face directory -> jlong checkpoint, or jlong checkpoint -> Hugging Face."""
+    import jax
     from flax import nnx
 
     from jlong.hf import from_hf, to_hf
@@ -234,7 +235,10 @@ def convert(source: str | Path, destination: str | Path, *, param_dtype: str = "
 
     model = nnx.eval_shape(lambda: Transformer(saved_model, rngs=nnx.Rngs(0), param_dtype=param_dtype))
     graphdef, state = nnx.split(model)
-    params, _ = checkpoints.restore(step, nnx.to_pure_dict(state))
+    # Whole on this process's first device, whatever mesh wrote the checkpoint.
+    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), nnx.to_pure_dict(state))
+    params, _ = checkpoints.restore(step, shapes)
     nnx.replace_by_pure_dict(state, params)
     to_hf(nnx.merge(graphdef, state), destination)
     checkpoints.close()

@@ -244,7 +244,10 @@ def _eval(args) -> int:
 
     from jlong.config import load_config
 
+    from jlong.eval.evaluate import checkpoint_kind
+
     config = load_config(args.config, args.overrides)
+    checkpoint_kind(args.checkpoint)
     start_backends(cpu_devices=config.mesh.size)
     from jlong.eval import report
     from jlong.eval.evaluate import evaluate

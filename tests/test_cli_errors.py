@@ -76,6 +76,12 @@ CASES = {
     "zero budget": (["plan", "{cfg}", "--budget-gib", "0"], "--budget-gib must be positive"),
     "devices": (["plan", "{cfg}", "--devices", "3"], "--devices 3, but the mesh"),
     "bad command": (["fly"], "invalid choice"),
+    "eval without a checkpoint": (["eval", "{cfg}", "eval.passkey_trials=0", "--checkpoint", "{files}/none"],
+                                  "/none' is not a directory"),
+    "eval of an empty directory": (["eval", "{cfg}", "--checkpoint", "{files}/empty"], "holds no jlong checkpoint"),
+    "eval_every without eval.path": (["train", "{cfg}", "train.eval_every=5"], "set eval.path"),
+    "documents without an end id": (["train", "{cfg}", "data.source=tokens", "data.path={files}/short.npy",
+                                     "data.sampling=documents"], "it needs data.source=tokens and data.eos_id"),
 }
 
 

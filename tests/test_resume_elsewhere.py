@@ -53,6 +53,17 @@ def test_a_run_continues_on_four_devices(checkpointed_on_fsdp_8, uninterrupted, 
     np.testing.assert_allclose(logged_losses(run / "run"), uninterrupted, rtol=1e-5)
 
 
+def test_a_checkpoint_of_eight_devices_converts_to_hugging_face_on_one(checkpointed_on_fsdp_8, tmp_path):
+    """`jlong convert` reads the fsdp=8 checkpoint whole onto its one device."""
+    command, env = train_command(tmp_path, run_config(tmp_path))
+    command = [*command[:3], "convert", str(checkpointed_on_fsdp_8 / "ckpt"), str(tmp_path / "hf")]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from jlong.hf import from_hf
+
+    assert from_hf(tmp_path / "hf").config.hidden_size == run_config(tmp_path).model.hidden_size
+
+
 @pytest.mark.parametrize("change, named", [
     (["train.lr=2e-2"], "train.lr"),
     (["train.seq_len=32"], "train.seq_len"),

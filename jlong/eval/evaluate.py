@@ -100,21 +100,28 @@ def _text_encoder(config: Config):
     return lambda text: list(text.encode("utf-8"))
 
 
+def checkpoint_kind(checkpoint: str) -> str:
+    """"hf" or "jlong", checked before anything is built."""
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise JlongError(f"--checkpoint {checkpoint!r} is not a directory")
+    if (path / "config.json").is_file():
+        return "hf"
+    if not any(p.is_dir() and p.name.isdigit() for p in path.iterdir()):
+        raise JlongError(f"--checkpoint {checkpoint!r} holds no jlong checkpoint (nor a Hugging Face config.json)")
+    return "jlong"
+
+
 def load_params(program: TrainProgram, checkpoint: str) -> tuple[dict, int | str]:
     """The parameters of a jlong checkpoint directory (its newest step) or a
     Hugging Face directory, in the program's shardings; and which step."""
     from jlong.checkpoint import Checkpoints
 
-    path = Path(checkpoint)
-    if not path.is_dir():
-        raise JlongError(f"--checkpoint {checkpoint!r} is not a directory")
-    if (path / "config.json").is_file():
-        return program.load_hf_params(str(path)), "hf"
-    checkpoints = Checkpoints(path)
+    if checkpoint_kind(checkpoint) == "hf":
+        return program.load_hf_params(checkpoint), "hf"
+    checkpoints = Checkpoints(checkpoint)
     try:
         step = checkpoints.latest_step()
-        if step is None:
-            raise JlongError(f"--checkpoint {checkpoint!r} holds no jlong checkpoint (nor a Hugging Face config.json)")
         params, _ = checkpoints.restore(step, program.abstract_params)
     finally:
         checkpoints.close()
