@@ -75,12 +75,9 @@ def main() -> int:
 
 
 def _plot(before: dict, after: dict, path: Path) -> None:
-    import matplotlib
+    from jlong.plots import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4))
+    figure, axes = pyplot().subplots(figsize=(7, 4))
     for result, label in ((before, "before: trained at 256, evaluated at 2,048"),
                           (after, "after: continued at 2,048 on documents")):
         buckets = result["loss_by_position"]
@@ -92,8 +89,7 @@ def _plot(before: dict, after: dict, path: Path) -> None:
     axes.set_title("context extension of the tiny model, 8 CPU devices")
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    save(figure, path)
 
 
 def _report(before: dict, after: dict, args, seconds: float) -> str:

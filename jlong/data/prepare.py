@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from jlong.data.readers import documents, sources
 from jlong.errors import JlongError
+from jlong.plots import pyplot
 
 BYTE_EOS_ID = 0
 
@@ -124,13 +125,8 @@ def length_summary(lengths: np.ndarray) -> dict:
 
 
 def plot_lengths(summary: dict, png: Path, *, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     edges, counts = summary["histogram"]["edges"], summary["histogram"]["counts"]
-    figure, axes = plt.subplots(figsize=(7, 4))
+    figure, axes = pyplot().subplots(figsize=(7, 4))
     axes.bar(edges[:-1], counts, width=np.diff(edges), align="edge", edgecolor="black", linewidth=0.5)
     axes.set_xscale("log", base=2)
     axes.set_xlabel("document length (tokens, log scale)")
@@ -138,8 +134,8 @@ def plot_lengths(summary: dict, png: Path, *, title: str) -> None:
     axes.set_title(f"{title}: {summary['documents']:,} documents, {summary['tokens']:,} tokens")
     axes.grid(alpha=0.3)
     figure.tight_layout()
-    figure.savefig(png, dpi=100, format="png")
-    plt.close(figure)
+    figure.savefig(png, dpi=100, format="png")  # under prepare's own temporary name
+    pyplot().close(figure)
 
 
 class Encoder:

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from jlong.eval.evaluate import perplexity
+from jlong.plots import pyplot, save
 
 JSON, POSITION_PLOT, PASSKEY_PLOT = "eval.json", "position_loss.png", "passkey.png"
 
@@ -19,9 +20,9 @@ def write(result: dict, out: Path) -> list[Path]:
     os.replace(tmp, out / JSON)
     written = [out / JSON]
     if result.get("loss_by_position"):
-        written.append(_save(_position_figure(result), out / POSITION_PLOT))
+        written.append(save(_position_figure(result), out / POSITION_PLOT))
     if result.get("passkey"):
-        written.append(_save(_passkey_figure(result), out / PASSKEY_PLOT))
+        written.append(save(_passkey_figure(result), out / PASSKEY_PLOT))
     return written
 
 
@@ -42,17 +43,8 @@ def summary(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _position_figure(result: dict):
-    plt = _pyplot()
+    plt = pyplot()
     buckets = result["loss_by_position"]
     figure, axes = plt.subplots(figsize=(7, 4))
     axes.plot([max(b["end"], 1) for b in buckets], [b["loss"] for b in buckets], marker="o")
@@ -61,12 +53,11 @@ def _position_figure(result: dict):
     axes.set_ylabel("next-token loss")
     axes.set_title(f"loss by position, step {result['step']}, seq_len {result['seq_len']:,}")
     axes.grid(alpha=0.3)
-    figure.tight_layout()
     return figure
 
 
 def _passkey_figure(result: dict):
-    plt = _pyplot()
+    plt = pyplot()
     lengths = sorted({c["length"] for c in result["passkey"]})
     depths = sorted({c["depth"] for c in result["passkey"]})
     cell = {(c["length"], c["depth"]): c["accuracy"] for c in result["passkey"]}
@@ -82,13 +73,4 @@ def _passkey_figure(result: dict):
     axes.set_ylabel("depth of the key")
     axes.set_title(f"passkey accuracy, step {result['step']}")
     figure.colorbar(image, ax=axes)
-    figure.tight_layout()
     return figure
-
-
-def _save(figure, path: Path) -> Path:
-    tmp = path.with_name(path.name + ".tmp.png")
-    figure.savefig(tmp, dpi=100)
-    _pyplot().close(figure)
-    os.replace(tmp, path)
-    return path

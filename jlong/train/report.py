@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 
 from jlong.config import Config
+from jlong.plots import pyplot, save
 
 LOSS_PLOT = "loss.png"
 
@@ -48,20 +49,11 @@ def nothing_to_do(config: Config, step: int, until_step: int | None) -> str:
 
 def plot_losses(metrics_path: Path, png_path: Path) -> None:
     """The loss of every step in metrics.jsonl (all sessions of the run) against the step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    figure, axes = plt.subplots(figsize=(7, 4))
+    figure, axes = pyplot().subplots(figsize=(7, 4))
     axes.plot([r["step"] for r in records], [r["loss"] for r in records], linewidth=1.2)
     axes.set_xlabel("step")
     axes.set_ylabel("loss (next-token cross-entropy)")
     axes.set_title(metrics_path.parent.name)
     axes.grid(alpha=0.3)
-    figure.tight_layout()
-    tmp = png_path.with_name(png_path.name + ".tmp.png")
-    figure.savefig(tmp, dpi=100)
-    plt.close(figure)
-    tmp.replace(png_path)
+    save(figure, png_path)
