@@ -80,6 +80,8 @@ CASES = {
                                   "/none' is not a directory"),
     "eval of an empty directory": (["eval", "{cfg}", "--checkpoint", "{files}/empty"], "holds no jlong checkpoint"),
     "eval_every without eval.path": (["train", "{cfg}", "train.eval_every=5"], "set eval.path"),
+    "log_to without run_dir": (["train", "{cfg}", "run_dir=null", "train.log_to=[tensorboard]"], "set run_dir"),
+    "log_to a sink that is not one": (["train", "{cfg}", "train.log_to=[tensorbord]"], "did you mean 'tensorboard'"),
     "documents without an end id": (["train", "{cfg}", "data.source=tokens", "data.path={files}/short.npy",
                                      "data.sampling=documents"], "it needs data.source=tokens and data.eos_id"),
 }

@@ -141,6 +141,9 @@ def _check_eval(config: Config) -> None:
         raise JlongError("train.eval_every scores held-out tokens: set eval.path (a .npy made by 'jlong prepare')")
     if config.train.eval_every and not config.run_dir:
         raise JlongError("train.eval_every logs into run_dir/metrics.jsonl: set run_dir")
+    if set(config.train.log_to) - {"jsonl"} and not config.run_dir:
+        raise JlongError(f"train.log_to {list(config.train.log_to)} writes into run_dir (TensorBoard's event files, "
+                         "W&B's offline runs): set run_dir")
     too_long = [n for n in config.eval.passkey_lengths or () if n > config.train.seq_len]
     if too_long:
         raise JlongError(f"eval.passkey_lengths {too_long} exceed train.seq_len ({config.train.seq_len}): "
