@@ -109,7 +109,9 @@ def _report(before: dict, after: dict, args, seconds: float) -> str:
         f"{SHORT} tokens, then continued at {LONG} with rope_theta {THETA:,.0f} (from 10,000) on whole "
         "documents, long ones drawn twice as often. Evaluated on files named n-z (held out).",
         "",
-        f"Held-out loss: {before['loss']:.4f} before, {after['loss']:.4f} after, over {after['tokens']:,} tokens.",
+        f"Held-out loss: {before['loss']:.4f} before, {after['loss']:.4f} after, over {after['tokens']:,} tokens. "
+        f"The continued model has also trained {args.steps[1]} more steps than the one before it: the comparison "
+        "does not separate the longer context and the raised rope_theta from the extra training.",
         "",
         "## Loss by position in the document",
         "",

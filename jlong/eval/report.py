@@ -27,7 +27,8 @@ def write(result: dict, out: Path) -> list[Path]:
 
 
 def summary(result: dict) -> str:
-    lines = [f"checkpoint {result['checkpoint']} (step {result['step']}) at seq_len {result['seq_len']:,}"]
+    which = "Hugging Face weights" if result["step"] == "hf" else f"step {result['step']}"
+    lines = [f"checkpoint {result['checkpoint']} ({which}) at seq_len {result['seq_len']:,}"]
     if "loss" in result:
         lines.append(f"held-out loss {result['loss']:.4f} (perplexity {perplexity(result['loss']):,.2f}) over "
                      f"{result['tokens']:,} tokens; by position:")
