@@ -15,7 +15,9 @@ full disk) stops the run and leaves the previous checkpoints as they were.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import json
 import os
 import time
@@ -29,8 +31,8 @@ from jlong.errors import JlongError, RunFailure
 from jlong.jax_startup import quiet_native_stderr
 
 FILE_LIST = "jlong_files.json"  # in each step's directory: the size of each of its files
-# How long a failed write waits for orbax's other writer threads to finish reporting it.
-_WRITERS_SETTLE_SECONDS = 1.0
+# How long a failed read or write waits for orbax's other threads to finish reporting it.
+_SETTLE_SECONDS = 1.0
 
 
 class Checkpoints:
@@ -52,13 +54,13 @@ class Checkpoints:
             items["opt_state"] = ocp.args.StandardSave(opt_state)
         previous, failure = self.latest_step(), None
         # A failed write is reported by each of orbax's writer threads, with tracebacks; the run says it once.
-        with quiet_native_stderr():
+        with _silenced():
             try:
                 self.manager.save(step, args=ocp.args.Composite(**items), force=True)
                 self.manager.wait_until_finished()
             except Exception as err:  # orbax and tensorstore raise plain Exception and ValueError for I/O errors
                 failure = err
-                time.sleep(_WRITERS_SETTLE_SECONDS)
+                time.sleep(_SETTLE_SECONDS)
         if failure is not None:
             self.failed = True
             kept = f"step {previous} is intact" if previous is not None else "no earlier checkpoint exists"
@@ -135,7 +137,7 @@ class Checkpoints:
             return damage
         # A damage the file list does not show is reported by each of orbax's readers, with tracebacks,
         # and again as their coroutines are collected; the caller says it once.
-        with quiet_native_stderr():
+        with _silenced():
             try:
                 self._check_layout(step, wanted)
                 return self.restore(step, wanted["params"], wanted["opt_state"])
@@ -143,6 +145,7 @@ class Checkpoints:
                 raise
             except Exception as err:  # tensorstore reports a damaged file as a plain Exception
                 reason = _reason(err)
+            time.sleep(_SETTLE_SECONDS)  # the other readers finish failing, into the silenced stderr
             gc.collect()
         return reason
 
@@ -179,6 +182,13 @@ class Checkpoints:
     def close(self):
         if not self.failed:  # after a failed write, closing would wait on writer threads that went wrong
             self.manager.close()
+
+
+@contextlib.contextmanager
+def _silenced():
+    """orbax's threads print their tracebacks to sys.stderr or to file descriptor 2: both go nowhere."""
+    with quiet_native_stderr(), contextlib.redirect_stderr(io.StringIO()):
+        yield
 
 
 def _layout(tree) -> dict:

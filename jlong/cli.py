@@ -278,17 +278,20 @@ def _plan(args) -> int:
 
     step = compile_train_step(config, target, forward_only=args.eval)
     result = plan_of(step)
-    cost = None if args.eval else step_cost(step, efficiency)
+    if args.eval:  # memory only: the step-cost model prices a training step
+        cost_keys, cost_lines = {"program": "eval"}, []
+    else:
+        cost = step_cost(step, efficiency)
+        cost_keys, cost_lines = {"program": "train", **cost_dict(cost)}, [format_cost(cost)]
     if args.json:
-        print(json.dumps({**result.as_dict(), "program": "eval" if args.eval else "train",
-                          **(cost_dict(cost) if cost else {})}))
+        print(json.dumps({**result.as_dict(), **cost_keys}))
     else:
         if args.eval:
             print("program: eval (forward only: jlong eval, train.eval_every)")
         print(format_plan(result, config))
         print(f"device budget: {target.describe_budget(config.train.gpu_memory_fraction)}")
-        if cost:
-            print(format_cost(cost))
+        for line in cost_lines:
+            print(line)
     if not result.fits:
         from jlong.plan.advice import over_budget_error
 
