@@ -56,8 +56,10 @@ def _recorder(tmp_path: Path) -> tuple[dict, Path]:
     scripts = {
         # jlong: one line per process: its SLURM rank, its working directory, its arguments.
         "jlong": f'echo "${{SLURM_PROCID:-none}}|$PWD|$*" >> {calls}\n',
-        "scontrol": 'test "$1 $2 $3" = "show hostnames $SLURM_JOB_NODELIST" && printf "gpu-a07\\ngpu-a08\\n'
-                    'gpu-b01\\ngpu-b02\\n" | head -n "$SLURM_NNODES"\n',
+        # scontrol: the job's hosts, a line at a time (as a long list reaches a pipe in pieces).
+        "scontrol": 'test "$1 $2 $3" = "show hostnames $SLURM_JOB_NODELIST" || exit 1\n'
+                    'for host in gpu-a07 gpu-a08 gpu-b01 gpu-b02; do ((n++ < SLURM_NNODES)) || break; echo $host; '
+                    'sleep 0.01; done\n',
         # srun: one task per node, each with its rank, as SLURM starts them.
         "srun": 'while [[ "$1" == --* ]]; do shift; done\n'
                 'for ((i = 0; i < SLURM_NTASKS; i++)); do SLURM_PROCID=$i "$@" || exit 1; done\n',
@@ -108,7 +110,8 @@ def test_slurm_time_limit_warning_stops_every_process_then_requeues_the_job(tmp_
     fakes = {
         # jlong: runs until SIGTERM, then says so and exits 0, as a run that saved its checkpoint does.
         "jlong": f'trap \'echo "$SLURM_PROCID stopped" >> {calls}; exit 0\' TERM\n'
-                 f'echo $$ > {pids}/$SLURM_PROCID\nwhile true; do sleep 0.05; done\n',
+                 f'echo $$ > {pids}/tmp$SLURM_PROCID && mv {pids}/tmp$SLURM_PROCID {pids}/$SLURM_PROCID\n'
+                 'while true; do sleep 0.05; done\n',
         "scontrol": f'if [ "$1" = requeue ]; then echo "scontrol $*" >> {calls}; else printf "gpu-a07\\ngpu-a08\\n"; fi\n',
         "scancel": f'echo "scancel $*" >> {calls}\nkill -TERM $(cat {pids}/*)\n',
         "srun": 'while [[ "$1" == --* ]]; do shift; done\n'
@@ -123,7 +126,7 @@ def test_slurm_time_limit_warning_stops_every_process_then_requeues_the_job(tmp_
     assert "--signal=B:USR1@10800" in _sbatch_options(LAUNCH / "slurm_1node.sbatch")
     job = subprocess.Popen(["bash", str(LAUNCH / "slurm_1node.sbatch")], env=env, cwd=tmp_path)
     deadline = time.monotonic() + 30
-    while len(list(pids.iterdir())) < 2:
+    while len([p for p in pids.iterdir() if p.name.isdigit()]) < 2:
         assert job.poll() is None and time.monotonic() < deadline
         time.sleep(0.01)
     job.send_signal(signal.SIGUSR1)

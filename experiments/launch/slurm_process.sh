@@ -11,7 +11,10 @@ repo="$(cd "$here/../.." && pwd)"
 jlong="${JLONG:-${JLONG_VENV:-$repo/.venv}/bin/jlong}"
 config="${1:?usage: slurm_process.sh CONFIG.yaml [key=value ...]}"
 shift
-coordinator_host="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+# Read every host name: `| head -n 1` under pipefail fails whenever head closes the pipe before scontrol
+# has written its last line.
+mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+coordinator_host="${hosts[0]:?scontrol show hostnames gave no host for $SLURM_JOB_NODELIST}"
 # A port of the job's own, so that two jobs sharing a first node do not collide.
 port="${JLONG_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}"
 cd "$repo"
