@@ -95,10 +95,10 @@ def _plot(before: dict, after: dict, path: Path) -> None:
 def _report(before: dict, after: dict, args, seconds: float) -> str:
     rows = [[f"[{b['start']:,}, {b['end']:,})", f"{b['tokens']:,}", f"{b['loss']:.4f}", f"{a['loss']:.4f}"]
             for b, a in zip(before["loss_by_position"], after["loss_by_position"], strict=True)]
-    cells = {(c["length"], c["depth"]): c["accuracy"] for c in after["passkey"]}
-    first = {(c["length"], c["depth"]): c["accuracy"] for c in before["passkey"]}
-    lengths = sorted({n for n, _ in cells})
-    depths = sorted({d for _, d in cells})
+    from jlong.eval.report import passkey_grid
+
+    lengths, depths, cells = passkey_grid(after["passkey"])
+    first = passkey_grid(before["passkey"])[2]
     passkey_rows = [[f"{d:.0%}", *(f"{first[n, d]:.2f} -> {cells[n, d]:.2f}" for n in lengths)] for d in depths]
     return "\n".join([
         "# Context extension on the CPU mesh (measured)",

@@ -62,15 +62,15 @@ class TokenFile:
         order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
         return int(order[within])
 
+    def window(self, sample: int) -> np.ndarray:
+        """Sample `sample`'s S + 1 tokens: tokens[sample*S : sample*S + S + 1]."""
+        start = sample * self.seq_len
+        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int32)
+
     def sequences(self, step: int) -> np.ndarray:
         """[B, S + 1] token windows of step `step` (1-based)."""
         first = (step - 1) * self.batch_size
-        S = self.seq_len
-        rows = []
-        for i in range(first, first + self.batch_size):
-            start = self.sample_index(i) * S
-            rows.append(np.asarray(self.tokens[start : start + S + 1], dtype=np.int32))
-        return np.stack(rows)
+        return np.stack([self.window(self.sample_index(i)) for i in range(first, first + self.batch_size)])
 
 
 def _max_id(tokens: np.ndarray, chunk: int = 1 << 24) -> int:

@@ -62,9 +62,7 @@ def held_out_rows(config: Config) -> np.ndarray:
     windows_config = with_values(config, data={"source": "tokens", "path": config.eval.path, "shuffle": False,
                                                "sampling": "windows"})
     source = TokenFile(windows_config)
-    count = min(config.eval.sequences, source.num_samples)
-    S = config.train.seq_len
-    return np.stack([np.asarray(source.tokens[i * S : i * S + S + 1], np.int32) for i in range(count)])
+    return np.stack([source.window(i) for i in range(min(config.eval.sequences, source.num_samples))])
 
 
 def position_losses(evaluator: Evaluator, params: dict, rows: np.ndarray) -> dict:

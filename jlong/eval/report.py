@@ -26,6 +26,12 @@ def write(result: dict, out: Path) -> list[Path]:
     return written
 
 
+def passkey_grid(cells: list[dict]) -> tuple[list[int], list[float], dict]:
+    """The passkey cells as (lengths, depths, {(length, depth): accuracy})."""
+    accuracy = {(c["length"], c["depth"]): c["accuracy"] for c in cells}
+    return sorted({n for n, _ in accuracy}), sorted({d for _, d in accuracy}), accuracy
+
+
 def summary(result: dict) -> str:
     which = "Hugging Face weights" if result["step"] == "hf" else f"step {result['step']}"
     lines = [f"checkpoint {result['checkpoint']} ({which}) at seq_len {result['seq_len']:,}"]
@@ -36,9 +42,7 @@ def summary(result: dict) -> str:
                   for b in result["loss_by_position"]]
     if result["passkey"]:
         lines.append("passkey accuracy (rows: depth; columns: length):")
-        lengths = sorted({c["length"] for c in result["passkey"]})
-        depths = sorted({c["depth"] for c in result["passkey"]})
-        cell = {(c["length"], c["depth"]): c["accuracy"] for c in result["passkey"]}
+        lengths, depths, cell = passkey_grid(result["passkey"])
         lines.append("  depth  " + "".join(f"{n:>10,}" for n in lengths))
         lines += ["  " + f"{d:>5.2f}  " + "".join(f"{cell[n, d]:>10.2f}" for n in lengths) for d in depths]
     return "\n".join(lines)
@@ -59,9 +63,7 @@ def _position_figure(result: dict):
 
 def _passkey_figure(result: dict):
     plt = pyplot()
-    lengths = sorted({c["length"] for c in result["passkey"]})
-    depths = sorted({c["depth"] for c in result["passkey"]})
-    cell = {(c["length"], c["depth"]): c["accuracy"] for c in result["passkey"]}
+    lengths, depths, cell = passkey_grid(result["passkey"])
     grid = [[cell[n, d] for n in lengths] for d in depths]
     figure, axes = plt.subplots(figsize=(1.2 * len(lengths) + 2.5, 0.6 * len(depths) + 1.8))
     image = axes.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
