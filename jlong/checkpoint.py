@@ -11,6 +11,10 @@ A run resumes from the newest checkpoint that reads back: one that does not
 with the sizes listed when they were written, or failing to read) is moved
 aside to `STEP.unreadable` and the next older one is tried. A write that fails (a
 full disk) stops the run and leaves the previous checkpoints as they were.
+
+Beside the steps, `jlong_run.yaml` records the config of the run that writes
+there, so that another run can be told apart before it resumes or deletes
+anything (`jlong.train.checkpoint_owner`).
 """
 
 from __future__ import annotations
@@ -19,28 +23,55 @@ import contextlib
 import gc
 import io
 import json
-import os
 import time
 from pathlib import Path
 
 import orbax.checkpoint as ocp
+import yaml
 from etils import epath
 
 from jlong.config import ModelConfig, model_config
 from jlong.errors import JlongError, RunFailure
+from jlong.files import free_name, write_atomically
 from jlong.jax_startup import quiet_native_stderr
 
 FILE_LIST = "jlong_files.json"  # in each step's directory: the size of each of its files
+RUN_RECORD = "jlong_run.yaml"  # in the checkpoint directory: the config of the run that writes there
 # How long a failed read or write waits for orbax's other threads to finish reporting it.
 _SETTLE_SECONDS = 1.0
 
 
+def saved_steps(directory: str | Path) -> list[int]:
+    """The complete steps in a checkpoint directory, read from its listing (orbax is not started)."""
+    path = Path(directory)
+    if not path.is_dir():
+        return []
+    return sorted(int(p.name) for p in path.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def read_run_record(directory: str | Path) -> dict | None:
+    """The config recorded by the run that writes into `directory` (None: no record)."""
+    path = Path(directory) / RUN_RECORD
+    if not path.is_file():
+        return None
+    try:
+        record = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise JlongError(f"{str(path)!r} cannot be read ({err}); restore it, or choose a new checkpoint.dir") from None
+    if not isinstance(record, dict):
+        raise JlongError(f"{str(path)!r} is not a config record; restore it, or choose a new checkpoint.dir")
+    return record
+
+
 class Checkpoints:
-    def __init__(self, directory: str | Path, keep: int = 2):
+    def __init__(self, directory: str | Path, keep: int = 2, *, run_record: dict | None = None):
+        """`run_record`: the config of the run that saves here, written beside
+        its steps before its first save (a reader passes none)."""
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self.failed = False
+        self.run_record = run_record
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -53,6 +84,8 @@ class Checkpoints:
         if opt_state is not None:
             items["opt_state"] = ocp.args.StandardSave(opt_state)
         previous, failure = self.latest_step(), None
+        if self.run_record is not None:
+            self._write_run_record()
         # A failed write is reported by each of orbax's writer threads, with tracebacks; the run says it once.
         with _silenced():
             try:
@@ -70,6 +103,13 @@ class Checkpoints:
             ) from None
         self._write_file_list(step)
 
+    def _write_run_record(self) -> None:
+        import jax
+
+        if jax.process_index() == 0:
+            write_atomically(self.directory / RUN_RECORD, yaml.safe_dump(self.run_record, sort_keys=False))
+        self.run_record = None  # once per session
+
     def _write_file_list(self, step: int) -> None:
         """Records the size of every file of a written step, so that one
         damaged later (truncated, lost) is found before orbax reads it."""
@@ -79,9 +119,7 @@ class Checkpoints:
             return
         step_dir = self.directory / str(step)
         sizes = {str(f.relative_to(step_dir)): f.stat().st_size for f in sorted(step_dir.rglob("*")) if f.is_file()}
-        tmp = step_dir / (FILE_LIST + ".tmp")
-        tmp.write_text(json.dumps(sizes, indent=0))
-        os.replace(tmp, step_dir / FILE_LIST)
+        write_atomically(step_dir / FILE_LIST, json.dumps(sizes, indent=0))
 
     def _damage(self, step: int) -> str | None:
         """What differs from the step's file list (None: nothing, or no list: written before lists were kept)."""
@@ -139,7 +177,8 @@ class Checkpoints:
         # and again as their coroutines are collected; the caller says it once.
         with _silenced():
             try:
-                self._check_layout(step, wanted)
+                self.check_layout(step, wanted, "a changed model, train.param_dtype or memory.optimizer_offload: "
+                                  "resume with the settings it was written with, or choose a new checkpoint.dir")
                 return self.restore(step, wanted["params"], wanted["opt_state"])
             except (JlongError, jax.errors.JaxRuntimeError):  # the config's fault, or the devices'
                 raise
@@ -149,18 +188,22 @@ class Checkpoints:
             gc.collect()
         return reason
 
-    def _check_layout(self, step: int, wanted: dict) -> None:
+    def check_layout(self, step: int, wanted: dict, remedy: str) -> None:
         """Refuses a checkpoint whose arrays' names, shapes or dtypes differ
-        from what this config builds: it is intact, so it is never moved aside."""
+        from `wanted` (item name -> abstract tree; None: not wanted), in one
+        line that names the first difference and then `remedy`."""
         for item, abstract in wanted.items():
             if abstract is None:
                 continue
-            saved = ocp.StandardCheckpointHandler().metadata(epath.Path(self.directory / str(step) / item))
-            if _layout(saved) != _layout(abstract):
+            saved = _layout(ocp.StandardCheckpointHandler().metadata(epath.Path(self.directory / str(step) / item)))
+            configured = _layout(abstract)
+            if saved != configured:
+                first = min(saved.keys() ^ configured.keys() or
+                            {k for k in saved if saved[k] != configured[k]})
+                detail = (f"{first}: {_shape(saved.get(first))} saved, {_shape(configured.get(first))} configured")
                 raise JlongError(
-                    f"checkpoint step {step} in {str(self.directory)!r} holds {item} of another layout than "
-                    "this config makes (a changed model, train.param_dtype or memory.optimizer_offload); "
-                    "resume with the settings it was written with, or choose a new checkpoint.dir"
+                    f"checkpoint step {step} in {str(self.directory)!r} holds {item} of another layout than this "
+                    f"config makes ({detail}); {remedy}"
                 )
 
     def _move_aside(self, step: int) -> Path:
@@ -169,10 +212,7 @@ class Checkpoints:
         from jax.experimental import multihost_utils
 
         original = self.directory / str(step)
-        aside, copy = original.with_name(f"{step}.unreadable"), 1
-        while aside.exists():
-            copy += 1
-            aside = original.with_name(f"{step}.unreadable-{copy}")
+        aside = free_name(original.with_name(f"{step}.unreadable"))
         if jax.process_index() == 0:
             original.rename(aside)
         multihost_utils.sync_global_devices(f"jlong: moved checkpoint {step} aside")
@@ -206,6 +246,14 @@ def _layout(tree) -> dict:
     return {"/".join(map(name, path)): (tuple(leaf.shape), str(leaf.dtype)) for path, leaf in leaves}
 
 
+def _shape(entry: tuple | None) -> str:
+    """'bfloat16[256, 96]' of a layout entry; 'nothing' for none."""
+    if entry is None:
+        return "nothing"
+    shape, dtype = entry
+    return f"{dtype}[{', '.join(map(str, shape))}]"
+
+
 def _reason(err: Exception) -> str:
     """The first line of the innermost error (tensorstore's, naming the file and
     the system's reason, under orbax's); of a long one, the end, where the reason is."""
@@ -217,8 +265,9 @@ def _reason(err: Exception) -> str:
     return lines[0] if len(lines[0]) <= 240 else "..." + lines[0][-200:]
 
 
-def convert(source: str | Path, destination: str | Path, *, param_dtype: str = "float32") -> None:
-    """Hugging Face directory -> jlong checkpoint, or jlong checkpoint -> Hugging Face."""
+def convert(source: str | Path, destination: str | Path, *, param_dtype: str = "float32") -> list[Path]:
+    """Hugging Face directory -> jlong checkpoint, or jlong checkpoint -> Hugging
+    Face, into a new (or empty) directory; returns what it wrote there."""
     import jax
     from flax import nnx
 
@@ -227,19 +276,22 @@ def convert(source: str | Path, destination: str | Path, *, param_dtype: str = "
     source, destination = Path(source), Path(destination)
     if not source.is_dir():
         raise JlongError(f"{str(source)!r} is not a directory")
+    if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
+        raise JlongError(f"{str(destination)!r} already exists and is not an empty directory; convert writes into "
+                         "a new one (it never overwrites)")
     if (source / "config.json").is_file():
         model = from_hf(source, param_dtype=param_dtype)
         checkpoints = Checkpoints(destination)
         checkpoints.save(0, nnx.to_pure_dict(nnx.state(model)), model=model.config)
         checkpoints.close()
-        return
-    checkpoints = Checkpoints(source)
-    step = checkpoints.latest_step()
-    if step is None:
+        return sorted(destination.iterdir())
+    if not saved_steps(source):
         raise JlongError(
             f"{str(source)!r} is neither a Hugging Face checkpoint (config.json) "
             "nor a jlong checkpoint directory"
         )
+    checkpoints = Checkpoints(source)
+    step = checkpoints.latest_step()
     saved_model = model_config(checkpoints.meta(step)["model"])
     from jlong.model.transformer import Transformer
 
@@ -252,3 +304,4 @@ def convert(source: str | Path, destination: str | Path, *, param_dtype: str = "
     nnx.replace_by_pure_dict(state, params)
     to_hf(nnx.merge(graphdef, state), destination)
     checkpoints.close()
+    return sorted(destination.iterdir())

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from jlong.errors import JlongError, RunFailure
 from jlong.jax_startup import import_jax_quietly, start_backends
 
 EXIT_FAILURE, EXIT_USAGE = 1, 2
+EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report it: the run stopped before its last step
 
 
 class _Parser(argparse.ArgumentParser):
@@ -147,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: bytes)")
     prepare.add_argument("--eos-id", type=int, help="end-of-document id (bytes: 0; a tokenizer directory: its "
                          "eos_token)")
-    prepare.add_argument("--max-tokens", type=int, help="stop after this many tokens")
+    prepare.add_argument("--max-tokens", type=int, help="stop after this many tokens (default: the whole corpus)")
     prepare.add_argument("--vocab-size", type=int, help="the model's vocabulary: refuse a tokenizer with more ids")
     prepare.set_defaults(handler=_prepare)
     return parser
@@ -190,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILURE
     except KeyboardInterrupt:
         print("jlong: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     finally:
         stop_requests.uninstall()
 
@@ -212,7 +214,10 @@ def _train(args) -> int:
     from jlong.plan.gpu_memory import apply_memory_fraction
     from jlong.train.multihost import initialize_distributed, process_count_requested, shutdown_distributed
 
+    from jlong.train.loop import checked_last_step
+
     config = load_config(args.config, args.overrides)
+    checked_last_step(config, args.until_step)
     processes = process_count_requested(args.num_processes)
     if config.mesh.size % processes:
         raise JlongError(f"the mesh's {config.mesh.size} devices do not split over {processes} processes")
@@ -235,7 +240,7 @@ def _train(args) -> int:
 
     train(config, until_step=args.until_step, stop_requests=args.stop_requests)
     shutdown_distributed()
-    return 0
+    return EXIT_INTERRUPTED if args.stop_requests.stopped_by == signal.SIGINT else 0
 
 
 def _eval(args) -> int:
@@ -244,16 +249,17 @@ def _eval(args) -> int:
 
     from jlong.config import load_config
 
-    from jlong.eval.evaluate import checkpoint_kind
+    from jlong.eval.evaluate import checkpoint_kind, eval_inputs
 
     config = load_config(args.config, args.overrides)
     checkpoint_kind(args.checkpoint)
+    inputs = eval_inputs(config)
     start_backends(cpu_devices=config.mesh.size)
     from jlong.eval import report
     from jlong.eval.evaluate import evaluate
     from jlong.parallel.placement import make_mesh
 
-    result = evaluate(config, args.checkpoint, make_mesh(config.mesh))
+    result = evaluate(config, args.checkpoint, make_mesh(config.mesh), inputs)
     out = args.out or (config.run_dir and str(Path(config.run_dir) / "eval" / f"step-{result['step']}"))
     written = report.write(result, Path(out)) if out else []
     if args.json:
@@ -429,8 +435,16 @@ def _plan_target(config, args):
 def _convert(args) -> int:
     from jlong.checkpoint import convert
 
+    from jlong.files import size_of
+
     start_backends()
-    convert(args.source, args.destination, param_dtype=args.param_dtype)
+    written = convert(args.source, args.destination, param_dtype=args.param_dtype)
+    total = sum(size_of(path) for path in written)
+    if any(path.name == "config.json" for path in written):
+        what = f"a Hugging Face checkpoint: {', '.join(path.name for path in written)}"
+    else:
+        what = "a jlong checkpoint of the weights (step 0, no optimizer state)"
+    print(f"wrote {args.destination}, {what} ({total:,} bytes)")
     return 0
 
 

@@ -19,6 +19,7 @@ from safetensors.flax import save_file
 
 from jlong.config import ModelConfig, model_config
 from jlong.errors import JlongError
+from jlong.files import with_normal_permissions
 from jlong.hf_config import hf_config_dict, read_hf_config
 from jlong.model.params import Role, layer_params, outer_params, roles
 from jlong.model.transformer import ForwardOptions, Transformer
@@ -275,6 +276,7 @@ def to_hf(model: Transformer, path: str | Path) -> None:
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     for file, shard in zip(names, shards):
         save_file({k: jax.numpy.asarray(v) for k, v in shard.items()}, path / file, metadata={"format": "pt"})
+        with_normal_permissions(path / file)
     config = hf_config_dict(model.config)
     config["torch_dtype"] = str(next(iter(tensors.values())).dtype)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")

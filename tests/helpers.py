@@ -6,6 +6,7 @@ import io
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +77,44 @@ def run_config(tmp_path, *overrides):
 
 def logged_losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def steps_logged(run_dir: Path) -> int:
+    metrics = run_dir / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+
+def handles(pid: int, signum: int) -> bool:
+    """Whether the process has installed a handler for `signum` (Linux: the SigCgt mask of /proc/PID/status)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (signum - 1) & 1)
+
+
+def assert_stopped_with_a_checkpoint(out: str, signal_name: str, run_dir: Path, checkpoints: Path) -> None:
+    """The run's last line says it stopped on `signal_name` (before its first
+    step, or after a step whose checkpoint is the newest, as the metrics say)."""
+    from jlong.checkpoint import Checkpoints
+
+    line = out.strip().splitlines()[-1]
+    if line == f"stopped on {signal_name} before the first step; nothing to save":
+        assert not checkpoints.exists() or not any(p.name.isdigit() for p in checkpoints.iterdir())
+        return
+    stopped_at = int(line.removeprefix("stopped at step ").split(" ")[0])
+    assert line == f"stopped at step {stopped_at} on {signal_name}; checkpoint saved in {checkpoints} " \
+        "(the same command resumes)"
+    saved = Checkpoints(checkpoints)
+    assert saved.latest_step() == stopped_at == steps_logged(run_dir)
+    saved.close()
+
+
+def wait_for_steps(process, run_dir: Path, steps: int, delay: float, signum: int) -> None:
+    """Returns `delay` seconds after `steps` steps are logged and the process handles `signum`."""
+    deadline = time.monotonic() + 300
+    while steps_logged(run_dir) < steps or not handles(process.pid, signum):
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended before its signal"
+        time.sleep(0.005)
+    time.sleep(delay)
 
 
 def train_command(tmp_path, config, *flags):

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from helpers import assert_one_line_error, logged_losses, run_cli, run_config, train_command
 
-from jlong.checkpoint import FILE_LIST
+from jlong.checkpoint import FILE_LIST, RUN_RECORD
 from jlong.config import config_to_dict
 from jlong.errors import JlongError
 from jlong.parallel.placement import make_mesh
@@ -55,7 +55,7 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_one_before_resumes(lis
     assert said[0].endswith("moved it to 4.unreadable and trying the one before")
     assert [r["step"] for r in continued] == [3, 4, 5, 6]
     assert logged_losses(tmp_path / "run") == uninterrupted
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["2", "4", "4.unreadable", "6"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["2", "4", "4.unreadable", "6", RUN_RECORD]
 
 
 def test_no_readable_checkpoint_is_a_one_line_error_naming_the_directory(tmp_path):
@@ -70,9 +70,11 @@ def test_no_readable_checkpoint_is_a_one_line_error_naming_the_directory(tmp_pat
 
 
 def test_a_checkpoint_of_another_layout_is_refused_and_left_alone(tmp_path):
-    """Without a run_dir to compare configs, the checkpoint's own array
+    """Without a run_dir or a run record to compare configs (a checkpoint
+    directory from before records were kept), the checkpoint's own array
     layout tells: the optimizer's state in host memory is laid out per layer."""
     train(run_config(tmp_path, "train.steps=2", "run_dir=null"))
+    (tmp_path / "ckpt" / RUN_RECORD).unlink()
     with pytest.raises(JlongError, match="holds opt_state of another layout than this config makes"):
         train(run_config(tmp_path, "train.steps=3", "run_dir=null", "memory.optimizer_offload=true"))
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["2"]

@@ -2,6 +2,7 @@
 an existing run directory left byte-for-byte as it was. The cases run the
 CLI in-process; two smoke tests run the real `python -m jlong`."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -84,6 +85,21 @@ CASES = {
     "log_to a sink that is not one": (["train", "{cfg}", "train.log_to=[tensorbord]"], "did you mean 'tensorboard'"),
     "documents without an end id": (["train", "{cfg}", "data.source=tokens", "data.path={files}/short.npy",
                                      "data.sampling=documents"], "it needs data.source=tokens and data.eos_id"),
+    "until-step 0": (["train", "{cfg}", "--until-step", "0"], "--until-step must be a step of the run (1 to"),
+    "until-step -1 in a dry run": (["train", "{cfg}", "--until-step", "-1", "--dry-run"],
+                                   "--until-step must be a step of the run"),
+    "end id outside the vocabulary": (["train", "{cfg}", "data.eos_id=300000"],
+                                      "data.eos_id (300000) is outside the model's vocabulary (ids 0-128255)"),
+    "eval.path missing, train": (["train", "{cfg}", "train.eval_every=5", "eval.path={files}/none.npy"],
+                                 "eval.path '{files}/none.npy' does not exist"),
+    "eval.path missing, eval": (["eval", "{cfg}", "eval.path={files}/none.npy", "--checkpoint", "{files}/hf"],
+                                "eval.path '{files}/none.npy' does not exist"),
+    "config is a directory": (["train", "{files}/empty"], "is a directory; give the YAML file in it"),
+    "convert over files": (["convert", "{files}/hf", "{files}"], "is not an empty directory"),
+    "negative max tokens": (["prepare", "{tmp}/new/t.npy", "{files}/empty", "--max-tokens", "-5"],
+                            "--max-tokens must be positive, got -5"),
+    "zero max tokens": (["prepare", "{tmp}/new/t.npy", "{files}/empty", "--max-tokens", "0"],
+                        "--max-tokens must be positive"),
 }
 
 
@@ -92,8 +108,22 @@ def test_bad_input_exits_2_with_one_line(name, workspace, files):
     args, message = CASES[name]
     args = [a.format(cfg=workspace / "good.yaml", tmp=workspace, files=files) for a in args]
     before = {p.name: p.read_bytes() for p in (workspace / "run").iterdir()}
-    assert_one_line_error(run_cli(*args), message)
+    inputs = sorted(files.rglob("*"))
+    assert_one_line_error(run_cli(*args), message.format(files=files))
     assert {p.name: p.read_bytes() for p in (workspace / "run").iterdir()} == before
+    assert sorted(p.name for p in workspace.iterdir()) == ["good.yaml", "run"]  # nothing new written
+    assert sorted(files.rglob("*")) == inputs
+
+
+def test_a_missing_metrics_package_is_refused_before_anything_is_built_or_written(tmp_path, monkeypatch):
+    """train.log_to naming W&B without wandb installed: one line before compiling, no run or checkpoint dir."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    (tmp_path / "good.yaml").write_text(GOOD.format(run=tmp_path / "run"))
+    result = run_cli("train", tmp_path / "good.yaml", "train.log_to=[jsonl,wandb]", f"checkpoint.dir={tmp_path / 'ck'}")
+    assert_one_line_error(result, "train.log_to names wandb, which is not installed: pip install 'jlong[wandb]'")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.yaml"]
 
 
 def _real_cli(*args, devices: int | None = None):

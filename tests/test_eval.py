@@ -139,7 +139,7 @@ class _WandbStandIn:
 
 
 def test_eval_every_logs_the_loss_by_position_and_every_sink_reads_back_as_metrics_jsonl(tmp_path, held_out,
-                                                                                          monkeypatch):
+                                                                                          monkeypatch, capsys):
     wandb = _WandbStandIn()
     monkeypatch.setitem(sys.modules, "wandb", wandb)
     # At 256 tokens, which a passkey prompt (173 bytes) fits in.
@@ -157,6 +157,10 @@ def test_eval_every_logs_the_loss_by_position_and_every_sink_reads_back_as_metri
     for key, value in logged.items():
         assert events[key] == pytest.approx(value, rel=1e-6), key  # TensorBoard keeps float32
     assert wandb.calls == [(r["step"], scalars(r)) for r in records] + ["finished"]
+    shown = capsys.readouterr()  # the held-out loss in the progress lines and the summary
+    assert f"eval_loss {records[1]['eval_loss']:.4f}" in shown.err
+    assert (f"  eval loss    {records[1]['eval_loss']:.4f} at step 2 -> {records[3]['eval_loss']:.4f} at step 4"
+            in shown.out)
 
     # The checkpoint the run ended with, evaluated by the command line: the same loss at step 4.
     out = tmp_path / "eval"

@@ -1,5 +1,5 @@
 """Runs survive crashes and stop cleanly on faults: SIGKILL at random moments,
-the cluster's stop signals, a diverging loss, out of device memory, and the
+the cluster's stop signals and Ctrl-C, a diverging loss, out of device memory, and the
 same losses run to run."""
 
 import json
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import jax
 import pytest
-from helpers import MESH, SMALL_MODEL, logged_losses, run_cli, run_config, train_command
+from helpers import (MESH, SMALL_MODEL, assert_stopped_with_a_checkpoint, logged_losses, run_cli, run_config,
+                     steps_logged, train_command, wait_for_steps)
 
 from jlong.checkpoint import Checkpoints
 from jlong.errors import JlongError
@@ -28,16 +29,11 @@ def test_same_config_and_seed_give_the_same_losses(tmp_path):
     assert first == second
 
 
-def _steps_logged(run_dir: Path) -> int:
-    metrics = run_dir / "metrics.jsonl"
-    return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
-
-
 def _kill_at(process, run_dir: Path, steps: int, delay: float) -> bool:
     """SIGKILLs `process` `delay` seconds after `steps` steps are logged;
     False if it ended first."""
     deadline = time.monotonic() + 300
-    while _steps_logged(run_dir) < steps:
+    while steps_logged(run_dir) < steps:
         if process.poll() is not None or time.monotonic() > deadline:
             return False
         time.sleep(0.005)
@@ -68,8 +64,8 @@ def test_sigkill_at_random_moments_resumes_to_the_same_losses(tmp_path, uninterr
     # steps and their checkpoints remain after the last kill's moment.
     at_steps = sorted(moments.randint(0, 10) for _ in range(6))
     for kill, steps in enumerate(at_steps):
-        steps = max(steps, _steps_logged(run_dir))
-        starting_up = steps == _steps_logged(run_dir)
+        steps = max(steps, steps_logged(run_dir))
+        starting_up = steps == steps_logged(run_dir)
         delay = moments.uniform(0.0, 1.5) if starting_up else moments.uniform(0.0, 0.2)
         process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         assert _kill_at(process, run_dir, steps, delay), f"the run ended before kill {kill + 1}"
@@ -77,20 +73,9 @@ def test_sigkill_at_random_moments_resumes_to_the_same_losses(tmp_path, uninterr
     assert logged_losses(run_dir) == pytest.approx(uninterrupted_long_run, rel=1e-6)
 
 
-def _handles_sigterm(pid: int) -> bool:
-    """Whether the process has installed its SIGTERM handler (Linux: the SigCgt mask of /proc/PID/status)."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
-    return bool(caught >> (signal.SIGTERM - 1) & 1)
-
-
 def _signal_at(process, run_dir: Path, steps: int, delay: float, signals: list) -> None:
     """Sends `signals` (each after its own delay) once `steps` steps are logged and `delay` seconds more."""
-    deadline = time.monotonic() + 300
-    while _steps_logged(run_dir) < steps or not _handles_sigterm(process.pid):
-        assert process.poll() is None and time.monotonic() < deadline, "the run ended before its signal"
-        time.sleep(0.005)
-    time.sleep(delay)
+    wait_for_steps(process, run_dir, steps, delay, signal.SIGTERM)
     for pause, signum in signals:
         time.sleep(pause)
         process.send_signal(signum)
@@ -113,20 +98,43 @@ def test_stop_signals_at_random_moments_save_and_resume_to_the_same_losses(tmp_p
     ]
     for steps, delay, signals in stops:
         process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        _signal_at(process, run_dir, max(steps, _steps_logged(run_dir)), delay, signals)
+        _signal_at(process, run_dir, max(steps, steps_logged(run_dir)), delay, signals)
         out, err = process.communicate(timeout=300)
         assert process.returncode == 0, err[-2000:]
-        line = out.strip().splitlines()[-1]
-        name = signals[0][1].name
-        if line == f"stopped on {name} before the first step; nothing to save":
-            assert not checkpoints.exists() or not any(checkpoints.iterdir())
+        assert_stopped_with_a_checkpoint(out, signals[0][1].name, run_dir, checkpoints)
+    finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert logged_losses(run_dir) == uninterrupted_long_run
+
+
+def test_ctrl_c_at_random_moments_saves_and_resumes_to_the_same_losses(tmp_path, uninterrupted_long_run):
+    """The first Ctrl-C stops after the step under way with its checkpoint
+    and exit status 130, whether it comes during start-up, mid-step or while a
+    checkpoint is written; a second Ctrl-C quits at once, without saving. The
+    run resumed each time ends with the uninterrupted run's losses, exactly."""
+    run_dir, checkpoints = tmp_path / "run", tmp_path / "ckpt"
+    command, env = train_command(tmp_path, run_config(tmp_path, *LONG_RUN))
+    moments = random.Random(2)
+    stops = [  # (steps logged, then seconds, then Ctrl-Cs with their pauses)
+        (0, moments.uniform(0.0, 1.0), [0.0]),  # start-up: imports, compilation
+        (3, moments.uniform(0.0, 0.1), [0.0]),  # a step under way
+        (6, 0.0, [0.0]),  # the checkpoint of step 6 being written
+        (8, moments.uniform(0.0, 0.1), [0.0, 0.01]),  # twice: quits at once
+    ]
+    for steps, delay, pauses in stops:
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for_steps(process, run_dir, max(steps, steps_logged(run_dir)), delay, signal.SIGINT)
+        for pause in pauses:
+            time.sleep(pause)
+            process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=300)
+        if len(pauses) == 2:
+            assert process.returncode == -signal.SIGINT, err[-2000:]
+            assert "stopped at step" not in out
             continue
-        stopped_at = int(line.removeprefix("stopped at step ").split(" ")[0])
-        assert line == f"stopped at step {stopped_at} on {name}; checkpoint saved in {checkpoints} " \
-            "(the same command resumes)"
-        saved = Checkpoints(checkpoints)
-        assert saved.latest_step() == stopped_at == _steps_logged(run_dir)
-        saved.close()
+        assert process.returncode == 130, err[-2000:]
+        assert "jlong: Ctrl-C: stopping " in err and "Ctrl-C again quits at once without saving" in err
+        assert_stopped_with_a_checkpoint(out, "SIGINT", run_dir, checkpoints)
     finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert logged_losses(run_dir) == uninterrupted_long_run

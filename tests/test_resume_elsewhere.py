@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from helpers import logged_losses, run_config, train_command
 
+from jlong.checkpoint import RUN_RECORD
 from jlong.errors import JlongError
 from jlong.train.loop import train
 
@@ -41,7 +42,9 @@ def test_a_run_continues_on_another_mesh(mesh, checkpointed_on_fsdp_8, uninterru
     continued = train(run_config(run, *mesh))
     assert [r["step"] for r in continued] == [4, 5, 6]
     np.testing.assert_allclose(logged_losses(run / "run"), uninterrupted, rtol=1e-5)
-    assert "resuming step 3's checkpoint with a new layout: mesh.fsdp 8 -> 2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"resuming step 3 from {run / 'ckpt'}" in out
+    assert "the layout changed since step 3: mesh.fsdp 8 -> 2" in out
 
 
 def test_a_run_continues_on_four_devices(checkpointed_on_fsdp_8, uninterrupted, tmp_path):
@@ -75,4 +78,4 @@ def test_settings_that_change_the_mathematics_are_refused(change, named, checkpo
         train(run_config(run, *FSDP_8, *change))
     message = str(refused.value)
     assert f"belongs to a different configuration: {named} changed" in message and "\n" not in message
-    assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["3"]  # nothing touched
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["3", RUN_RECORD]  # nothing touched

@@ -161,6 +161,9 @@ def _check_matches_checkpoint(inline: dict[str, Any], checkpoint: dict[str, Any]
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise JlongError(f"config file {str(path)!r} is a directory; give the YAML file in it "
+                         f"(a run directory's is {str(path / 'config.yaml')!r})")
     if not path.is_file():
         raise JlongError(f"config file {str(path)!r} does not exist")
     try:

@@ -54,6 +54,7 @@ def check_run(config: Config) -> None:
     _check_tiles(config)
     _check_layer_groups(config)
     _check_eval(config)
+    _check_eos_id(config)
 
 
 def _check_head_split(config: Config) -> None:
@@ -134,6 +135,13 @@ def _check_layer_groups(config: Config) -> None:
             f"memory.layers_per_checkpoint ({k}) must divide the {layers} layers; "
             f"values that work: {', '.join(map(str, workable))}"
         )
+
+
+def _check_eos_id(config: Config) -> None:
+    eos_id, vocab = config.data.eos_id, config.model.vocab_size
+    if eos_id is not None and not 0 <= eos_id < vocab:
+        raise JlongError(f"data.eos_id ({eos_id}) is outside the model's vocabulary (ids 0-{vocab - 1}); "
+                         "give the end-of-document id 'jlong prepare' printed")
 
 
 def _check_eval(config: Config) -> None:

@@ -17,6 +17,7 @@ leaves nothing that looks finished.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -54,16 +55,20 @@ def prepare(
     """Writes the token file and its index; returns the summary (documents, tokens, vocab, eos id, lengths)."""
     if not output.endswith(".npy"):
         raise JlongError(f"output {output!r} must end in .npy")
+    if max_tokens is not None and max_tokens < 1:
+        raise JlongError(f"--max-tokens must be positive, got {max_tokens} (leave it out to take the whole corpus)")
     encoder = Encoder.load(tokenizer_path, eos_id)
     if vocab_size is not None and encoder.vocab_size > vocab_size:
         raise JlongError(f"the tokenizer's vocabulary ({encoder.vocab_size:,}) exceeds --vocab-size {vocab_size:,} "
                          "(the model's): its ids would fall outside the embedding")
     found = sources(inputs, pattern)
     out = Path(output)
+    created = [d for d in (out.parent, *out.parent.parents) if not d.exists()]  # removed again on failure
     out.parent.mkdir(parents=True, exist_ok=True)
     finals = {"tokens": out, **index_paths(out)}
     temporaries = {kind: path.with_name(path.name + ".tmp") for kind, path in finals.items()}
     temporaries["raw"] = out.with_name(out.name + ".tmp.bin")
+    finished = False
     try:
         starts, total = _write_ids(temporaries["raw"], found, text_field, encoder, max_tokens)
         if not total:
@@ -78,10 +83,15 @@ def prepare(
         plot_lengths(summary, temporaries["png"], title=out.name)
         for kind in ("npy", "json", "png", "tokens"):  # the token file last: its presence means complete
             os.replace(temporaries[kind], finals[kind])
+        finished = True
         return summary
     finally:
         for path in temporaries.values():
             path.unlink(missing_ok=True)
+        if not finished:
+            for directory in created:  # deepest first; only what this call made, and only when empty
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
 
 
 def _write_ids(raw: Path, found: list[Path], text_field: str, encoder: Encoder, max_tokens: int | None):

@@ -26,34 +26,31 @@ from jlong.errors import JlongError
 class TokenFile:
     """A 1-D integer .npy of token ids, memory-mapped (a 10 GB file costs no RAM)."""
 
-    def __init__(self, config: Config):
-        path = Path(config.data.path)
+    def __init__(self, path: str | Path, *, seq_len: int, batch_size: int, vocab_size: int, shuffle: bool = False,
+                 seed: int = 0, setting: str = "data.path"):
+        """`setting`: the config key that named the file, for the messages."""
+        path = Path(path)
+        named = f"{setting} {str(path)!r}"
         if not path.is_file():
-            raise JlongError(f"data.path {str(path)!r} does not exist; make one with 'jlong prepare'")
+            raise JlongError(f"{named} does not exist; make one with 'jlong prepare'")
         try:
             tokens = np.load(path, mmap_mode="r")
         except (ValueError, OSError) as err:
-            raise JlongError(f"data.path {str(path)!r} is not a readable .npy file ({err})") from None
+            raise JlongError(f"{named} is not a readable .npy file ({err})") from None
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise JlongError(
-                f"data.path {str(path)!r} must hold a 1-D integer array of token ids, "
-                f"got shape {tokens.shape} of {tokens.dtype}"
-            )
-        S, B = config.train.seq_len, config.train.batch_size
-        self.num_samples = (len(tokens) - 1) // S
+            raise JlongError(f"{named} must hold a 1-D integer array of token ids, got shape {tokens.shape} of "
+                             f"{tokens.dtype}")
+        self.num_samples = (len(tokens) - 1) // seq_len
         if self.num_samples < 1:
             raise JlongError(
-                f"data.path {str(path)!r} holds {len(tokens)} tokens, fewer than one sample of "
-                f"train.seq_len + 1 = {S + 1}; use more data or a shorter train.seq_len"
+                f"{named} holds {len(tokens)} tokens, fewer than one sample of train.seq_len + 1 = {seq_len + 1}; "
+                "use more data or a shorter train.seq_len"
             )
         largest = _max_id(tokens)
-        if largest >= config.model.vocab_size or tokens.min() < 0:
-            raise JlongError(
-                f"data.path {str(path)!r} holds token id {largest}, outside the model's "
-                f"vocabulary of {config.model.vocab_size}"
-            )
-        self.tokens, self.seq_len, self.batch_size = tokens, S, B
-        self.shuffle, self.seed = config.data.shuffle, config.train.seed
+        if largest >= vocab_size or tokens.min() < 0:
+            raise JlongError(f"{named} holds token id {largest}, outside the model's vocabulary of {vocab_size}")
+        self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
+        self.shuffle, self.seed = shuffle, seed
 
     def sample_index(self, i: int) -> int:
         if not self.shuffle:
@@ -112,7 +109,8 @@ def make_source(config: Config):
     documents: `jlong.data.documents`) or the synthetic sequences."""
     if config.data.source == "synthetic":
         return SyntheticTokens(config)
-    tokens = TokenFile(config)
+    tokens = TokenFile(config.data.path, seq_len=config.train.seq_len, batch_size=config.train.batch_size,
+                       vocab_size=config.model.vocab_size, shuffle=config.data.shuffle, seed=config.train.seed)
     if config.data.sampling == "documents":
         from jlong.data.documents import PackedDocuments
 

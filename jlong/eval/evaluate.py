@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jlong.config import Config, with_values
+from jlong.config import Config
 from jlong.data.prepare import Encoder
 from jlong.data.sources import TokenFile, batch_layout, document_structure
 from jlong.errors import JlongError
@@ -59,9 +59,8 @@ def held_out_rows(config: Config) -> np.ndarray:
     """The first eval.sequences windows of eval.path (fewer if it holds fewer)."""
     if not config.eval.path:
         raise JlongError("the loss by position needs held-out tokens: set eval.path (a .npy made by 'jlong prepare')")
-    windows_config = with_values(config, data={"source": "tokens", "path": config.eval.path, "shuffle": False,
-                                               "sampling": "windows"})
-    source = TokenFile(windows_config)
+    source = TokenFile(config.eval.path, seq_len=config.train.seq_len, batch_size=1,
+                       vocab_size=config.model.vocab_size, setting="eval.path")
     return np.stack([source.window(i) for i in range(min(config.eval.sequences, source.num_samples))])
 
 
@@ -73,8 +72,8 @@ def position_losses(evaluator: Evaluator, params: dict, rows: np.ndarray) -> dic
             "loss_by_position": loss_by_position(losses, positions, evaluator.config.train.seq_len)}
 
 
-def passkey_accuracy(evaluator: Evaluator, params: dict) -> list[dict]:
-    config = evaluator.config
+def passkey_trials(config: Config) -> list:
+    """The passkey prompts of eval.passkey_*, checked against the model and the length (none when 0 trials)."""
     if not config.eval.passkey_trials:
         return []
     encode = _text_encoder(config)
@@ -83,8 +82,15 @@ def passkey_accuracy(evaluator: Evaluator, params: dict) -> list[dict]:
     if not lengths:
         raise JlongError(f"a passkey prompt needs {shortest} tokens, more than train.seq_len "
                          f"({config.train.seq_len}): set eval.passkey_trials=0")
-    made = passkey.trials(encode, config.train.seq_len, lengths, config.eval.passkey_depths,
+    return passkey.trials(encode, config.train.seq_len, lengths, config.eval.passkey_depths,
                           config.eval.passkey_trials, config.train.seed)
+
+
+def passkey_accuracy(evaluator: Evaluator, params: dict, made: list | None = None) -> list[dict]:
+    """Accuracy per (length, depth) cell of the trials `made` (by default, the config's)."""
+    made = passkey_trials(evaluator.config) if made is None else made
+    if not made:
+        return []
     hits = evaluator.scores(params, np.stack([t.row for t in made]))[..., 1]
     return passkey.accuracy(made, hits)
 
@@ -120,23 +126,33 @@ def load_params(program: TrainProgram, checkpoint: str) -> tuple[dict, int | str
     checkpoints = Checkpoints(checkpoint)
     try:
         step = checkpoints.latest_step()
+        checkpoints.check_layout(step, {"params": program.abstract_params},
+                                 "evaluate it with the model settings it was trained with (a run's own config is "
+                                 "run_dir/config.yaml)")
         params, _ = checkpoints.restore(step, program.abstract_params)
     finally:
         checkpoints.close()
     return params, step
 
 
-def evaluate(config: Config, checkpoint: str, mesh) -> dict:
-    """The loss by position on eval.path and the passkey cells, of a checkpoint on `mesh`."""
+def eval_inputs(config: Config) -> tuple[np.ndarray | None, list]:
+    """The held-out rows (None without eval.path) and the passkey trials, read and checked."""
+    if not config.eval.path and not config.eval.passkey_trials:
+        raise JlongError("nothing to evaluate: set eval.path, or eval.passkey_trials above 0")
+    return (held_out_rows(config) if config.eval.path else None), passkey_trials(config)
+
+
+def evaluate(config: Config, checkpoint: str, mesh, inputs: tuple | None = None) -> dict:
+    """The loss by position on eval.path and the passkey cells, of a checkpoint on `mesh`
+    (`inputs`: what `eval_inputs` gave, when the caller checked them first)."""
+    rows, made = inputs or eval_inputs(config)
     program = TrainProgram(config, mesh)
     params, step = load_params(program, checkpoint)
     evaluator = Evaluator(program)
     result = {"checkpoint": str(checkpoint), "step": step, "seq_len": config.train.seq_len}
-    if config.eval.path:
-        result.update(position_losses(evaluator, params, held_out_rows(config)))
-    elif not config.eval.passkey_trials:
-        raise JlongError("nothing to evaluate: set eval.path, or eval.passkey_trials above 0")
-    result["passkey"] = passkey_accuracy(evaluator, params)
+    if rows is not None:
+        result.update(position_losses(evaluator, params, rows))
+    result["passkey"] = passkey_accuracy(evaluator, params, made)
     return result
 
 

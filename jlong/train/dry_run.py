@@ -8,22 +8,28 @@ from pathlib import Path
 
 import jax
 
-from jlong.checkpoint import Checkpoints
 from jlong.config import Config
 from jlong.data.documents import PackedDocuments, describe as describe_documents
 from jlong.data.sources import Batches, TokenFile
 from jlong.plan.memory import format_plan, plan
 from jlong.plan.targets import GIB, PlanTarget
+from jlong.train.checkpoint_owner import check_owner
+from jlong.train.loop import checked_last_step
+from jlong.train.metric_sinks import check_available
 from jlong.train.report import LOSS_PLOT
+from jlong.train.run_dir import RunDir
 
 
 def describe(config: Config, until_step: int | None) -> str:
     """What `jlong train` would do with `config` on the devices this process sees."""
-    batches = Batches(config)  # the data checks of a real run, first
+    last = checked_last_step(config, until_step)  # the checks of a real run, first
+    check_available(config.train.log_to)
+    batches = Batches(config)
+    if config.run_dir:
+        RunDir(config)
+    done = check_owner(config).newest if config.checkpoint.dir else 0
     devices = jax.devices()
     mesh, train = config.mesh, config.train
-    last = min(train.steps, until_step or train.steps)
-    done = _checkpointed_step(config)
     lines = [
         f"devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}) in "
         f"{jax.process_count()} process(es)",
@@ -54,16 +60,6 @@ def _data(config: Config, batches: Batches) -> str:
         return (f"{config.data.path}: {tokens:,} tokens, {source.num_samples:,} sequences ({order}{packed}); "
                 f"one pass is {steps_per_pass:,.1f} steps")
     return "synthetic (learnable random sequences; set data.source=tokens and data.path for real data)"
-
-
-def _checkpointed_step(config: Config) -> int:
-    if not config.checkpoint.dir or not Path(config.checkpoint.dir).is_dir():
-        return 0
-    checkpoints = Checkpoints(config.checkpoint.dir, config.checkpoint.keep)
-    try:
-        return checkpoints.latest_step() or 0
-    finally:
-        checkpoints.close()
 
 
 def _outputs(config: Config, done: int) -> str:

@@ -11,19 +11,21 @@ import time
 
 import jax
 import numpy as np
-from tqdm import tqdm
 
 from jlong.checkpoint import Checkpoints
-from jlong.config import Config
+from jlong.config import Config, config_to_dict
 from jlong.data.sources import Batches
 from jlong.errors import JlongError
 from jlong.plan.advice import is_out_of_memory, out_of_memory_error
 from jlong.parallel.placement import make_mesh
 from jlong.train.flops import model_flops_per_token, peak_flops_per_device
+from jlong.train.checkpoint_owner import check_owner
 from jlong.train.host_memory import available_bytes, check_host_memory
+from jlong.train.metric_sinks import check_available
 from jlong.train.optimizer import learning_rate
 from jlong.train.preemption import StopRequests
 from jlong.train.program import TrainProgram
+from jlong.train.progress import Progress
 from jlong.train.report import nothing_to_do, summary
 from jlong.train.run_dir import RunDir
 
@@ -58,8 +60,8 @@ class Started:
 
 def start(config: Config, mesh, checkpoints: Checkpoints | None, last: int) -> Started:
     """Restores the newest readable checkpoint into this mesh's shardings (or
-    initialises, from hf_path when set) and compiles the step, when steps up
-    to `last` remain."""
+    initialises, from hf_path when set), says where the run starts, and
+    compiles the step, when steps up to `last` remain."""
     program = TrainProgram(config, mesh)
     step, params, opt_state = 0, None, None
     if checkpoints:
@@ -72,11 +74,33 @@ def start(config: Config, mesh, checkpoints: Checkpoints | None, last: int) -> S
         opt_state = program.init_opt_state(params)
     compiled = None
     if step < last:
+        _say(starting_line(config, step))
         with explained_out_of_memory(config, mesh, "compiling the train step"):
-            compiled = program.compile()
+            compiled = _compile(program)
         if config.train.check_host_memory and mesh.devices.flat[0].platform == "gpu":
             check_host_memory(host_bytes_per_node(program, compiled), available_bytes())
     return Started(program, compiled, params, opt_state, step)
+
+
+def starting_line(config: Config, step: int) -> str:
+    """Where a run starts: `resuming step N from DIR`, or step 1 and why."""
+    where = config.checkpoint.dir
+    if step:
+        return f"resuming step {step} from {where}"
+    weights = f" from the weights in {config.model.hf_path}" if config.model.hf_path else ""
+    why = f"no checkpoint in {where}" if where else "no checkpoint.dir: nothing will be saved to resume from"
+    return f"starting at step 1{weights} ({why})"
+
+
+def _compile(program: TrainProgram) -> jax.stages.Compiled:
+    """The train step, compiled, with a line before and after (it can take minutes at long lengths)."""
+    mesh = program.config.mesh
+    _say(f"compiling the train step for {mesh.size} devices (data {mesh.data} x fsdp {mesh.fsdp} x ring "
+         f"{mesh.ring} x sp {mesh.sp}), {program.config.train.seq_len:,} tokens per sequence ...")
+    began = time.perf_counter()
+    compiled = program.compile()
+    _say(f"compiled in {time.perf_counter() - began:,.1f} s")
+    return compiled
 
 
 def host_bytes_per_node(program: TrainProgram, compiled: jax.stages.Compiled) -> int:
@@ -89,14 +113,22 @@ def host_bytes_per_node(program: TrainProgram, compiled: jax.stages.Compiled) ->
 
 def train(config: Config, *, until_step: int | None = None, stop_requests: StopRequests | None = None) -> list[dict]:
     """Trains to train.steps (or `until_step`), resuming from the newest
-    checkpoint in checkpoint.dir; returns this run's metric records. SIGTERM
-    or SIGUSR1 (recorded by `stop_requests`, by default handlers installed
-    for the call) stops it after the step under way, with a checkpoint."""
-    last = min(config.train.steps, until_step or config.train.steps)
+    checkpoint in checkpoint.dir when that directory holds this run's;
+    returns this run's metric records. SIGTERM, SIGUSR1 or Ctrl-C (recorded
+    by `stop_requests`, by default handlers installed for the call) stops it
+    after the step under way, with a checkpoint."""
+    last = checked_last_step(config, until_step)
+    check_available(config.train.log_to)
     batches = Batches(config)  # the data and the run directory are checked before anything is built
+    evaluation = PeriodicEvaluation(config)
     run_dir = RunDir(config) if config.run_dir and jax.process_index() == 0 else None
+    if config.checkpoint.dir:
+        owner = check_owner(config)
+        if owner.note:
+            _say(owner.note)
     mesh = make_mesh(config.mesh)
-    checkpoints = Checkpoints(config.checkpoint.dir, config.checkpoint.keep) if config.checkpoint.dir else None
+    checkpoints = Checkpoints(config.checkpoint.dir, config.checkpoint.keep,
+                              run_record=config_to_dict(config)) if config.checkpoint.dir else None
     stops = stop_requests or StopRequests.installed()
     try:
         run = start(config, mesh, checkpoints, last)
@@ -104,19 +136,20 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
             _say(nothing_to_do(config, run.step, until_step))
             return []
         if run_dir:
-            run_dir.start(resumed_at=run.step)
+            for line in run_dir.start(resumed_at=run.step):
+                _say(line)
             if run.step and run_dir.relaid:
-                _say(f"resuming step {run.step}'s checkpoint with a new layout: {'; '.join(run_dir.relaid)}")
+                _say(f"the layout changed since step {run.step}: {'; '.join(run_dir.relaid)}")
         began, stopped_by = time.perf_counter(), None
-        evaluation = PeriodicEvaluation(config, run.program)
         with Recorder(config, run_dir, first=run.step, last=last) as recorder:
             for step in range(run.step + 1, last + 1):
                 stopped_by = stops.agreed()
                 if stopped_by:
                     break
+                stops.step_started(step, recorder.expected_step_seconds())
                 loss, grad_norm, seconds = _update(run, batches, step)
                 _check_finite(step, loss, grad_norm, checkpoints)
-                recorder.record(step, loss, grad_norm, seconds, evaluation.at(step, run.params))
+                recorder.record(step, loss, grad_norm, seconds, evaluation.at(step, run.program, run.params))
                 every = config.checkpoint.every
                 if checkpoints and ((every and step % every == 0) or step == last):
                     _save(config, checkpoints, run)
@@ -136,23 +169,35 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
             checkpoints.close()
 
 
+def checked_last_step(config: Config, until_step: int | None) -> int:
+    """The last step to run: train.steps, or `until_step` when it comes first."""
+    if until_step is None:
+        return config.train.steps
+    if until_step < 1:
+        raise JlongError(f"--until-step must be a step of the run (1 to train.steps={config.train.steps}), "
+                         f"got {until_step}")
+    return min(config.train.steps, until_step)
+
+
 class PeriodicEvaluation:
     """train.eval_every: the loss by position on eval.path, with the run's
-    parameters and forward pass, every that many steps."""
+    parameters and forward pass, every that many steps. The held-out file
+    is read (and checked) when this is made, before anything compiles."""
 
-    def __init__(self, config: Config, program: TrainProgram):
-        self.every = config.train.eval_every
+    def __init__(self, config: Config):
+        self.every, self.evaluator = config.train.eval_every, None
         if self.every:
-            from jlong.eval.evaluate import Evaluator, held_out_rows
+            from jlong.eval.evaluate import held_out_rows
 
-            self.evaluator, self.rows = Evaluator(program), held_out_rows(config)
+            self.rows = held_out_rows(config)
 
-    def at(self, step: int, params: dict) -> dict:
+    def at(self, step: int, program: TrainProgram, params: dict) -> dict:
         """The metrics to log with step `step` (none between evaluations)."""
         if not self.every or step % self.every:
             return {}
-        from jlong.eval.evaluate import position_losses
+        from jlong.eval.evaluate import Evaluator, position_losses
 
+        self.evaluator = self.evaluator or Evaluator(program)
         result = position_losses(self.evaluator, params, self.rows)
         return {"eval_loss": result["loss"], "eval_loss_by_position": result["loss_by_position"]}
 
@@ -206,7 +251,7 @@ def _check_finite(step: int, loss: float, grad_norm: float, checkpoints: Checkpo
 
 class Recorder:
     """Each step's metrics (with throughput, MFU on GPUs, peak device memory)
-    into the records, run_dir/metrics.jsonl and the progress bar; and the
+    into the records, run_dir/metrics.jsonl and the progress display; and the
     profiler window of train.profile_*."""
 
     def __init__(self, config: Config, run_dir: RunDir | None, *, first: int, last: int):
@@ -215,8 +260,8 @@ class Recorder:
         self.tokens_per_step = config.train.batch_size * config.train.seq_len
         self.flops_per_token = model_flops_per_token(config.model, config.train.seq_len)
         self.peak_flops = (peak_flops_per_device() or 0.0) * jax.device_count()
-        is_main = jax.process_index() == 0
-        self.progress = tqdm(total=last, initial=first, disable=not is_main, desc="train", unit="step")
+        self.progress = Progress(first=first, last=last, enabled=jax.process_index() == 0)
+        self.eval_loss: float | None = None  # the latest evaluation's, shown until the next
         self.profiler = ProfileWindow(config)
         self.profiler.at_step(first + 1)
 
@@ -226,6 +271,10 @@ class Recorder:
     def __exit__(self, *_) -> None:
         self.profiler.stop()
         self.progress.close()
+
+    def expected_step_seconds(self) -> float | None:
+        """How long the next step should take: the last one's time (None before any)."""
+        return self.records[-1]["step_time_s"] if self.records else None
 
     def record(self, step: int, loss: float, grad_norm: float, seconds: float, evaluation: dict) -> None:
         record = {
@@ -241,8 +290,12 @@ class Recorder:
         self.records.append(record)
         if self.run_dir:
             self.run_dir.log(record)
-        self.progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-        self.progress.update(1)
+        self.eval_loss = record.get("eval_loss", self.eval_loss)
+        shown = {"loss": f"{loss:.4f}"}
+        if self.eval_loss is not None:
+            shown["eval_loss"] = f"{self.eval_loss:.4f}"
+        shown["tok/s"] = f"{record['tokens_per_s']:,.0f}"
+        self.progress.advance(step, shown)
         self.profiler.at_step(step + 1)
 
 

@@ -8,12 +8,24 @@ evaluation's."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
+import sys
+import uuid
 from pathlib import Path
 
 from jlong.errors import JlongError
 
 TENSORBOARD_DIR = "tensorboard"
+WANDB_DIR = "wandb"  # W&B's own directory under run_dir
+_WANDB_RUN_ID = "jlong_run_id"  # in it: the W&B run this run directory logs to
+
+
+def check_available(log_to) -> None:
+    """Refuses a sink whose package is not installed, before anything is built."""
+    if "wandb" in log_to and "wandb" not in sys.modules and importlib.util.find_spec("wandb") is None:
+        raise JlongError("train.log_to names wandb, which is not installed: pip install 'jlong[wandb]', "
+                         "or drop wandb from train.log_to")
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -48,19 +60,30 @@ class TensorBoard:
 
 
 class WeightsAndBiases:
-    def __init__(self, run_dir: Path, config: dict):
-        try:
-            import wandb
-        except ImportError:
-            raise JlongError("train.log_to: wandb needs the wandb package: pip install 'jlong[wandb]'") from None
-        # One W&B run per run directory, resumed with it; WANDB_MODE=offline keeps it on disk.
+    def __init__(self, run_dir: Path, config: dict, *, resumed: bool):
+        check_available(["wandb"])
+        import wandb
+
+        # One W&B run per run of the directory: a resumed run continues it, a fresh start begins another.
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "jlong"), name=run_dir.name,
-                              id="jlong-" + hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16],
-                              resume="allow",
-                              dir=str(run_dir), config=config)
+                              id=_wandb_run_id(run_dir, resumed), resume="allow", dir=str(run_dir), config=config)
 
     def log(self, record: dict) -> None:
         self.run.log(scalars(record), step=record["step"])
 
     def close(self) -> None:
         self.run.finish()
+
+
+def _wandb_run_id(run_dir: Path, resumed: bool) -> str:
+    """The W&B run id kept in run_dir/wandb: new on a fresh start; on a resume
+    the kept one (or, for a directory from before ids were kept, its path's hash)."""
+    kept = run_dir / WANDB_DIR / _WANDB_RUN_ID
+    if resumed and kept.is_file():
+        return kept.read_text().strip()
+    if resumed:
+        return "jlong-" + hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
+    run_id = "jlong-" + uuid.uuid4().hex[:16]
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    kept.write_text(run_id + "\n")
+    return run_id

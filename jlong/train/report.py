@@ -23,6 +23,10 @@ def summary(config: Config, records: list[dict], seconds: float, checkpoint_step
         f"(median {tokens_per_s:,.0f} tokens/s)",
         f"  loss         {first['loss']:.4f} at step {first['step']} -> {last['loss']:.4f} at step {last['step']}",
     ]
+    evaluated = [r for r in records if "eval_loss" in r]
+    if evaluated:
+        lines.append(f"  eval loss    {evaluated[0]['eval_loss']:.4f} at step {evaluated[0]['step']} -> "
+                     f"{evaluated[-1]['eval_loss']:.4f} at step {evaluated[-1]['step']} (held-out, eval.path)")
     if config.run_dir:
         run_dir = Path(config.run_dir)
         lines += [f"  metrics      {run_dir / 'metrics.jsonl'}", f"  loss curve   {run_dir / LOSS_PLOT}",
