@@ -29,9 +29,9 @@ from common import GIB, RESULTS, add_target_argument, markdown_table, planning_t
 use_cpu_devices(8)
 
 from jlong.config import load_config  # noqa: E402
-from jlong.plan.maxlen import longest_seq_len  # noqa: E402
-from jlong.plan.memory import plan  # noqa: E402
-from jlong.plan.targets import PlanTarget  # noqa: E402
+from jlong.planner.maxlen import longest_seq_len  # noqa: E402
+from jlong.planner.memory import plan  # noqa: E402
+from jlong.planner.targets import PlanTarget  # noqa: E402
 
 COMMON = ["train.compute_dtype=bfloat16", "train.param_dtype=float32", "attention.impl=auto",
           "attention.block_size=1024", "data.source=synthetic"]

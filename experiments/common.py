@@ -57,7 +57,7 @@ def add_target_argument(parser, default: str = "h100") -> None:
 
 def planning_target(name: str, **budgets):
     """The PlanTarget of `--target`, checked, with jax started for planning."""
-    from jlong.plan.targets import PlanTarget, resolve_target, start_planning_backend
+    from jlong.planner.targets import PlanTarget, resolve_target, start_planning_backend
 
     target = PlanTarget(resolve_target(name), **budgets)
     start_planning_backend(cpu_devices=8)
@@ -66,7 +66,7 @@ def planning_target(name: str, **budgets):
 
 def estimate_assumptions(target_name: str) -> str:
     """The step-cost estimate's assumptions, stated once per result file."""
-    from jlong.plan.step_cost import ESTIMATE_NOTE
+    from jlong.planner.step_cost import ESTIMATE_NOTE
 
     return (f"Every time here is {ESTIMATE_NOTE}. Assumptions: {target_name} data-sheet rates and the default "
             "efficiencies of `jlong plan` (gemm 0.70, cuDNN attention forward 0.60 / backward 0.45, HBM 0.80, links "

@@ -19,7 +19,7 @@ from common import GIB, ROOT, add_target_argument, markdown_table, planning_targ
 use_cpu_devices(8)
 
 from jlong.config import load_config  # noqa: E402
-from jlong.plan.memory import plan  # noqa: E402
+from jlong.planner.memory import plan  # noqa: E402
 
 CONFIGS = [
     "configs/llama3-8b-2m.yaml", "configs/llama3-8b-5m.yaml", "configs/llama3-8b-8m.yaml", "configs/qwen3-32b-3m.yaml",

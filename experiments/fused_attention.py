@@ -24,8 +24,8 @@ from common import estimate_assumptions, markdown_table, provenance, write_resul
 use_cpu_devices(8)
 
 from jlong.config import load_config  # noqa: E402
-from jlong.plan.memory import compile_train_step, plan_of  # noqa: E402
-from jlong.plan.step_cost import step_cost  # noqa: E402
+from jlong.planner.memory import compile_train_step, plan_of  # noqa: E402
+from jlong.planner.step_cost import step_cost  # noqa: E402
 
 PROGRAMS = [
     ("Llama3-8B, one node", "configs/llama3-8b-5m.yaml", ["train.seq_len=131072"]),

@@ -27,7 +27,7 @@ def planned_bytes(target: str, memory_kind: str) -> tuple[int, int]:
     from jax.ad_checkpoint import checkpoint_name
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from jlong.plan.targets import gpu_devices
+    from jlong.planner.targets import gpu_devices
 
     policy = jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
@@ -51,7 +51,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_target_argument(parser)
     args = parser.parse_args()
-    from jlong.plan.targets import PlanTarget, resolve_target, start_planning_backend
+    from jlong.planner.targets import PlanTarget, resolve_target, start_planning_backend
 
     target = PlanTarget(resolve_target(args.target))
     start_planning_backend(cpu_devices=1)

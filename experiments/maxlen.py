@@ -22,7 +22,7 @@ use_cpu_devices(8)
 import dataclasses  # noqa: E402
 
 from jlong.config import load_config  # noqa: E402
-from jlong.plan.maxlen import longest_seq_len  # noqa: E402
+from jlong.planner.maxlen import longest_seq_len  # noqa: E402
 
 CONFIGS = ROOT / "configs"
 UNBOUNDED_HOST_GIB = 1e9

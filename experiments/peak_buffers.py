@@ -32,7 +32,7 @@ os.environ["XLA_FLAGS"] = (
 use_cpu_devices(8)
 
 from jlong.config import load_config  # noqa: E402
-from jlong.plan.memory import plan  # noqa: E402
+from jlong.planner.memory import plan  # noqa: E402
 
 _VALUE = re.compile(r" value: <\d+ ([^\s{]+)(\{[\d,]*\})?(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\): (\S+)")
 _LIVE_RANGE = re.compile(r"\s+(\S+):(\d+)-(\d+)$")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from common import GIB, markdown_table
 
-from jlong.plan.targets import cuda_plugin_installed
+from jlong.planner.targets import cuda_plugin_installed
 
 
 

@@ -29,8 +29,8 @@ from common import (
 use_cpu_devices(8)
 
 from jlong.config import load_config  # noqa: E402
-from jlong.plan.memory import compile_train_step, plan_of  # noqa: E402
-from jlong.plan.step_cost import step_cost  # noqa: E402
+from jlong.planner.memory import compile_train_step, plan_of  # noqa: E402
+from jlong.planner.step_cost import step_cost  # noqa: E402
 
 DEFAULT_STACK = "configs/llama3-8b-5m.yaml"
 LENGTHS = [2**17 * 2**k for k in range(7)]  # 131,072 ... 8,388,608

@@ -1,7 +1,13 @@
 """jlong: long-context training of Llama- and Qwen-style transformers in JAX.
 
+For scripts and notebooks (docs/python.md): `jlong.load_config`,
+`jlong.plan`, `jlong.maxlen`, `jlong.train`, `jlong.evaluate`; models:
+`jlong.from_hf`, `jlong.to_hf`, `jlong.Transformer`; the program the loop
+runs and the planner compiles: `jlong.TrainProgram`.
+
 The public names load on first use, so `import jlong.errors` or the command
-line's start-up does not import jax before it has set jax up.
+line's start-up does not import jax before it has set jax up. No
+subpackage is named like a function here, so importing one never hides it.
 """
 
 import importlib
@@ -11,11 +17,16 @@ _EXPORTS = {
     "ModelConfig": "jlong.config",
     "load_config": "jlong.config",
     "JlongError": "jlong.errors",
+    "Plan": "jlong.api",
+    "plan": "jlong.api",
+    "maxlen": "jlong.api",
+    "train": "jlong.api",
+    "evaluate": "jlong.api",
     "from_hf": "jlong.hf",
     "to_hf": "jlong.hf",
     "ForwardOptions": "jlong.model.transformer",
     "Transformer": "jlong.model.transformer",
-    "TrainProgram": "jlong.train.program",
+    "TrainProgram": "jlong.training.program",
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

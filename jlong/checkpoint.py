@@ -14,7 +14,7 @@ full disk) stops the run and leaves the previous checkpoints as they were.
 
 Beside the steps, `jlong_run.yaml` records the config of the run that writes
 there, so that another run can be told apart before it resumes or deletes
-anything (`jlong.train.checkpoint_owner`).
+anything (`jlong.training.checkpoint_owner`).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
-    from jlong.plan.targets import DEFAULT_HOST_BUDGET_GIB, TARGETS
+    from jlong.planner.targets import DEFAULT_HOST_BUDGET_GIB, TARGETS
 
     parser.add_argument(
         "--target", help=f"what to compile for: {', '.join(TARGETS)}. GPU targets compile the whole mesh "
@@ -172,7 +172,7 @@ def _parse(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     """Runs one command; returns the exit status."""
-    from jlong.train.preemption import StopRequests
+    from jlong.training.preemption import StopRequests
 
     stop_requests = StopRequests()
     try:
@@ -211,10 +211,10 @@ def run() -> None:
 
 def _train(args) -> int:
     from jlong.config import load_config
-    from jlong.plan.gpu_memory import apply_memory_fraction
-    from jlong.train.multihost import initialize_distributed, process_count_requested, shutdown_distributed
+    from jlong.planner.gpu_memory import apply_memory_fraction
+    from jlong.training.multihost import initialize_distributed, process_count_requested, shutdown_distributed
 
-    from jlong.train.loop import checked_last_step
+    from jlong.training.loop import checked_last_step
 
     config = load_config(args.config, args.overrides)
     checked_last_step(config, args.until_step)
@@ -229,14 +229,14 @@ def _train(args) -> int:
     if jax.default_backend() == "gpu" and jax.process_index() == 0:
         print(f"GPU memory for XLA: {memory_fraction.describe()}", flush=True)
     if args.dry_run:
-        from jlong.train.dry_run import describe
+        from jlong.training.dry_run import describe
 
         description = describe(config, args.until_step)
         if jax.process_index() == 0:
             print(description)
         shutdown_distributed()
         return 0
-    from jlong.train.loop import train
+    from jlong.training.loop import train
 
     train(config, until_step=args.until_step, stop_requests=args.stop_requests)
     shutdown_distributed()
@@ -279,8 +279,8 @@ def _plan(args) -> int:
     config = load_config(args.config, args.overrides)
     efficiency = _efficiency(args)
     target = _plan_target(config, args)
-    from jlong.plan.memory import compile_train_step, format_plan, plan_of
-    from jlong.plan.step_cost import cost_dict, format_cost, step_cost
+    from jlong.planner.memory import compile_train_step, format_plan, plan_of
+    from jlong.planner.step_cost import cost_dict, format_cost, step_cost
 
     step = compile_train_step(config, target, forward_only=args.eval)
     result = plan_of(step)
@@ -299,7 +299,7 @@ def _plan(args) -> int:
         for line in cost_lines:
             print(line)
     if not result.fits:
-        from jlong.plan.advice import over_budget_error
+        from jlong.planner.advice import over_budget_error
 
         sys.stdout.flush()
         raise over_budget_error(result, config)
@@ -307,7 +307,7 @@ def _plan(args) -> int:
 
 
 def _efficiency(args):
-    from jlong.plan.step_cost import Efficiency
+    from jlong.planner.step_cost import Efficiency
 
     return Efficiency().with_overrides(args.efficiency)
 
@@ -326,36 +326,41 @@ def _maxlen(args) -> int:
             raise JlongError("--fastest ranks settings by the step cost, which is read from XLA:GPU programs: "
                              "plan with --target h100 (pip install 'jlong[gpu-plan]')")
         return _fastest(config, target, args.search, efficiency)
-    from jlong.plan.maxlen import search_axes, settings, with_overrides
-    from jlong.plan.targets import GIB
+    from jlong.planner.maxlen import best_length, longest_by_setting, with_seq_len
+    from jlong.planner.targets import GIB
 
     _print_budgets(config, target, f"lengths are multiples of {config.sequence_granule:,}")
-    results, refusal = [], None
-    for setting in settings(search_axes(args.search)):
+
+    def report(seq_len, result):
+        verdict = "fits" if result.fits else "over the " + " and ".join(result.exceeded) + " budget"
+        print(f"  seq_len {seq_len:>12,}: {result.device_total / GIB:8.2f} GiB per device, "
+              f"{result.host_per_node / GIB:8.1f} GiB host per node  {verdict}", flush=True)
+
+    def announce(setting):
         if args.search:
             print(f"setting {' '.join(setting)}:", flush=True)
-        try:
-            candidate = with_overrides(config, setting)
-            results.append((setting, candidate, _search_one(candidate, target)))
-        except JlongError as err:  # an invalid setting, or states alone over the budget: it fits no length
-            if not args.search:
-                raise
-            refusal = err
-            print(f"  no length fits: {err}", flush=True)
-    if not results:
-        raise refusal
-    setting, candidate, found = max(results, key=lambda r: r[2].seq_len)
+
+    def refused(setting, err):
+        print(f"  no length fits: {err}", flush=True)
+
+    results = longest_by_setting(config, target, args.search, on_setting=announce, on_probe=report,
+                                 on_refused=refused)
+    best = best_length(results)
+    if best is None:
+        raise results[-1].refusal
+    found = best.found
     if not found.seq_len:
-        from jlong.plan.maxlen import with_seq_len
-        from jlong.plan.advice import over_budget_error
+        from jlong.planner.advice import over_budget_error
 
         shortest, result = min(found.probes, key=lambda probe: probe[0])
         sys.stdout.flush()
-        raise over_budget_error(result, with_seq_len(candidate, shortest))
+        raise over_budget_error(result, with_seq_len(best.config, shortest))
     if args.search:
-        for other, _, each in results:
-            print(f"  {' '.join(other)}: longest {each.seq_len:,}; the {each.bound_by} budget binds")
-        print(f"best setting: {' '.join(setting)}")
+        for other in results:
+            if other.found:
+                print(f"  {' '.join(other.setting)}: longest {other.found.seq_len:,}; the {other.found.bound_by} "
+                      "budget binds")
+        print(f"best setting: {' '.join(best.setting)}")
     print(f"longest seq_len that fits: {found.seq_len:,} ({found.plan.device_total / GIB:.2f} GiB per device, "
           f"{found.plan.host_per_node / GIB:,.1f} GiB host per node); the {found.bound_by} budget binds")
     return 0
@@ -370,8 +375,8 @@ def _print_budgets(config, target, what: str) -> None:
 
 def _fastest(config, target, search, efficiency) -> int:
     """Every setting planned at the configured length; the fastest that fits wins."""
-    from jlong.plan.maxlen import fastest_setting, search_axes, settings
-    from jlong.plan.targets import GIB
+    from jlong.planner.maxlen import fastest_setting, search_axes, settings
+    from jlong.planner.targets import GIB
 
     _print_budgets(config, target, f"at seq_len {config.train.seq_len:,}")
 
@@ -396,23 +401,10 @@ def _fastest(config, target, search, efficiency) -> int:
     return 0
 
 
-def _search_one(config, target):
-    """The longest length of one config, each probe printed as it is planned."""
-    from jlong.plan.maxlen import longest_seq_len
-    from jlong.plan.targets import GIB
-
-    def report(seq_len, result):
-        verdict = "fits" if result.fits else "over the " + " and ".join(result.exceeded) + " budget"
-        print(f"  seq_len {seq_len:>12,}: {result.device_total / GIB:8.2f} GiB per device, "
-              f"{result.host_per_node / GIB:8.1f} GiB host per node  {verdict}", flush=True)
-
-    return longest_seq_len(config, target, on_probe=report)
-
-
 def _plan_target(config, args):
     """The target and budgets of `jlong plan` / `maxlen`, checked, with the
     backend started on the CPU (planning never touches a real accelerator)."""
-    from jlong.plan.targets import PlanTarget, node_shape, resolve_target, start_planning_backend
+    from jlong.api import planning_target
 
     if args.budget_gib is not None and not args.budget_gib > 0:
         raise JlongError(f"--budget-gib must be positive, got {args.budget_gib:g}")
@@ -426,10 +418,8 @@ def _plan_target(config, args):
             f"--devices {args.devices}, but the mesh data x fsdp x ring x sp = {m.data} x {m.fsdp} x {m.ring} x "
             f"{m.sp} = {m.size}{hint}"
         )
-    target = PlanTarget(resolve_target(args.target), args.budget_gib, args.host_budget_gib, args.gpus_per_node)
-    node_shape(config.mesh.size, target.gpus_per_node)  # whole nodes, before anything compiles
-    start_planning_backend(cpu_devices=1 if target.is_gpu else config.mesh.size)
-    return target
+    return planning_target(config, args.target, budget_gib=args.budget_gib, host_budget_gib=args.host_budget_gib,
+                           gpus_per_node=args.gpus_per_node)
 
 
 def _convert(args) -> int:

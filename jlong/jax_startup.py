@@ -22,13 +22,37 @@ def import_jax_quietly() -> None:
 def start_backends(cpu_devices: int | None = None) -> None:
     """Starts jax's backends; `cpu_devices` virtual CPU devices first, unless
     XLA_FLAGS already names a count. Multi-process initialisation, when
-    wanted, must come before this."""
+    wanted, must come before this. Where jax has started already (a script
+    or notebook ran something), it must have at least that many CPU devices."""
     import jax
 
+    if backends_started():
+        _check_cpu_devices(cpu_devices)
+        return
     if cpu_devices and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         jax.config.update("jax_num_cpu_devices", cpu_devices)
     with _quiet_without_driver():
         jax.devices()
+
+
+def backends_started() -> bool:
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def _check_cpu_devices(wanted: int | None) -> None:
+    import jax
+
+    from jlong.errors import JlongError
+
+    have = len(jax.devices("cpu"))
+    if wanted and have < wanted and jax.default_backend() == "cpu":
+        raise JlongError(
+            f"jax started with {have} CPU device(s) before jlong could give it the {wanted} this mesh needs: "
+            f"call jax.config.update('jax_num_cpu_devices', {wanted}) right after 'import jax', before anything "
+            f"runs (or set XLA_FLAGS=--xla_force_host_platform_device_count={wanted}), or restart the process"
+        )
 
 
 def _has_nvidia_driver() -> bool:

@@ -19,13 +19,13 @@ import pytest
 from jlong.config import config_to_dict, load_config
 from jlong.data.sources import Batches
 from jlong.parallel.placement import make_mesh
-from jlong.plan.targets import (
+from jlong.planner.targets import (
     MIN_CUDNN_FOR_DEVICELESS_ATTENTION,
     PlanTarget,
     cuda_plugin_installed,
     installed_cudnn_version,
 )
-from jlong.train.program import TrainProgram
+from jlong.training.program import TrainProgram
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,9 +37,21 @@ SMALL_MODEL = [
 ]
 MESH = ["mesh.fsdp=2", "mesh.sp=4"]
 
+# Llama-shaped and small, on sp=8 with the whole memory stack: for plans.
+SMALL_LONG = [
+    "model.vocab_size=512", "model.hidden_size=128", "model.intermediate_size=384", "model.num_hidden_layers=2",
+    "model.num_attention_heads=8", "model.num_key_value_heads=8", "mesh.sp=8", "train.batch_size=1",
+    "train.seq_len=8192", "attention.impl=blockwise", "attention.block_size=256",
+    "memory.remat=offload_inputs", "memory.mlp_tile=128", "memory.loss_tile=128",
+]
+
 
 def small_config(*overrides):
     return load_config(None, [*SMALL_MODEL, *overrides])
+
+
+def small_long(*overrides):
+    return load_config(None, [*SMALL_LONG, *overrides])
 
 
 def loss_and_grads(config, devices):

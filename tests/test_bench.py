@@ -6,7 +6,7 @@ import subprocess
 import sys
 from helpers import REPO as ROOT
 
-from jlong.plan.targets import cuda_plugin_installed
+from jlong.planner.targets import cuda_plugin_installed
 
 # Without the 8 virtual devices the tests' conftest gives the CPU: jlong gives
 # the runs as many as their one-device mesh needs.

@@ -16,9 +16,9 @@ from jlong.checkpoint import FILE_LIST, RUN_RECORD
 from jlong.config import config_to_dict
 from jlong.errors import JlongError
 from jlong.parallel.placement import make_mesh
-from jlong.train.host_memory import available_bytes, check_host_memory
-from jlong.train.loop import host_bytes_per_node, train
-from jlong.train.program import TrainProgram
+from jlong.training.host_memory import available_bytes, check_host_memory
+from jlong.training.loop import host_bytes_per_node, train
+from jlong.training.program import TrainProgram
 
 # A checkpoint that fails to read leaves orbax's reader coroutines to report it as they are collected, which
 # jlong keeps out of stderr; pytest's own hook would still list each as a warning.

@@ -13,7 +13,7 @@ from jlong.data.documents import PackedDocuments
 from jlong.data.prepare import prepare
 from jlong.data.sources import Batches
 from jlong.errors import JlongError
-from jlong.train.loop import train
+from jlong.training.loop import train
 
 S = 64  # SMALL_MODEL's train.seq_len
 

@@ -18,9 +18,9 @@ from jlong.eval import passkey
 from jlong.eval.evaluate import Evaluator, passkey_accuracy, position_losses
 from jlong.eval.positions import loss_by_position
 from jlong.parallel.placement import make_mesh
-from jlong.train.loop import train
-from jlong.train.metric_sinks import TENSORBOARD_DIR, scalars
-from jlong.train.program import TrainProgram
+from jlong.training.loop import train
+from jlong.training.metric_sinks import TENSORBOARD_DIR, scalars
+from jlong.training.program import TrainProgram
 
 BYTES = [*SMALL_MODEL, "model.vocab_size=256"]
 

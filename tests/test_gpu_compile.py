@@ -15,15 +15,15 @@ from helpers import H100, REPO, needs_gpu_compiler, whole_stack
 from jlong.config import load_config
 from jlong.model.remat import remat_policy
 from jlong.options import REMAT_NAMES
-from jlong.plan.memory import (
+from jlong.planner.memory import (
     compile_train_step,
     offloaded_attention_bytes,
     plan,
     plan_of,
     saved_layer_input_bytes,
 )
-from jlong.plan.step_cost import step_cost
-from jlong.plan.targets import GPUS, PlanTarget, default_budget_gib, target_config_text
+from jlong.planner.step_cost import step_cost
+from jlong.planner.targets import GPUS, PlanTarget, default_budget_gib, target_config_text
 
 
 def cudnn_attention_calls(hlo: str) -> int:

@@ -4,9 +4,9 @@ CUDA plugin; neither needs a GPU."""
 import pytest
 
 from jlong import cli
-from jlong.plan import targets
-from jlong.plan.gpu_memory import MEM_FRACTION_VARIABLE, apply_memory_fraction
-from jlong.plan.targets import GIB, GPUS, POOL_RESERVE_GIB, PlanTarget, default_budget_gib
+from jlong.planner import targets
+from jlong.planner.gpu_memory import MEM_FRACTION_VARIABLE, apply_memory_fraction
+from jlong.planner.targets import GIB, GPUS, POOL_RESERVE_GIB, PlanTarget, default_budget_gib
 
 
 def test_train_sets_the_memory_fraction_it_plans_for():

@@ -9,11 +9,11 @@ from helpers import SMALL_MODEL, assert_same_result, loss_and_grads
 
 from jlong.config import ModelConfig, load_config
 from jlong.errors import JlongError
-from jlong.plan.probe import loss_temp_bytes, mlp_temp_bytes
+from jlong.planner.probe import loss_temp_bytes, mlp_temp_bytes
 from jlong.options import REMAT_NAMES
 from jlong.parallel.placement import make_mesh
-from jlong.plan.memory import plan, shard_bytes
-from jlong.train.program import TrainProgram
+from jlong.planner.memory import plan, shard_bytes
+from jlong.training.program import TrainProgram
 
 SHARDED = ["mesh.fsdp=2", "mesh.sp=4"]  # each device holds 16 of the 64 tokens
 PLAIN = ["attention.heads_per_stage=0"]  # Ulysses with every head in one stage

@@ -7,8 +7,8 @@ import pytest
 from helpers import MESH, SMALL_MODEL, run_config
 
 from jlong.config import load_config
-from jlong.plan.memory import plan
-from jlong.train.loop import train
+from jlong.planner.memory import plan
+from jlong.training.loop import train
 
 FOUR_LAYERS = ["model.num_hidden_layers=4", "train.steps=5"]
 # Layer groups with offloaded inputs, then the optimizer in host memory with the rest of the stack,

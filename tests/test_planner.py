@@ -6,24 +6,10 @@ import math
 
 import jax
 import pytest
-from helpers import assert_one_line_error, run_cli
+from helpers import SMALL_LONG, assert_one_line_error, run_cli, small_long
 
-from jlong.config import load_config
 from jlong.errors import JlongError
-from jlong.plan.memory import GIB, plan, saved_layer_input_bytes, state_bytes
-
-# Llama-shaped and small, on sp=8 with the whole memory stack.
-SMALL_LONG = [
-    "model.vocab_size=512", "model.hidden_size=128", "model.intermediate_size=384", "model.num_hidden_layers=2",
-    "model.num_attention_heads=8", "model.num_key_value_heads=8", "mesh.sp=8", "train.batch_size=1",
-    "train.seq_len=8192", "attention.impl=blockwise", "attention.block_size=256",
-    "memory.remat=offload_inputs", "memory.mlp_tile=128", "memory.loss_tile=128",
-]
-
-
-def small_long(*overrides):
-    return load_config(None, [*SMALL_LONG, *overrides])
-
+from jlong.planner.memory import GIB, plan, saved_layer_input_bytes, state_bytes
 
 def test_plan_bytes_grow_linearly_in_sequence_length():
     temporaries = [plan(small_long(f"train.seq_len={n}")).temporaries for n in (8192, 16384, 32768)]

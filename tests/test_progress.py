@@ -2,7 +2,7 @@
 
 import io
 
-from jlong.train.progress import LINE_EVERY_PERCENT, Progress
+from jlong.training.progress import LINE_EVERY_PERCENT, Progress
 
 
 class _Terminal(io.StringIO):

@@ -16,9 +16,9 @@ from helpers import (MESH, SMALL_MODEL, assert_stopped_with_a_checkpoint, logged
 
 from jlong.checkpoint import Checkpoints
 from jlong.errors import JlongError
-from jlong.train.loop import train
-from jlong.train.program import TrainProgram
-from jlong.train.run_dir import RunDir
+from jlong.training.loop import train
+from jlong.training.program import TrainProgram
+from jlong.training.run_dir import RunDir
 
 LONG_RUN = ["train.steps=16", "checkpoint.every=1"]
 

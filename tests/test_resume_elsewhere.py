@@ -11,7 +11,7 @@ from helpers import logged_losses, run_config, train_command
 
 from jlong.checkpoint import RUN_RECORD
 from jlong.errors import JlongError
-from jlong.train.loop import train
+from jlong.training.loop import train
 
 FSDP_8 = ["mesh.fsdp=8", "mesh.sp=1"]
 

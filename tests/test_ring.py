@@ -217,7 +217,7 @@ def test_a_ring_larger_than_the_devices_is_an_error():
 
 
 def test_searching_the_ring_degree_keeps_the_devices():
-    from jlong.plan.maxlen import with_overrides
+    from jlong.planner.maxlen import with_overrides
 
     config = small_config("mesh.fsdp=1", "mesh.sp=8")
     assert with_overrides(config, ["mesh.ring=2"]).mesh == MeshConfig(ring=2, sp=4)

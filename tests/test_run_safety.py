@@ -14,7 +14,7 @@ import pytest
 from helpers import MESH, SMALL_MODEL, assert_one_line_error, logged_losses, run_cli, run_config
 
 from jlong.checkpoint import RUN_RECORD, Checkpoints
-from jlong.train.loop import train
+from jlong.training.loop import train
 
 SHORT = ["train.steps=4", "checkpoint.every=2"]
 

@@ -10,7 +10,7 @@ import torch_baseline
 from hf_models import small_hf_model
 
 from jlong.config import load_config
-from jlong.train.loop import train as jlong_train
+from jlong.training.loop import train as jlong_train
 
 STEPS = 20
 

@@ -14,8 +14,8 @@ from helpers import MESH, logged_losses, run_config, small_config, train_command
 
 from jlong.checkpoint import Checkpoints
 from jlong.parallel.placement import make_mesh
-from jlong.plan.memory import compile_train_step, plan_of
-from jlong.train.loop import start, train
+from jlong.planner.memory import compile_train_step, plan_of
+from jlong.training.loop import start, train
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from jlong.config.types import (
 )
 from jlong.errors import JlongError
 from jlong.options import AttentionImpl, DType, RematName
-from jlong.plan.gpu_memory import DEFAULT_GPU_MEMORY_FRACTION
+from jlong.planner.gpu_memory import DEFAULT_GPU_MEMORY_FRACTION
 
 
 def _heads_per_stage(value: Any) -> int | Literal["all"] | None:

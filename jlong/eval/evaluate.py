@@ -17,7 +17,7 @@ from jlong.errors import JlongError
 from jlong.eval import passkey
 from jlong.eval.positions import loss_by_position
 from jlong.parallel.zigzag import SequenceLayout
-from jlong.train.program import TrainProgram
+from jlong.training.program import TrainProgram
 
 
 class Evaluator:

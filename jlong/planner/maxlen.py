@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 from jlong.config import Config, config_to_dict, load_config, with_values
 from jlong.errors import JlongError
-from jlong.plan.memory import MemoryPlan, compile_train_step, plan, plan_of, state_bytes
-from jlong.plan.step_cost import Efficiency, StepCost, step_cost
-from jlong.plan.targets import GIB, PlanTarget
+from jlong.planner.memory import MemoryPlan, compile_train_step, plan, plan_of, state_bytes
+from jlong.planner.step_cost import Efficiency, StepCost, step_cost
+from jlong.planner.targets import GIB, PlanTarget
 
 RELATIVE_RESOLUTION = 0.01
 
@@ -42,7 +42,7 @@ def longest_seq_len(
     on_probe: Callable[[int, MemoryPlan], None] = lambda n, p: None,
 ) -> MaxLen:
     """Doubling, then bisection, over multiples of `config.sequence_granule`; plans
-    compile for `target` (see `jlong.plan.memory.plan`)."""
+    compile for `target` (see `jlong.planner.memory.plan`)."""
     step = config.sequence_granule
     probes: list[tuple[int, MemoryPlan]] = []
 
@@ -113,6 +113,50 @@ def with_overrides(config: Config, overrides: list[str]) -> Config:
         if others and mesh.size % others == 0:
             overrides = [*overrides, f"mesh.sp={mesh.size // others}"]
     return load_config(None, overrides, base=config_to_dict(config))
+
+
+@dataclasses.dataclass(frozen=True)
+class SettingLength:
+    """One setting of a length search: the longest length it reaches, or why it reaches none."""
+
+    setting: list[str]  # its overrides (none: the config as it is)
+    config: Config | None  # the config with them (None when the overrides are refused)
+    found: MaxLen | None
+    refusal: JlongError | None  # an invalid setting, or states alone over the budget
+
+
+def longest_by_setting(
+    config: Config,
+    target: PlanTarget,
+    search: list[str] = (),
+    *,
+    on_setting: Callable[[list[str]], None] = lambda s: None,
+    on_probe: Callable[[int, MemoryPlan], None] = lambda n, p: None,
+    on_refused: Callable[[list[str], JlongError], None] = lambda s, e: None,
+) -> list[SettingLength]:
+    """The longest length of every combination of the `key=v1,v2` entries of
+    `search` (of the config alone without any). Without a search, a refusal
+    is raised; with one, it is that setting's result."""
+    results = []
+    for setting in settings(search_axes(list(search))):
+        on_setting(setting)
+        candidate = None
+        try:
+            candidate = with_overrides(config, setting)
+            results.append(SettingLength(setting, candidate, longest_seq_len(candidate, target, on_probe=on_probe),
+                                         None))
+        except JlongError as err:
+            if not search:
+                raise
+            on_refused(setting, err)
+            results.append(SettingLength(setting, candidate, None, err))
+    return results
+
+
+def best_length(results: list[SettingLength]) -> SettingLength | None:
+    """The setting that reaches the longest length (the first of equals); None if every one was refused."""
+    reached = [r for r in results if r.found is not None]
+    return max(reached, key=lambda r: r.found.seq_len, default=None)
 
 
 def fastest_setting(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 
 from jlong.config import ModelConfig
-from jlong.plan.targets import GPUS
+from jlong.planner.targets import GPUS
 
 # Dense bf16 tensor-core peaks (FLOP/s), by device_kind substring: the planner's
 # GPU table, and the A100, which jlong does not plan for but may run on.

@@ -11,13 +11,13 @@ import jax
 from jlong.config import Config
 from jlong.data.documents import PackedDocuments, describe as describe_documents
 from jlong.data.sources import Batches, TokenFile
-from jlong.plan.memory import format_plan, plan
-from jlong.plan.targets import GIB, PlanTarget
-from jlong.train.checkpoint_owner import check_owner
-from jlong.train.loop import checked_last_step
-from jlong.train.metric_sinks import check_available
-from jlong.train.report import LOSS_PLOT
-from jlong.train.run_dir import RunDir
+from jlong.planner.memory import format_plan, plan
+from jlong.planner.targets import GIB, PlanTarget
+from jlong.training.checkpoint_owner import check_owner
+from jlong.training.loop import checked_last_step
+from jlong.training.metric_sinks import check_available
+from jlong.training.report import LOSS_PLOT
+from jlong.training.run_dir import RunDir
 
 
 def describe(config: Config, until_step: int | None) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from jlong.errors import JlongError
-from jlong.plan.targets import GIB
+from jlong.planner.targets import GIB
 
 MEMINFO = Path("/proc/meminfo")
 

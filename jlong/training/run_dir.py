@@ -19,8 +19,8 @@ from jlong.config import Config, config_to_dict
 from jlong.config.identity import changes
 from jlong.errors import JlongError
 from jlong.files import free_name, write_atomically
-from jlong.train.metric_sinks import TENSORBOARD_DIR, WANDB_DIR, TensorBoard, WeightsAndBiases
-from jlong.train.report import LOSS_PLOT, plot_losses
+from jlong.training.metric_sinks import TENSORBOARD_DIR, WANDB_DIR, TensorBoard, WeightsAndBiases
+from jlong.training.report import LOSS_PLOT, plot_losses
 
 CONFIG, METRICS = "config.yaml", "metrics.jsonl"
 PROFILE_DIR, EVAL_DIR = "profile", "eval"

@@ -26,7 +26,7 @@ FLOPs are counted per device: a dot is 2 x output elements x contracted
 size; a cuDNN forward 4 x B x H x Sq x Skv x d, its backward 10 x (five
 matmuls: the scores are recomputed), both times the visible fraction of a
 causal mask; elementwise ops one per output element. Model FLOPs follow
-`jlong.train.flops` (6 x parameters x tokens + causal attention, no
+`jlong.training.flops` (6 x parameters x tokens + causal attention, no
 recompute); executed / model is the recompute factor, and MFU is model
 FLOPs over the estimated time at the dense bf16 peak.
 """
@@ -38,10 +38,10 @@ import dataclasses
 import math
 
 from jlong.errors import JlongError
-from jlong.plan.hlo import Computation, HloModule, Instruction
-from jlong.plan.memory import CompiledStep
-from jlong.plan.targets import GPUS, GpuModel
-from jlong.train.flops import model_flops_per_token
+from jlong.planner.hlo import Computation, HloModule, Instruction
+from jlong.planner.memory import CompiledStep
+from jlong.planner.targets import GPUS, GpuModel
+from jlong.training.flops import model_flops_per_token
 
 ESTIMATE_NOTE = ("an estimate read from the compiled program (a roofline over its kernels, collectives and host "
                  "copies in schedule order), not a measurement")
@@ -469,7 +469,7 @@ COST_KEYS = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "e
 
 
 def step_cost(step: CompiledStep, efficiency: Efficiency = Efficiency()) -> StepCost | None:
-    """The estimated cost of a step compiled by `jlong.plan.memory.compile_train_step`
+    """The estimated cost of a step compiled by `jlong.planner.memory.compile_train_step`
     for a GPU target, priced on that GPU; None for the cpu target, whose
     XLA:CPU program (blockwise attention loops with data-dependent bounds,
     CPU fusion) says little about a GPU's."""

@@ -16,18 +16,18 @@ from jlong.checkpoint import Checkpoints
 from jlong.config import Config, config_to_dict
 from jlong.data.sources import Batches
 from jlong.errors import JlongError
-from jlong.plan.advice import is_out_of_memory, out_of_memory_error
+from jlong.planner.advice import is_out_of_memory, out_of_memory_error
 from jlong.parallel.placement import make_mesh
-from jlong.train.flops import model_flops_per_token, peak_flops_per_device
-from jlong.train.checkpoint_owner import check_owner
-from jlong.train.host_memory import available_bytes, check_host_memory
-from jlong.train.metric_sinks import check_available
-from jlong.train.optimizer import learning_rate
-from jlong.train.preemption import StopRequests
-from jlong.train.program import TrainProgram
-from jlong.train.progress import Progress
-from jlong.train.report import nothing_to_do, summary
-from jlong.train.run_dir import RunDir
+from jlong.training.flops import model_flops_per_token, peak_flops_per_device
+from jlong.training.checkpoint_owner import check_owner
+from jlong.training.host_memory import available_bytes, check_host_memory
+from jlong.training.metric_sinks import check_available
+from jlong.training.optimizer import learning_rate
+from jlong.training.preemption import StopRequests
+from jlong.training.program import TrainProgram
+from jlong.training.progress import Progress
+from jlong.training.report import nothing_to_do, summary
+from jlong.training.run_dir import RunDir
 
 
 @contextlib.contextmanager
@@ -105,8 +105,8 @@ def _compile(program: TrainProgram) -> jax.stages.Compiled:
 
 def host_bytes_per_node(program: TrainProgram, compiled: jax.stages.Compiled) -> int:
     """What the compiled step keeps in host memory on this process's node (the plan's figure)."""
-    from jlong.plan.memory import CompiledStep, plan_of
-    from jlong.plan.targets import PlanTarget
+    from jlong.planner.memory import CompiledStep, plan_of
+    from jlong.planner.targets import PlanTarget
 
     return plan_of(CompiledStep(program, compiled, PlanTarget(), list(program.mesh.devices.flat))).host_per_node
 

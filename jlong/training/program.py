@@ -1,7 +1,7 @@
 """The training program of a config on a mesh: the one object that knows the
 parameters' layout, the optimizer, the batch layout and the jitted step.
 
-The loop runs it, the planner compiles it (`jlong.plan.memory`), the out-of-memory
+The loop runs it, the planner compiles it (`jlong.planner.memory`), the out-of-memory
 report plans it, and the tests check it; nothing else builds a train step.
 Parameters travel as a plain nested dict of arrays (what `nnx.to_pure_dict`
 gives); `bind` turns one back into a `Transformer` inside traced code.
@@ -21,8 +21,8 @@ from jlong.data.sources import batch_layout
 from jlong.model.transformer import ForwardOptions, Transformer
 from jlong.parallel.placement import MeshShards, batch_sharding, replicated, rest_spec
 from jlong.parallel.zigzag import SequenceLayout
-from jlong.train.host_optimizer import HostAdamW
-from jlong.train.optimizer import DeviceAdamW, Optimizer
+from jlong.training.host_optimizer import HostAdamW
+from jlong.training.optimizer import DeviceAdamW, Optimizer
 
 
 def make_optimizer(config: Config) -> Optimizer:

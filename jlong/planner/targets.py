@@ -8,7 +8,7 @@ real node would, and `memory_analysis()` gives per-device and host bytes.
 Nothing is autotuned and nothing runs.
 
 The `cpu` target compiles for virtual CPU devices instead (any machine, no
-plugin), with the corrections `jlong.plan.memory` describes.
+plugin), with the corrections `jlong.planner.memory` describes.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import functools
 import importlib.util
 
 from jlong.errors import JlongError
-from jlong.plan.gpu_memory import POOL_RESERVE_GIB
-from jlong.jax_startup import quiet_native_stderr, start_backends
+from jlong.planner.gpu_memory import POOL_RESERVE_GIB
+from jlong.jax_startup import backends_started, quiet_native_stderr, start_backends
 
 GIB = 1024**3
 GPU_PLAN_INSTALL = "pip install 'jlong[gpu-plan]' (the CUDA plugin matching jaxlib, and cuDNN)"
@@ -191,7 +191,7 @@ def start_planning_backend(cpu_devices: int) -> None:
     for its compiler (it skips its driver checks there)."""
     import jax
 
-    if jax.config.jax_platforms != "cpu":
+    if not backends_started() and jax.config.jax_platforms != "cpu":
         jax.config.update("jax_platforms", "cpu")
     start_backends(cpu_devices)
 

@@ -4,7 +4,7 @@ JAX preallocates a share of each GPU's memory for XLA's pool (75% unless
 XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise). `jlong train` sets that
 share from `train.gpu_memory_fraction` before jax starts, unless the user
 exported a value, and the planner's default device budget is the same share
-less a reserve (`jlong.plan.targets.default_budget_gib`).
+less a reserve (`jlong.planner.targets.default_budget_gib`).
 """
 
 from __future__ import annotations

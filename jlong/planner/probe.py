@@ -5,7 +5,7 @@ each memory technique saves, one block at a time.
 
 Weights are replicated (as they are at compute time, after FSDP gathers
 them) and x [1, S, D] is split over sp. `devices` (default: jax's) may be
-compile-only GPUs (`jlong.plan.targets.gpu_devices`).
+compile-only GPUs (`jlong.planner.targets.gpu_devices`).
 """
 
 from __future__ import annotations

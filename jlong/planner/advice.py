@@ -7,8 +7,8 @@ from __future__ import annotations
 from jlong.config import Config
 from jlong.errors import JlongError
 from jlong.model.remat import remat_policy
-from jlong.plan.memory import MemoryPlan, plan
-from jlong.plan.targets import GIB, PlanTarget
+from jlong.planner.memory import MemoryPlan, plan
+from jlong.planner.targets import GIB, PlanTarget
 
 _MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
 

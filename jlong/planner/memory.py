@@ -5,7 +5,7 @@ parameters, optimizer state and batch, compiled for the configured mesh on
 a `PlanTarget`, and XLA's memory analysis says what each device needs.
 
 GPU targets (h100, h200, b200) compile with XLA:GPU for compile-only devices
-(`jlong.plan.targets`): the program a real node would run, cuDNN attention and
+(`jlong.planner.targets`): the program a real node would run, cuDNN attention and
 host offload included. Device bytes are its arguments and temporaries (and
 outputs not aliased to a donated argument); host bytes are what the compiler
 places in host memory.
@@ -35,9 +35,9 @@ import jax.numpy as jnp
 from jlong.config import Config, with_values
 from jlong.model.remat import remat_policy
 from jlong.parallel.placement import make_mesh
-from jlong.plan.hlo import HloModule, parse_module
-from jlong.plan.targets import GIB, PlanTarget, node_shape
-from jlong.train.program import TrainProgram
+from jlong.planner.hlo import HloModule, parse_module
+from jlong.planner.targets import GIB, PlanTarget, node_shape
+from jlong.training.program import TrainProgram
 
 # XLA:CPU computes 16-bit matmuls in float32 (converted operands, float32
 # result); a GPU does not. Without this pass the CPU keeps them 16-bit.
@@ -119,7 +119,7 @@ class CompiledStep:
 
     @functools.cached_property
     def hlo(self) -> HloModule:
-        """The optimized program, read (`jlong.plan.hlo`)."""
+        """The optimized program, read (`jlong.planner.hlo`)."""
         return parse_module(self.compiled.as_text())
 
 
