@@ -11,7 +11,7 @@ random one written from the config's architecture) and the same random token
 file. Every run is its own process, jlong and PyTorch alternating, so neither
 inherits the other's memory; each figure is the median over the repetitions
 of the median over steps after the first (which holds jlong's compilation).
-MFU counts model FLOPs with causal attention once (`jlong.training.flops`),
+MFU counts model FLOPs with causal attention once (`jlong.model.flops`),
 for both, against the device's dense bf16 peak.
 
 `longest`: jlong's longest length comes from `jlong maxlen` (planned by the
@@ -38,7 +38,8 @@ from common import GIB
 
 from jlong.config import Config, load_config
 from jlong.hf_config import hf_config_dict
-from jlong.training.flops import PEAK_BF16_FLOPS, model_flops_per_token
+from jlong.model.flops import model_flops_per_token
+from jlong.planner.targets import PEAK_BF16_FLOPS
 
 HERE = Path(__file__).resolve().parent
 

@@ -29,7 +29,7 @@ import transformers
 from jlong.config import Config, load_config
 from jlong.errors import JlongError
 from jlong.hf import hf_roles
-from jlong.training.optimizer import learning_rate
+from jlong.program.optimizer import learning_rate
 
 
 def batch_tokens(tokens: np.ndarray, step: int, seq_len: int, batch_size: int) -> np.ndarray:

@@ -26,7 +26,7 @@ _EXPORTS = {
     "to_hf": "jlong.hf",
     "ForwardOptions": "jlong.model.transformer",
     "Transformer": "jlong.model.transformer",
-    "TrainProgram": "jlong.training.program",
+    "TrainProgram": "jlong.program.train_program",
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

@@ -10,11 +10,11 @@ from helpers import leaf_at
 
 from jlong.attention.kernels import AttentionKernel, reference_attention
 from jlong.config import ModelConfig
-from jlong.model.layers import apply_rope, rms_norm, rope_inverse_frequencies
-from jlong.model.shards import HIDDEN, TOKENS
+from jlong.ops.layers import apply_rope, rms_norm, rope_inverse_frequencies
+from jlong.ops.shards import HIDDEN, TOKENS
 from jlong.model.transformer import ForwardOptions, attention_block
 from jlong.parallel.placement import MeshShards, compute_sharding, make_mesh
-from jlong.parallel.zigzag import SequenceLayout
+from jlong.ops.zigzag import SequenceLayout
 
 
 def attention_model(H, K, qkv_extras=False):

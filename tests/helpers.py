@@ -25,7 +25,7 @@ from jlong.planner.targets import (
     cuda_plugin_installed,
     installed_cudnn_version,
 )
-from jlong.training.program import TrainProgram
+from jlong.program.train_program import TrainProgram
 
 REPO = Path(__file__).resolve().parents[1]
 

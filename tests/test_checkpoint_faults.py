@@ -18,7 +18,7 @@ from jlong.errors import JlongError
 from jlong.parallel.placement import make_mesh
 from jlong.training.host_memory import available_bytes, check_host_memory
 from jlong.training.loop import host_bytes_per_node, train
-from jlong.training.program import TrainProgram
+from jlong.program.train_program import TrainProgram
 
 # A checkpoint that fails to read leaves orbax's reader coroutines to report it as they are collected, which
 # jlong keeps out of stderr; pytest's own hook would still list each as a warning.

@@ -20,7 +20,7 @@ from jlong.eval.positions import loss_by_position
 from jlong.parallel.placement import make_mesh
 from jlong.training.loop import train
 from jlong.training.metric_sinks import TENSORBOARD_DIR, scalars
-from jlong.training.program import TrainProgram
+from jlong.program.train_program import TrainProgram
 
 BYTES = [*SMALL_MODEL, "model.vocab_size=256"]
 

@@ -18,7 +18,7 @@ import jlong
 from jlong.config import ModelConfig, load_config
 from jlong.model.transformer import Transformer
 from jlong.parallel.placement import make_mesh
-from jlong.training.program import TrainProgram
+from jlong.program.train_program import TrainProgram
 
 # float32 weights of about 190 MiB: big enough that the host's peak during
 # the load is measured against the checkpoint, not against Python's noise.
@@ -60,7 +60,7 @@ PEAK_PROBE = textwrap.dedent("""
     import jax
     from jlong.config import load_config
     from jlong.parallel.placement import make_mesh
-    from jlong.training.program import TrainProgram
+    from jlong.program.train_program import TrainProgram
 
     def status(field):
         for line in open("/proc/self/status"):

@@ -13,7 +13,7 @@ from jlong.planner.probe import loss_temp_bytes, mlp_temp_bytes
 from jlong.options import REMAT_NAMES
 from jlong.parallel.placement import make_mesh
 from jlong.planner.memory import plan, shard_bytes
-from jlong.training.program import TrainProgram
+from jlong.program.train_program import TrainProgram
 
 SHARDED = ["mesh.fsdp=2", "mesh.sp=4"]  # each device holds 16 of the 64 tokens
 PLAIN = ["attention.heads_per_stage=0"]  # Ulysses with every head in one stage
@@ -149,7 +149,7 @@ def test_bad_memory_settings_are_refused(overrides, message):
 
 
 def test_tiles_split_and_join_back():
-    from jlong.model.tiling import join_tiles, split_tiles
+    from jlong.ops.tiling import join_tiles, split_tiles
 
     x = np.arange(2 * 12 * 3).reshape(2, 12, 3)
     tiles = split_tiles(x, 4)

@@ -4,7 +4,7 @@ over every device along their first divisible weight axis, unknown axes refused.
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jlong.model.shards import HIDDEN, TOKENS
+from jlong.ops.shards import HIDDEN, TOKENS
 from jlong.parallel.placement import MESH_AXES, compute_spec, rest_spec
 
 

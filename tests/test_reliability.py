@@ -17,7 +17,7 @@ from helpers import (MESH, SMALL_MODEL, assert_stopped_with_a_checkpoint, logged
 from jlong.checkpoint import Checkpoints
 from jlong.errors import JlongError
 from jlong.training.loop import train
-from jlong.training.program import TrainProgram
+from jlong.program.train_program import TrainProgram
 from jlong.training.run_dir import RunDir
 
 LONG_RUN = ["train.steps=16", "checkpoint.every=1"]

@@ -22,7 +22,7 @@ from jlong.config import MeshConfig, config_to_dict
 from jlong.errors import JlongError
 from jlong.options import REMAT_NAMES
 from jlong.parallel.placement import make_mesh
-from jlong.parallel.zigzag import SequenceLayout, chunk_token_index
+from jlong.ops.zigzag import SequenceLayout, chunk_token_index
 
 MESHES = {
     "ring2-sp4": MeshConfig(ring=2, sp=4),

@@ -8,7 +8,7 @@ from helpers import assert_same_result, loss_and_grads, small_config
 from jlong.data.sources import Batches
 from jlong.parallel.placement import make_mesh
 from jlong.planner.memory import state_bytes
-from jlong.training.program import TrainProgram
+from jlong.program.train_program import TrainProgram
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlong.model.layers import apply_rope, rms_norm
-from jlong.model.tiling import add_in_float32, cast_like, float32_zeros, join_tiles, put_tile, split_tiles, tile_at
-from jlong.model.tiling import varying_like
+from jlong.ops.layers import apply_rope, rms_norm
+from jlong.ops.tiling import add_in_float32, cast_like, float32_zeros, join_tiles, put_tile, split_tiles, tile_at
+from jlong.ops.tiling import varying_like
 
 ATTENTION_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm")
 

@@ -1,7 +1,7 @@
 """Causal attention as a ring of flash steps (`jlong.attention.step`).
 
 Each of the R devices of the ring holds one chunk of the sequence in the
-zigzag layout (`jlong.parallel.zigzag`): ring rank r holds sequence chunks r
+zigzag layout (`jlong.ops.zigzag`): ring rank r holds sequence chunks r
 (A, early) and 2R-1-r (B, late), each of h tokens, as [B, 2h, heads, d].
 The keys and values travel around the ring with `ppermute`; at each of the R
 steps a device attends its queries to the chunk it holds, and the partial

@@ -49,8 +49,8 @@ import numpy as np
 from jlong.attention.kernels import AttentionKernel
 from jlong.attention.ring import ATTENTION_LSE, ATTENTION_OUT
 from jlong.attention.projection import QKVProjection, project_out
-from jlong.model.shards import HIDDEN, REPLICATED, TOKENS, OneDevice, Shards
-from jlong.parallel.zigzag import shard_token_index
+from jlong.ops.shards import HIDDEN, REPLICATED, TOKENS, OneDevice, Shards
+from jlong.ops.zigzag import shard_token_index
 
 # Between forward and backward each stage keeps only the attention's output
 # and log-sum-exp (named by `jlong.attention.ring`, whatever the kernel);
@@ -114,7 +114,7 @@ def staged_attention(params, x_BSD, positions_BS, segment_ids_BS, *, projection:
     `heads` is (H, K, U). On a mesh (`shards`) this runs per device
     (shard_map) with Ulysses exchanges over the sp mesh axis and, with a
     ring, ring attention over the ring axis on the zigzag layout
-    (`jlong.parallel.zigzag`); otherwise the same stages run on the whole
+    (`jlong.ops.zigzag`); otherwise the same stages run on the whole
     array. Without `positions`, each token's position is its index in the
     sequence.
     """

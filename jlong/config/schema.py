@@ -35,7 +35,11 @@ from jlong.config.types import (
 )
 from jlong.errors import JlongError
 from jlong.options import AttentionImpl, DType, RematName
-from jlong.planner.gpu_memory import DEFAULT_GPU_MEMORY_FRACTION
+
+# The share of each GPU a run asks XLA for by default. The rest is for what
+# lives outside XLA's pool: the CUDA context, cuBLAS/cuDNN handles, NCCL's
+# communication buffers (`jlong.planner.gpu_memory`).
+DEFAULT_GPU_MEMORY_FRACTION = 0.94
 
 
 def _heads_per_stage(value: Any) -> int | Literal["all"] | None:
@@ -131,7 +135,7 @@ class MeshConfig(_Section):
     def sequence_granule(self) -> int:
         """What seq_len must be a multiple of for the mesh: one token per
         device, and with a ring, the zigzag layout's 2 x ring chunks
-        (`jlong.parallel.zigzag`)."""
+        (`jlong.ops.zigzag`)."""
         return self.sp * (2 * self.ring if self.ring > 1 else 1)
 
 

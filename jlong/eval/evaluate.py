@@ -16,8 +16,8 @@ from jlong.data.sources import TokenFile, batch_layout, document_structure
 from jlong.errors import JlongError
 from jlong.eval import passkey
 from jlong.eval.positions import loss_by_position
-from jlong.parallel.zigzag import SequenceLayout
-from jlong.training.program import TrainProgram
+from jlong.ops.zigzag import SequenceLayout
+from jlong.program.train_program import TrainProgram
 
 
 class Evaluator:

@@ -8,8 +8,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jlong.model.shards import HIDDEN, REPLICATED, TOKENS, OneDevice, Shards
-from jlong.model.tiling import join_tiles, split_tiles, varying_like
+from jlong.ops.shards import HIDDEN, REPLICATED, TOKENS, OneDevice, Shards
+from jlong.ops.tiling import join_tiles, split_tiles, varying_like
 
 
 def output_logits(hidden_BSD, w_DV):

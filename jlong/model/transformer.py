@@ -22,12 +22,12 @@ from jlong.attention.kernels import AttentionKernel, choose_kernel
 from jlong.attention.projection import ATTENTION_PARAMS, QKVProjection
 from jlong.attention.ulysses import staged_attention
 from jlong.config import Config, ModelConfig
-from jlong.model.layers import rms_norm, rope_inverse_frequencies, swiglu
+from jlong.ops.layers import rms_norm, rope_inverse_frequencies, swiglu
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy, token_scores
 from jlong.model.params import ParamSpec, layer_params, outer_params
 from jlong.model.remat import remat_policy, scan_layers
-from jlong.model.shards import HIDDEN, REPLICATED, OneDevice, Shards
-from jlong.model.tiling import map_tiles
+from jlong.ops.shards import HIDDEN, REPLICATED, OneDevice, Shards
+from jlong.ops.tiling import map_tiles
 from jlong.options import DType, RematName
 
 
@@ -121,7 +121,7 @@ class Transformer(nnx.Module):
     def hidden_states(self, tokens_BS, segment_ids_BS=None, positions_BS=None):
         """The final-normed hidden states [B, S, D] in the compute dtype, of
         tokens in the model's layout: in sequence order, or with a ring,
-        zigzag over it (`jlong.parallel.zigzag`: whoever places the batch
+        zigzag over it (`jlong.ops.zigzag`: whoever places the batch
         lays it out). Without `positions`, each token's position is its index
         in the sequence."""
         config, options = self.config, self.options

@@ -18,7 +18,7 @@ mesh axes twice:
 `MeshShards(mesh)` is what the model is handed to run on a mesh: it pins
 arrays to their compute placement and runs per-device code on each device's
 shard (`shard_map` with specs from the same table). The model itself never
-sees a mesh axis, and with `jlong.model.shards.OneDevice` runs unsharded.
+sees a mesh axis, and with `jlong.ops.shards.OneDevice` runs unsharded.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jlong.config import MeshConfig
 from jlong.errors import JlongError
-from jlong.model.shards import TOKENS, Axes
+from jlong.ops.shards import TOKENS, Axes
 
 MESH_AXES = ("data", "fsdp", "ring", "sp")
 BATCH_AXES = ("data", "fsdp")
@@ -105,7 +105,7 @@ def replicated(mesh) -> NamedSharding:
 
 @dataclasses.dataclass(frozen=True)
 class MeshShards:
-    """A mesh as the model sees it (`jlong.model.shards.Shards`): each device
+    """A mesh as the model sees it (`jlong.ops.shards.Shards`): each device
     holds a shard of the batch and of the sequence, placed by the table."""
 
     mesh: jax.sharding.Mesh

@@ -13,11 +13,9 @@ import dataclasses
 import os
 from collections.abc import MutableMapping
 
+
 MEM_FRACTION_VARIABLE = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 
-# The default share. The rest of the device is for what lives outside XLA's
-# pool: the CUDA context, cuBLAS/cuDNN handles, NCCL's communication buffers.
-DEFAULT_GPU_MEMORY_FRACTION = 0.94
 # Kept free inside the pool by the default plan budget: allocator
 # fragmentation between the separately allocated parameter and optimizer
 # shards, the step's input batch on its way in, small runtime buffers.

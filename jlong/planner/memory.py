@@ -37,7 +37,7 @@ from jlong.model.remat import remat_policy
 from jlong.parallel.placement import make_mesh
 from jlong.planner.hlo import HloModule, parse_module
 from jlong.planner.targets import GIB, PlanTarget, node_shape
-from jlong.training.program import TrainProgram
+from jlong.program.train_program import TrainProgram
 
 # XLA:CPU computes 16-bit matmuls in float32 (converted operands, float32
 # result); a GPU does not. Without this pass the CPU keeps them 16-bit.

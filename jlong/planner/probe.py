@@ -17,7 +17,7 @@ from jlong.attention.kernels import AttentionKernel
 from jlong.attention.projection import ATTENTION_PARAMS
 from jlong.config import MeshConfig, ModelConfig
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy
-from jlong.model.shards import HIDDEN, TOKENS
+from jlong.ops.shards import HIDDEN, TOKENS
 from jlong.model.params import layer_params
 from jlong.model.transformer import MLP_PARAMS, ForwardOptions, attention_block, mlp_block
 from jlong.parallel.placement import MeshShards, compute_sharding, make_mesh, replicated

@@ -26,7 +26,7 @@ FLOPs are counted per device: a dot is 2 x output elements x contracted
 size; a cuDNN forward 4 x B x H x Sq x Skv x d, its backward 10 x (five
 matmuls: the scores are recomputed), both times the visible fraction of a
 causal mask; elementwise ops one per output element. Model FLOPs follow
-`jlong.training.flops` (6 x parameters x tokens + causal attention, no
+`jlong.model.flops` (6 x parameters x tokens + causal attention, no
 recompute); executed / model is the recompute factor, and MFU is model
 FLOPs over the estimated time at the dense bf16 peak.
 """
@@ -41,7 +41,7 @@ from jlong.errors import JlongError
 from jlong.planner.hlo import Computation, HloModule, Instruction
 from jlong.planner.memory import CompiledStep
 from jlong.planner.targets import GPUS, GpuModel
-from jlong.training.flops import model_flops_per_token
+from jlong.model.flops import model_flops_per_token
 
 ESTIMATE_NOTE = ("an estimate read from the compiled program (a roofline over its kernels, collectives and host "
                  "copies in schedule order), not a measurement")

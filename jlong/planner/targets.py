@@ -88,6 +88,23 @@ GPUS = {
 }
 TARGETS = (*GPUS, "cpu")
 
+# Dense bf16 tensor-core peaks (FLOP/s) by device_kind substring, for the MFU
+# of a running step: the GPU table's, and the A100, which jlong does not plan for but may run on.
+PEAK_BF16_FLOPS = {"A100": 312e12, **{name.upper(): gpu.peak_bf16_flops for name, gpu in GPUS.items()}}
+
+
+def peak_flops_per_device() -> float | None:
+    """The bf16 peak of this process's first device (None off GPUs, or for an unknown GPU)."""
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return None
+    for name, flops in PEAK_BF16_FLOPS.items():
+        if name in device.device_kind:
+            return flops
+    return None
+
 
 def target_config_text(gpu: GpuModel, cudnn: tuple[int, int, int]) -> str:
     """The GpuTargetConfigProto (text format) that XLA:GPU compiles against.

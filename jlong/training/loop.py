@@ -17,14 +17,15 @@ from jlong.config import Config, config_to_dict
 from jlong.data.sources import Batches
 from jlong.errors import JlongError
 from jlong.planner.advice import is_out_of_memory, out_of_memory_error
+from jlong.planner.targets import peak_flops_per_device
 from jlong.parallel.placement import make_mesh
-from jlong.training.flops import model_flops_per_token, peak_flops_per_device
+from jlong.model.flops import model_flops_per_token
 from jlong.training.checkpoint_owner import check_owner
 from jlong.training.host_memory import available_bytes, check_host_memory
 from jlong.training.metric_sinks import check_available
-from jlong.training.optimizer import learning_rate
+from jlong.program.optimizer import learning_rate
 from jlong.training.preemption import StopRequests
-from jlong.training.program import TrainProgram
+from jlong.program.train_program import TrainProgram
 from jlong.training.progress import Progress
 from jlong.training.report import nothing_to_do, summary
 from jlong.training.run_dir import RunDir

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from jlong.config import Config
-from jlong.training.optimizer import adamw, state_shardings
+from jlong.program.optimizer import adamw, state_shardings
 
 LAYERS = "layers"  # the parameter dict's entry of stacked [num_layers, ...] arrays
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
@@ -51,7 +51,7 @@ def _split(tree: dict) -> tuple[dict, dict]:
 
 
 class HostAdamW:
-    """The offloaded optimizer (`jlong.training.optimizer.Optimizer`), for a
+    """The offloaded optimizer (`jlong.program.optimizer.Optimizer`), for a
     parameter dict whose `layers` entry holds stacked per-layer arrays. Its
     state is {"layers": AdamW's state stacked per layer, "rest": AdamW's
     state of the other parameters}."""

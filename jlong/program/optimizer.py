@@ -1,14 +1,14 @@
 """The optimizer: AdamW with global-norm clipping and a warmup + cosine
 learning-rate schedule, behind one interface (`Optimizer`) with two
-implementations, chosen once by `jlong.training.program.make_optimizer`:
+implementations, chosen once by `jlong.program.train_program.make_optimizer`:
 
 - `DeviceAdamW`: optax on the devices; parameters and moments sharded over
   them (ZeRO-3);
-- `jlong.training.host_optimizer.HostAdamW` (`memory.optimizer_offload`): float32
+- `jlong.program.host_optimizer.HostAdamW` (`memory.optimizer_offload`): float32
   master parameters and moments in pinned host memory, streamed through the
   devices layer by layer.
 
-The train step (`jlong.training.program`) and the planner only talk to the interface.
+The train step (`jlong.program.train_program`) and the planner only talk to the interface.
 """
 
 from __future__ import annotations

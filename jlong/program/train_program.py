@@ -20,9 +20,9 @@ from jlong.config import Config
 from jlong.data.sources import batch_layout
 from jlong.model.transformer import ForwardOptions, Transformer
 from jlong.parallel.placement import MeshShards, batch_sharding, replicated, rest_spec
-from jlong.parallel.zigzag import SequenceLayout
-from jlong.training.host_optimizer import HostAdamW
-from jlong.training.optimizer import DeviceAdamW, Optimizer
+from jlong.ops.zigzag import SequenceLayout
+from jlong.program.host_optimizer import HostAdamW
+from jlong.program.optimizer import DeviceAdamW, Optimizer
 
 
 def make_optimizer(config: Config) -> Optimizer:

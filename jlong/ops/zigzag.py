@@ -43,7 +43,7 @@ def _zigzag_index(rank, ring: int, seq_len: int, in_chunk):
 class SequenceLayout:
     """How [B, S, ...] arrays are laid out along the sequence for the model:
     in order (ring 1), or zigzag over a ring. The batch is laid out where it
-    is placed on the mesh (`jlong.training.program.TrainProgram.place_batch`),
+    is placed on the mesh (`jlong.program.train_program.TrainProgram.place_batch`),
     and per-token results are restored wherever they come back."""
 
     ring: int = 1

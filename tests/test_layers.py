@@ -1,0 +1,84 @@
+"""jlong's packages and top-level modules import one way: each may import
+only those before it in LAYERS (lazy imports inside functions included;
+imports under `if TYPE_CHECKING:` are not imports at run time and are
+allowed). A new package or top-level module must be placed here."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "jlong"
+
+# Lowest first: shared names and hardware-free helpers, the config, the maths
+# that attention and the model share, attention, the model, its placement on
+# a mesh, weights in and out, data, the program, then what runs the program
+# (planner, evaluator, loop), then the ways in (Python API, command line).
+LAYERS = [
+    "errors", "options", "files", "plots", "jax_startup", "hf_config",
+    "config",
+    "ops",
+    "attention",
+    "model",
+    "parallel",
+    "hf", "checkpoint",
+    "data",
+    "program",
+    "planner", "eval",
+    "training",
+    "api",
+    "cli", "__main__",
+]
+
+
+def _unit(path: Path) -> str:
+    """The layer unit of a file: its package under jlong/, or its module's name."""
+    first = path.relative_to(PACKAGE).parts[0]
+    return first.removesuffix(".py")
+
+
+def _imported_units(tree: ast.AST, path: Path) -> set[tuple[str, int]]:
+    """(unit, line) of every jlong import in the file, outside `if TYPE_CHECKING:` blocks."""
+    type_checking = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                     and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in type_checking:
+            continue
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolved against the file's package
+                base = path.relative_to(PACKAGE.parent).with_suffix("").parts[:-node.level]
+                modules = [".".join([*base, node.module] if node.module else base)]
+            else:
+                modules = [node.module or ""]
+        else:
+            continue
+        for module in modules:
+            parts = module.split(".")
+            if parts[0] == "jlong" and len(parts) > 1:
+                found.add((parts[1], node.lineno))
+    return found
+
+
+def _files():
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_package_and_top_level_module_has_a_layer():
+    units = {_unit(path) for path in _files()} - {"__init__"}
+    assert sorted(units - set(LAYERS)) == [], "place these in LAYERS"
+    assert sorted(set(LAYERS) - units) == [], "LAYERS names units that no longer exist"
+
+
+@pytest.mark.parametrize("path", _files(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_go_down_the_layers(path):
+    unit = _unit(path)
+    if unit == "__init__":  # the package root loads the public names lazily, on first use
+        return
+    level = LAYERS.index(unit)
+    tree = ast.parse(path.read_text())
+    upward = sorted(f"line {line}: jlong.{target}" for target, line in _imported_units(tree, path)
+                    if target in LAYERS and LAYERS.index(target) > level)
+    assert upward == [], f"jlong.{unit} imports layers above it"
