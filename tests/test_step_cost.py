@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jlong.planner.hlo import parse_module
 from jlong.planner.memory import compile_train_step, offloaded_attention_bytes, plan_of, saved_layer_input_bytes
-from jlong.planner.step_cost import COST_KEYS, Efficiency, cost_dict, estimate, step_cost
+from jlong.planner.step_cost import COST_KEYS, Efficiency, cost_dict, estimate, format_cost, step_cost
 from jlong.planner.targets import GPUS, gpu_devices
 from helpers import H100, WHOLE_STACK, assert_one_line_error, needs_gpu_compiler, run_cli, whole_stack
 
@@ -108,6 +108,23 @@ def test_counts_of_a_hand_written_program_are_exact():
     # gemm + 3 x (all-gather, fusion, add) + 4 x compare + permute + host copy + cuDNN + copy
     assert cost.kernels == 1 + 3 * 3 + 4 + 1 + 1 + 1 + 1
     assert cost.unknown_trip_loops == 0
+
+
+def test_a_custom_call_of_unknown_kind_is_reported_never_priced_at_zero_in_silence():
+    """A kernel the planner does not know (a Pallas one, say) inside the loop:
+    counted at its memory traffic, three times, and named in the report."""
+    pallas = ('  %k = f32[1024]{0} custom-call(%y), custom_call_target="my_pallas_kernel"\n'
+              '  %ag-done = f32[4096]{0} all-gather-done(%ag-start)\n')
+    module = MODULE.replace("  %ag-done = f32[4096]{0} all-gather-done(%ag-start)\n", pallas)
+    cost = estimate(parse_module(module), gpu=H100_GPU, efficiency=Efficiency(), node_of=TWO_NODES,
+                    tokens_per_step=1024, model_flops_per_device=1e9)
+    assert cost.unpriced_custom_calls == {"my_pallas_kernel": {"calls": 3, "bytes": 3 * 2 * 1024 * 4}}
+    assert cost.hbm_bytes == hand_cost().hbm_bytes + 3 * 2 * 1024 * 4
+    assert cost.kernels == hand_cost().kernels + 3
+    assert hand_cost().unpriced_custom_calls == {}  # cuDNN attention is priced
+    report = format_cost(cost)
+    assert "custom calls the planner cannot price, counted at their memory traffic only" in report
+    assert "my_pallas_kernel x 3 (24.0 KiB)" in report
 
 
 def test_time_is_the_roofline_of_each_kernel_in_schedule_order():

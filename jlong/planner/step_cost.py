@@ -20,7 +20,10 @@ their trip counts. Each is priced on a roofline of the target GPU:
   iterations is not modelled; a loop whose trip count the compiler could
   not know (a `while` with data-dependent bounds) is counted once and the
   report says so; a conditional costs its costliest branch (the ring
-  kernel's block skipping is counted as if no block were skipped).
+  kernel's block skipping is counted as if no block were skipped);
+- a custom call is priced when its kind is known (cuDNN attention, cuBLAS
+  gemms); any other (a Pallas or Triton kernel) is counted at its memory
+  traffic only, and the report names it with its calls and bytes.
 
 FLOPs are counted per device: a dot is 2 x output elements x contracted
 size; a cuDNN forward 4 x B x H x Sq x Skv x d, its backward 10 x (five
@@ -95,6 +98,8 @@ class _Tally:
     hbm_bytes: float = 0.0
     launches: float = 0.0
     unknown_trip_loops: int = 0
+    # Custom calls of a kind the planner cannot price (a Pallas or Triton kernel, say): target -> [calls, bytes].
+    unpriced: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(lambda: [0.0, 0.0]))
 
     def add(self, other: _Tally, times: float = 1.0) -> None:
         self.time_s += other.time_s * times
@@ -106,6 +111,9 @@ class _Tally:
         self.hbm_bytes += other.hbm_bytes * times
         self.launches += other.launches * times
         self.unknown_trip_loops += other.unknown_trip_loops
+        for target, (calls, moved) in other.unpriced.items():
+            self.unpriced[target][0] += calls * times
+            self.unpriced[target][1] += moved * times
 
 
 # Instructions that launch nothing: bookkeeping, aliases, and the waits of async pairs.
@@ -203,12 +211,17 @@ class _Walker:
             seconds = moved / (self.gpu.pcie_bytes_per_s * self.eff.links)
             tally.busy_s["host copies"] += 0.0 if op.endswith("-start") else seconds
             return "host", seconds
+        hbm = None
         if op == "custom-call":
             target = (inst.attribute("custom_call_target") or "").strip('"')
             if target.startswith("__cudnn$fmha"):
                 return "compute", self._attention(inst, computation, target, tally)
+            if "cublas" not in target:  # its FLOPs are unknown: counted at its memory traffic, and reported
+                hbm = self._hbm_bytes(inst, computation)
+                tally.unpriced[target][0] += 1
+                tally.unpriced[target][1] += hbm
         flops, is_matmul = self._flops(inst, computation)
-        hbm = self._hbm_bytes(inst, computation)
+        hbm = self._hbm_bytes(inst, computation) if hbm is None else hbm
         tally.hbm_bytes += hbm
         tally.flops["matmul"] += flops.matmul
         tally.flops["other"] += flops.other
@@ -391,6 +404,7 @@ class StepCost:
     hbm_bytes: float
     kernels: float
     unknown_trip_loops: int
+    unpriced_custom_calls: dict  # target -> {"calls", "bytes"}: kernels priced at their memory traffic only
     efficiency: Efficiency
 
     @property
@@ -422,6 +436,7 @@ class StepCost:
             "hbm_bytes": self.hbm_bytes,
             "kernels": self.kernels,
             "unknown_trip_loops": self.unknown_trip_loops,
+            "unpriced_custom_calls": self.unpriced_custom_calls,
             "cost_gpu": self.gpu.name,
             "efficiency": dataclasses.asdict(self.efficiency),
             "cost_note": ESTIMATE_NOTE,
@@ -457,6 +472,8 @@ def estimate(module: HloModule, *, gpu: GpuModel, efficiency: Efficiency, node_o
         hbm_bytes=tally.hbm_bytes,
         kernels=tally.launches,
         unknown_trip_loops=tally.unknown_trip_loops,
+        unpriced_custom_calls={target: {"calls": calls, "bytes": moved}
+                               for target, (calls, moved) in sorted(tally.unpriced.items())},
         efficiency=efficiency,
     )
 
@@ -465,7 +482,8 @@ CPU_NOTE = ("no step cost on the cpu target: it is read from the XLA:GPU program
             "which needs pip install 'jlong[gpu-plan]')")
 COST_KEYS = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "executed_flops", "flops_by_kind",
              "model_flops", "recompute_factor", "time_by_kind", "collective_bytes", "collective_bytes_by_kind",
-             "host_bytes", "hbm_bytes", "kernels", "unknown_trip_loops", "cost_gpu", "efficiency")
+             "host_bytes", "hbm_bytes", "kernels", "unknown_trip_loops", "unpriced_custom_calls", "cost_gpu",
+             "efficiency")
 
 
 def step_cost(step: CompiledStep, efficiency: Efficiency = Efficiency()) -> StepCost | None:
@@ -521,6 +539,11 @@ def format_cost(cost: StepCost | None) -> str:
         ) or "none"),
         f"  host <-> device {_size(cost.host_bytes)} per device; {cost.kernels:,.0f} kernel launches",
     ]
+    if cost.unpriced_custom_calls:
+        calls = ", ".join(f"{target} x {entry['calls']:,.0f} ({_size(entry['bytes'])})"
+                          for target, entry in cost.unpriced_custom_calls.items())
+        lines.append(f"  custom calls the planner cannot price, counted at their memory traffic only (their FLOPs "
+                     f"are missing, so the time is a lower bound): {calls}")
     if cost.unknown_trip_loops:
         lines.append(f"  {cost.unknown_trip_loops} loops have a trip count the compiler cannot know; each is counted "
                      "once, so the time is a lower bound")
