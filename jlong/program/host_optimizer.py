@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jlong.config import Config
-from jlong.program.optimizer import adamw, state_shardings
+from jlong.config import TrainConfig
+from jlong.program.optimizer import DecayMask, adamw, state_shardings
 
 LAYERS = "layers"  # the parameter dict's entry of stacked [num_layers, ...] arrays
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
@@ -58,8 +58,8 @@ class HostAdamW:
 
     makes_compute_copy = True
 
-    def __init__(self, config: Config):
-        self.train, self.adamw = config.train, adamw(config)
+    def __init__(self, train: TrainConfig, decays: DecayMask):
+        self.train, self.adamw = train, adamw(train, decays)
 
     def rest_shardings(self, device_shardings: dict) -> dict:
         """Between steps the master parameters live in host memory."""

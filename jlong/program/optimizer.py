@@ -13,14 +13,17 @@ The train step (`jlong.program.train_program`) and the planner only talk to the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jlong.config import Config, TrainConfig
-from jlong.model.params import decay_mask
+from jlong.config import TrainConfig
+
+# params -> the same tree of booleans: which parameters weight decay applies to.
+DecayMask = Callable[[dict], dict]
 
 
 class Optimizer(Protocol):
@@ -71,17 +74,17 @@ def clipping(train: TrainConfig) -> optax.GradientTransformation:
     return optax.clip_by_global_norm(train.grad_clip) if train.grad_clip > 0 else optax.identity()
 
 
-def adamw(config: Config) -> optax.GradientTransformation:
-    """AdamW with the schedule, decaying the parameters whose role decays
-    (`jlong.model.params`); elementwise, so it may update parameters piece by piece."""
-    train = config.train
+def adamw(train: TrainConfig, decays: DecayMask) -> optax.GradientTransformation:
+    """AdamW with the schedule, decaying the parameters `decays` marks (the
+    model's weight matrices, by their role: `jlong.model.params.decay_mask`);
+    elementwise, so it may update parameters piece by piece."""
     return optax.adamw(
         learning_rate_schedule(train),
         b1=train.b1,
         b2=train.b2,
         eps=train.eps,
         weight_decay=train.weight_decay,
-        mask=lambda params: decay_mask(config.model, params),
+        mask=decays,
     )
 
 
@@ -100,8 +103,8 @@ class DeviceAdamW:
 
     makes_compute_copy = False
 
-    def __init__(self, config: Config):
-        self.optax = optax.chain(clipping(config.train), adamw(config))
+    def __init__(self, train: TrainConfig, decays: DecayMask):
+        self.optax = optax.chain(clipping(train), adamw(train, decays))
 
     def rest_shardings(self, device_shardings):
         return device_shardings

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 
 from jlong.config import Config
 from jlong.data.sources import batch_layout
+from jlong.model.params import decay_mask
 from jlong.model.transformer import ForwardOptions, Transformer
 from jlong.parallel.placement import MeshShards, batch_sharding, replicated, rest_spec
 from jlong.ops.zigzag import SequenceLayout
@@ -27,7 +28,8 @@ from jlong.program.optimizer import DeviceAdamW, Optimizer
 
 def make_optimizer(config: Config) -> Optimizer:
     """The run's optimizer: in host memory with `memory.optimizer_offload`, else on the devices."""
-    return HostAdamW(config) if config.memory.optimizer_offload else DeviceAdamW(config)
+    kind = HostAdamW if config.memory.optimizer_offload else DeviceAdamW
+    return kind(config.train, functools.partial(decay_mask, config.model))
 
 
 def _with_shardings(shapes, shardings):
