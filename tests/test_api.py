@@ -87,6 +87,7 @@ def test_plan_on_h100_in_a_fresh_process_that_imported_jax_first_prints_the_comm
     assert int(done.stdout.strip()) == json.loads(printed.stdout)["device_total"]
 
 
+@pytest.mark.fast
 def test_a_config_that_is_neither_is_refused():
     with pytest.raises(jlong.JlongError, match="a config is a jlong.Config or the path of a YAML file, got int"):
         jlong.plan(42)

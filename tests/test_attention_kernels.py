@@ -106,6 +106,7 @@ def test_cudnn_kernel_code_matches_reference(heads, kv_heads, packed, monkeypatc
     _assert_matches_reference(fused, q, k, v, segments)
 
 
+@pytest.mark.fast
 def test_auto_on_cpu_runs_the_blockwise_kernel():
     q = jnp.zeros((1, 40, 4, 16), jnp.bfloat16)
     assert AttentionKernel("auto", block_size=16).step(q, window=40) == BlockwiseStep(16)
@@ -122,6 +123,7 @@ def test_auto_on_cpu_runs_the_blockwise_kernel():
         ("gpu", "bfloat16", 4096, 100, "blockwise"),  # head_dim not a multiple of 8
     ],
 )
+@pytest.mark.fast
 def test_auto_chooses_the_kernel_each_platform_runs(platform, dtype, seq_len, head_dim, expected):
     assert choose_kernel("auto", platform=platform, dtype=dtype, seq_len=seq_len, head_dim=head_dim) == expected
     assert choose_kernel("reference", platform=platform, dtype=dtype, seq_len=seq_len, head_dim=head_dim) == "reference"

@@ -103,6 +103,7 @@ def test_a_failed_checkpoint_write_exits_1_and_keeps_the_previous_one(tmp_path, 
     assert logged_losses(tmp_path / "run") == uninterrupted
 
 
+@pytest.mark.fast
 def test_available_host_memory_is_read_from_meminfo(tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       2113519616 kB\nMemFree:         1000 kB\nMemAvailable:   1879048192 kB\n")

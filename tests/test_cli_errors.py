@@ -103,6 +103,7 @@ CASES = {
 }
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bad_input_exits_2_with_one_line(name, workspace, files):
     args, message = CASES[name]
@@ -115,6 +116,7 @@ def test_bad_input_exits_2_with_one_line(name, workspace, files):
     assert sorted(files.rglob("*")) == inputs
 
 
+@pytest.mark.fast
 def test_a_missing_metrics_package_is_refused_before_anything_is_built_or_written(tmp_path, monkeypatch):
     """train.log_to naming W&B without wandb installed: one line before compiling, no run or checkpoint dir."""
     find_spec = importlib.util.find_spec

@@ -7,6 +7,8 @@ import pytest
 from jlong.config import load_config, preset_names
 from jlong.errors import JlongError
 
+pytestmark = pytest.mark.fast  # every test here is quick: the fast tier (pytest -m fast)
+
 
 def test_every_preset_loads_and_validates():
     names = preset_names()

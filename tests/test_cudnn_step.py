@@ -14,6 +14,7 @@ from jlong.attention import cudnn
 from jlong.attention.step import Documents
 
 
+@pytest.mark.fast
 def test_jax_is_the_version_whose_private_cudnn_functions_jlong_binds():
     pins = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
     pinned = next(re.fullmatch(r"jax==([\d.]+)", pin) for pin in pins if pin.startswith("jax"))
@@ -24,6 +25,7 @@ def test_jax_is_the_version_whose_private_cudnn_functions_jlong_binds():
     )
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("ragged", [False, True], ids=["plain", "ragged"])
 def test_the_private_cudnn_primitives_take_what_jlong_hands_them(ragged):
     """Abstract evaluation only (no GPU): the primitives' names, parameters and
@@ -75,6 +77,7 @@ def test_documents_become_cudnns_ragged_form():
     np.testing.assert_array_equal(segments.lse_of(stats), lse)
 
 
+@pytest.mark.fast
 def test_an_off_diagonal_step_attends_within_the_document_spanning_the_boundary():
     """Keys of documents 0 and 1, queries of documents 1 and 2 (row 0); row 1's
     queries start a new document, so that row has no segment at all."""

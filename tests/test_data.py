@@ -8,6 +8,8 @@ from jlong.data.prepare import prepare
 from jlong.data.sources import Batches, document_structure
 from jlong.errors import JlongError
 
+pytestmark = pytest.mark.fast  # every test here is quick: the fast tier (pytest -m fast)
+
 
 def test_token_windows_follow_the_contract(tmp_path):
     tokens = np.arange(1000, dtype=np.int32) % 97

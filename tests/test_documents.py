@@ -39,6 +39,7 @@ def _rows(source: PackedDocuments, count: int) -> list[bytes]:
     return [source.row(i).tobytes() for i in range(count)]
 
 
+@pytest.mark.fast
 def test_sequences_are_whole_documents_packed_and_each_piece_drawn_once_a_pass(corpus):
     source = Batches(_config(corpus)).source
     tokens = np.load(corpus)
@@ -55,6 +56,7 @@ def test_sequences_are_whole_documents_packed_and_each_piece_drawn_once_a_pass(c
     assert len(packed) == source.per_epoch - len(windows) and all((r == 0).any() for r in packed)
 
 
+@pytest.mark.fast
 def test_long_documents_are_drawn_as_often_as_their_weight(corpus):
     plain = Batches(_config(corpus)).source
     tripled = Batches(_config(corpus, "data.long_document_weight=3")).source
@@ -65,6 +67,7 @@ def test_long_documents_are_drawn_as_often_as_their_weight(corpus):
     assert count == 3 and tripled.per_epoch > plain.per_epoch
 
 
+@pytest.mark.fast
 def test_a_step_reads_the_same_batch_whenever_it_is_read(corpus):
     config = _config(corpus, "train.batch_size=4")
     first, again = Batches(config), Batches(config)
@@ -87,6 +90,7 @@ def test_a_resumed_run_reads_and_learns_exactly_as_an_uninterrupted_one(corpus, 
     (["data.eos_id=null"], "data.sampling=documents packs documents of a token file: it needs data.source=tokens"),
     (["data.long_document_weight=0.5"], "data.long_document_weight (0.5) must be at least 1"),
 ])
+@pytest.mark.fast
 def test_document_sampling_needs_documents(corpus, overrides, message):
     with pytest.raises(JlongError, match=message.replace("(", r"\(").replace(")", r"\)")):
         _config(corpus, *overrides)

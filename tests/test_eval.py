@@ -14,7 +14,7 @@ from helpers import SMALL_MODEL, run_cli
 
 from jlong.config import load_config
 from jlong.data.prepare import prepare
-from jlong.eval import passkey
+from jlong.eval import passkey, report
 from jlong.eval.evaluate import Evaluator, passkey_accuracy, position_losses
 from jlong.eval.positions import loss_by_position
 from jlong.parallel.placement import make_mesh
@@ -35,6 +35,7 @@ def held_out(tmp_path_factory):
     return tmp / "eval.npy"
 
 
+@pytest.mark.fast
 def test_buckets_weighted_by_their_tokens_average_to_the_whole_loss():
     rng = np.random.default_rng(0)
     losses, positions = rng.random((3, 100)) * 5, rng.integers(0, 100, (3, 100))
@@ -95,6 +96,7 @@ class _Reader:
         return hits
 
 
+@pytest.mark.fast
 def test_passkey_scoring_tells_right_answers_from_wrong_ones():
     config = load_config(None, [*BYTES, "train.seq_len=512", "eval.passkey_trials=3",
                                 "eval.passkey_lengths=[256,512]", "eval.passkey_depths=[0,0.5,1]"])
@@ -105,6 +107,23 @@ def test_passkey_scoring_tells_right_answers_from_wrong_ones():
     # A model that sees only its first 300 tokens finds keys hidden early and misses those hidden late.
     cells = {(c["length"], c["depth"]): c["accuracy"] for c in passkey_accuracy(_Reader(config, reach=300), None)}
     assert cells[256, 1.0] == cells[512, 0.0] == 1.0 and cells[512, 1.0] == 0.0
+
+
+@pytest.mark.fast
+def test_the_report_writes_what_it_summarises(tmp_path):
+    result = {"checkpoint": "ck", "step": 7, "seq_len": 1024, "loss": 2.0, "tokens": 3000,
+              "loss_by_position": [{"start": 0, "end": 1, "tokens": 1000, "loss": 3.0},
+                                   {"start": 1, "end": 1024, "tokens": 2000, "loss": 1.5}],
+              "passkey": [{"length": n, "depth": d, "trials": 4, "accuracy": n / 2048 + d / 4}
+                          for n in (512, 1024) for d in (0.0, 1.0)]}
+    written = report.write(result, tmp_path / "out")
+    assert [p.name for p in written] == ["eval.json", "position_loss.png", "passkey.png"]
+    assert json.loads((tmp_path / "out" / "eval.json").read_text()) == result
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written[1:])
+    text = report.summary(result).splitlines()
+    assert text[0] == "checkpoint ck (step 7) at seq_len 1,024"
+    assert text[1].startswith("held-out loss 2.0000 (perplexity 7.39) over 3,000 tokens")
+    assert text[-2:] == ["   0.00        0.25      0.50", "   1.00        0.50      0.75"]
 
 
 def _events(directory):

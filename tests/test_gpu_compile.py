@@ -172,6 +172,7 @@ COMPARED = [f"gpu_device_info.{key}" for key in DEVICE_FACTS] + ["platform_name"
 XLA_FACTS = json.loads((REPO / "tests" / "data" / "xla_gpu_device_facts.json").read_text())["devices"]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("gpu", sorted(XLA_FACTS))
 def test_target_descriptions_match_xlas_published_ones(gpu):
     """Against the facts of XLA's published descriptions, kept in tests/data (with their source)."""

@@ -8,6 +8,8 @@ from jlong.planner import targets
 from jlong.planner.gpu_memory import MEM_FRACTION_VARIABLE, apply_memory_fraction
 from jlong.planner.targets import GIB, GPUS, POOL_RESERVE_GIB, PlanTarget, default_budget_gib
 
+pytestmark = pytest.mark.fast  # every test here is quick: the fast tier (pytest -m fast)
+
 
 def test_train_sets_the_memory_fraction_it_plans_for():
     environ = {}

@@ -12,6 +12,8 @@ from hf_models import ARCHITECTURES, hf_logits, small_hf_model
 import jlong
 from jlong.errors import JlongError
 
+pytestmark = pytest.mark.fast  # every test here is quick: the fast tier (pytest -m fast)
+
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
 def hf_checkpoint(request, tmp_path_factory):

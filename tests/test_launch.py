@@ -43,6 +43,7 @@ def test_dry_run_of_the_one_node_config_says_what_the_run_would_do(tmp_path):
     assert not run.exists() and not checkpoints.exists()  # nothing written
 
 
+@pytest.mark.fast
 def test_dry_run_checks_the_data_as_the_run_would(tmp_path):
     result = run_cli("train", REPO / "configs" / "llama3-8b-5m.yaml", *SHRUNK,
                      f"data.path={tmp_path / 'missing.npy'}", "--dry-run")
@@ -75,6 +76,7 @@ def _sbatch_options(script: Path) -> list[str]:
     return [line.removeprefix("#SBATCH ") for line in script.read_text().splitlines() if line.startswith("#SBATCH ")]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("script", sorted(p.name for p in LAUNCH.iterdir()))
 def test_launch_scripts_parse(script):
     subprocess.run(["bash", "-n", str(LAUNCH / script)], check=True)
@@ -84,6 +86,7 @@ def test_launch_scripts_parse(script):
     ("slurm_1node.sbatch", 1, "configs/llama3-8b-5m.yaml"),
     ("slurm_4nodes.sbatch", 4, "configs/llama3-8b-32m-4nodes.yaml"),
 ])
+@pytest.mark.fast
 def test_slurm_scripts_start_one_process_per_node_on_the_first_node_s_coordinator(tmp_path, script, nodes, config):
     env, calls = _recorder(tmp_path)
     env.update(SLURM_SUBMIT_DIR=str(REPO), SLURM_JOB_NODELIST="gpu-[a07-a08,b01-b02]", SLURM_NNODES=str(nodes),
@@ -100,6 +103,7 @@ def test_slurm_scripts_start_one_process_per_node_on_the_first_node_s_coordinato
     assert (REPO / config).is_file()
 
 
+@pytest.mark.fast
 def test_slurm_time_limit_warning_stops_every_process_then_requeues_the_job(tmp_path):
     """SIGUSR1 to the batch script (SLURM's --signal=B:USR1@...): it signals
     the job's steps with SIGTERM (scancel, faked to signal the fake jlongs),
@@ -137,6 +141,7 @@ def test_slurm_time_limit_warning_stops_every_process_then_requeues_the_job(tmp_
     assert lines[3:] == ["scontrol requeue 73512"]
 
 
+@pytest.mark.fast
 def test_slurm_script_passes_a_config_and_overrides_through(tmp_path):
     env, calls = _recorder(tmp_path)
     env.update(SLURM_SUBMIT_DIR=str(REPO), SLURM_JOB_NODELIST="gpu-a07", SLURM_NNODES="1", SLURM_NTASKS="1",
@@ -148,6 +153,7 @@ def test_slurm_script_passes_a_config_and_overrides_through(tmp_path):
     ]
 
 
+@pytest.mark.fast
 def test_one_node_script_runs_the_venv_jlong_from_the_repository(tmp_path):
     env, calls = _recorder(tmp_path)
     subprocess.run([str(LAUNCH / "one_node.sh"), "configs/llama3-8b-5m.yaml", "--dry-run"], env=env, check=True,

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.fast  # every test here is quick: the fast tier (pytest -m fast)
+
 PACKAGE = Path(__file__).resolve().parents[1] / "jlong"
 
 # Lowest first: shared names and hardware-free helpers, the config, the maths

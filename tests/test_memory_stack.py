@@ -75,12 +75,14 @@ LLAMA_SHAPED = ModelConfig(
 LONG_SEQ, SP = 32768, 8
 
 
+@pytest.mark.fast
 def test_tiled_loss_needs_at_most_a_quarter_of_the_untiled_temporaries():
     untiled = loss_temp_bytes(LLAMA_SHAPED, LONG_SEQ, SP, tile=0)
     tiled = loss_temp_bytes(LLAMA_SHAPED, LONG_SEQ, SP, tile=256)
     assert tiled <= 0.25 * untiled, (tiled, untiled)
 
 
+@pytest.mark.fast
 def test_tiled_mlp_needs_at_most_half_of_the_untiled_temporaries():
     untiled = mlp_temp_bytes(LLAMA_SHAPED, LONG_SEQ, SP, tile=0)
     tiled = mlp_temp_bytes(LLAMA_SHAPED, LONG_SEQ, SP, tile=256)
@@ -142,12 +144,14 @@ def test_plan_splits_parameters_and_optimizer_state_over_fsdp():
         (["memory.layers_per_checkpoint=0"], "memory.layers_per_checkpoint must be positive"),
     ],
 )
+@pytest.mark.fast
 def test_bad_memory_settings_are_refused(overrides, message):
     with pytest.raises(JlongError) as err:
         load_config(None, [*SMALL_MODEL, *SHARDED, *overrides])
     assert message in str(err.value)
 
 
+@pytest.mark.fast
 def test_tiles_split_and_join_back():
     from jlong.ops.tiling import join_tiles, split_tiles
 

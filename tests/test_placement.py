@@ -7,6 +7,8 @@ from jax.sharding import PartitionSpec as P
 from jlong.ops.shards import HIDDEN, TOKENS
 from jlong.parallel.placement import MESH_AXES, compute_spec, rest_spec
 
+pytestmark = pytest.mark.fast  # every test here is quick: the fast tier (pytest -m fast)
+
 
 def test_activations_split_batch_over_data_fsdp_and_sequence_over_ring_and_sp():
     assert compute_spec(TOKENS) == P(("data", "fsdp"), ("ring", "sp"))

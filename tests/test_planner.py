@@ -96,6 +96,7 @@ def test_maxlen_where_no_length_fits_exits_2_with_the_shortest_plan(tmp_path):
         (["plan", "train.gpu_memory_fraction=1.5"], "train.gpu_memory_fraction must be in (0, 1]"),
     ],
 )
+@pytest.mark.fast
 def test_bad_plan_input_exits_2(args, message, tmp_path):
     config = tmp_path / "small.yaml"
     config.write_text("{}\n")
@@ -103,6 +104,7 @@ def test_bad_plan_input_exits_2(args, message, tmp_path):
     assert_one_line_error(run_cli(command, str(config), *SMALL_LONG, *rest), message)
 
 
+@pytest.mark.fast
 def test_plan_on_a_mesh_without_enough_devices_is_refused():
     config = small_long()
     with pytest.raises(JlongError, match="devices are visible"):
@@ -131,6 +133,7 @@ def test_maxlen_searches_the_settings_left_open_and_names_the_best(tmp_path):
     assert "longest seq_len that fits: 131,072" in out
 
 
+@pytest.mark.fast
 def test_a_malformed_search_is_one_line():
     assert_one_line_error(run_cli("maxlen", "configs/tiny.yaml", "--target", "cpu", "--search", "memory.remat"),
                           "--search 'memory.remat' must look like section.key=value1,value2,...")

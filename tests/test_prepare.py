@@ -12,6 +12,8 @@ from helpers import assert_one_line_error, run_cli
 
 from jlong.data.prepare import index_paths, prepare
 
+pytestmark = pytest.mark.fast  # every test here is quick: the fast tier (pytest -m fast)
+
 TEXTS = ["def f(x):\n    return x + 1\n", "hello world, hello tokens", "é and ü are two bytes each", "x" * 70]
 
 

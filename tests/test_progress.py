@@ -3,6 +3,9 @@
 import io
 
 from jlong.training.progress import LINE_EVERY_PERCENT, Progress
+import pytest
+
+pytestmark = pytest.mark.fast  # every test here is quick: the fast tier (pytest -m fast)
 
 
 class _Terminal(io.StringIO):

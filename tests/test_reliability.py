@@ -178,6 +178,7 @@ def test_out_of_memory_names_the_plan_and_the_settings_that_fit(tmp_path, monkey
     assert "\n" not in message
 
 
+@pytest.mark.fast
 def test_resume_drops_a_metrics_line_cut_short_by_a_crash(tmp_path):
     config = run_config(tmp_path)
     run_dir = RunDir(config)

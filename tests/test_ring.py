@@ -32,6 +32,7 @@ MESHES = {
 }
 
 
+@pytest.mark.fast
 def test_zigzag_gives_each_ring_rank_an_early_and_a_late_chunk():
     order = _zigzag_order(16, ring=4)
     assert sorted(order) == list(range(16))
@@ -202,6 +203,7 @@ def test_ring_temporaries_grow_linearly_in_length_and_fall_with_the_ring():
      "attention.block_size (12) must divide the 16 tokens of each zigzag chunk"),
     (["mesh.ring=0"], "mesh.ring must be positive"),
 ])
+@pytest.mark.fast
 def test_bad_ring_settings_are_one_line_errors(overrides, message, tmp_path):
     with pytest.raises(JlongError) as error:
         small_config(*MESH, *overrides)
@@ -211,11 +213,13 @@ def test_bad_ring_settings_are_one_line_errors(overrides, message, tmp_path):
     assert_one_line_error(run_cli("plan", str(config), "--target", "cpu", *overrides), message)
 
 
+@pytest.mark.fast
 def test_a_ring_larger_than_the_devices_is_an_error():
     with pytest.raises(JlongError, match="= 16, but 8 devices are visible; make the product 8"):
         make_mesh(MeshConfig(ring=4, sp=4), jax.devices())
 
 
+@pytest.mark.fast
 def test_searching_the_ring_degree_keeps_the_devices():
     from jlong.planner.maxlen import with_overrides
 

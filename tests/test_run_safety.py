@@ -88,6 +88,7 @@ def test_a_checkpoint_dir_from_before_records_resumes_with_a_note(first_run, tmp
     assert (ckpt / RUN_RECORD).is_file()  # the run records itself from its first save on
 
 
+@pytest.mark.fast
 def test_converted_weights_are_not_a_checkpoint_dir(tmp_path):
     """`jlong convert`'s output (step 0, no optimizer state) is refused as a run's checkpoint.dir."""
     ckpt = tmp_path / "converted"
@@ -128,6 +129,7 @@ def test_eval_of_a_checkpoint_of_another_model_is_one_line(first_run, tmp_path):
     assert "saved, " in result.stderr and "configured" in result.stderr
 
 
+@pytest.mark.fast
 def test_convert_says_what_it_wrote_with_normal_permissions_and_never_overwrites(first_run, tmp_path):
     mask = os.umask(0o022)
     try:

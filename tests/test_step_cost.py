@@ -83,6 +83,7 @@ def hand_cost(efficiency=Efficiency()):
                     tokens_per_step=1024, model_flops_per_device=1e9)
 
 
+@pytest.mark.fast
 def test_parser_reads_loops_groups_and_host_arrays():
     module = parse_module(MODULE)
     loop = module.entry_computation.by_name["loop"]
@@ -93,6 +94,7 @@ def test_parser_reads_loops_groups_and_host_arrays():
     assert [a.on_host for a in module.entry_computation.by_name["h-done"].arrays] == [True]
 
 
+@pytest.mark.fast
 def test_counts_of_a_hand_written_program_are_exact():
     cost = hand_cost()
     assert cost.flops_by_kind["matmul"] == 2 * 128 * 512 * 256
@@ -110,6 +112,7 @@ def test_counts_of_a_hand_written_program_are_exact():
     assert cost.unknown_trip_loops == 0
 
 
+@pytest.mark.fast
 def test_a_custom_call_of_unknown_kind_is_reported_never_priced_at_zero_in_silence():
     """A kernel the planner does not know (a Pallas one, say) inside the loop:
     counted at its memory traffic, three times, and named in the report."""
@@ -127,6 +130,7 @@ def test_a_custom_call_of_unknown_kind_is_reported_never_priced_at_zero_in_silen
     assert "my_pallas_kernel x 3 (24.0 KiB)" in report
 
 
+@pytest.mark.fast
 def test_time_is_the_roofline_of_each_kernel_in_schedule_order():
     eff = Efficiency(launch_us=0.0)
     cost = hand_cost(eff)
@@ -148,12 +152,14 @@ def test_time_is_the_roofline_of_each_kernel_in_schedule_order():
     assert cost.step_time_s == pytest.approx(expected, rel=1e-12)
 
 
+@pytest.mark.fast
 def test_each_launch_costs_its_overhead():
     with_launches, without = hand_cost(Efficiency(launch_us=5.0)), hand_cost(Efficiency(launch_us=0.0))
     # Every launch adds 5 us to the timeline, except those of async starts whose work outlasts them.
     assert with_launches.step_time_s - without.step_time_s == pytest.approx(with_launches.kernels * 5e-6, rel=0.05)
 
 
+@pytest.mark.fast
 def test_efficiency_overrides_are_checked():
     assert Efficiency().with_overrides(["attention_fwd=0.55", "launch_us=0"]).attention_fwd == 0.55
     for bad, message in (["gemm=1.5"], "in (0, 1]"), (["speed=1"], "KEY one of"), (["hbm=x"], "a number"):
@@ -161,17 +167,20 @@ def test_efficiency_overrides_are_checked():
             Efficiency().with_overrides(bad)
 
 
+@pytest.mark.fast
 def test_cost_keys_are_the_json_contract():
     assert set(hand_cost().as_dict()) == {*COST_KEYS, "cost_note"}
     assert set(cost_dict(None)) == {*COST_KEYS, "cost_note"}
 
 
+@pytest.mark.fast
 def test_bad_efficiency_is_a_one_line_error():
     result = run_cli("plan", "configs/tiny.yaml", "--target", "cpu", "--efficiency", "gemm=2")
     # checked before anything compiles
     assert_one_line_error(result, "--efficiency gemm must be in (0, 1]")
 
 
+@pytest.mark.fast
 @needs_gpu_compiler
 def test_a_compiled_matmul_and_all_gather_are_counted_exactly():
     """x [128, 256] @ w [256, 512] per device, then an all-gather of the
@@ -236,6 +245,7 @@ def test_fastest_ranks_the_fitting_settings_by_estimated_tokens_per_s():
     assert lines[-1].startswith(f"fastest setting that fits: {fastest} ")
 
 
+@pytest.mark.fast
 def test_fastest_needs_a_gpu_target():
     result = run_cli("maxlen", "configs/tiny.yaml", "--target", "cpu", "--fastest", "--search", "memory.mlp_tile=0,64")
     assert_one_line_error(result, "--fastest ranks settings by the step cost")
@@ -248,6 +258,7 @@ def test_cpu_target_has_no_step_cost_and_says_why():
     assert report["step_time_s"] is None and "XLA:GPU program" in report["cost_note"]
 
 
+@pytest.mark.fast
 def test_a_conditional_costs_its_costliest_branch():
     module = MODULE.replace(
         '  ROOT %result = bf16[128,512]{1,0} copy(%cp-done)',

@@ -54,6 +54,7 @@ def test_grad_norms_agree(runs):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), a["step"]
 
 
+@pytest.mark.fast
 def test_compare_prints_side_by_side_and_plots(runs, capsys):
     plot = runs / "losses.png"
     compare.main([str(runs / "jlong"), str(runs / "torch"), "--plot", str(plot)])
@@ -62,6 +63,7 @@ def test_compare_prints_side_by_side_and_plots(runs, capsys):
     assert plot.stat().st_size > 1000
 
 
+@pytest.mark.fast
 def test_baseline_refuses_what_it_cannot_match(tmp_path, capsys):
     config = tmp_path / "c.yaml"
     config.write_text("data: {source: synthetic}\n")

@@ -33,6 +33,7 @@ def test_packed_documents_under_sequence_parallelism(mesh):
     np.testing.assert_allclose(sharded, single, rtol=1e-5)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("packed", [[], ["data.eos_id=7"]], ids=["plain", "packed"])
 def test_the_step_is_built_for_the_batches_the_data_gives(packed):
     config = small_config(*packed, "mesh.fsdp=2", "mesh.sp=4")
@@ -45,6 +46,7 @@ def test_the_step_is_built_for_the_batches_the_data_gives(packed):
     assert all(placed[k].sharding == program.abstract_batch[k].sharding for k in batch)
 
 
+@pytest.mark.fast
 def test_fsdp_divides_parameter_and_optimizer_bytes():
     def per_device(fsdp):
         config = small_config("model.hidden_size=256", "model.intermediate_size=512", f"mesh.fsdp={fsdp}")

@@ -26,6 +26,7 @@ from jlong.model.transformer import ForwardOptions, attention_block
     [(H, K, C, U) for H, K in [(32, 1), (32, 2), (32, 8), (32, 32), (40, 8), (48, 4), (28, 4)]
      for C in (1, 2, 4, 8) for U in range(C, H + 1, C) if H % C == 0 and H % U == 0],
 )
+@pytest.mark.fast
 def test_stage_plan_gives_every_query_head_its_kv_head(H, K, C, U):
     plan = StagePlan(H, K, C, U)
     width, first, slots = plan.kv_window
@@ -76,6 +77,7 @@ def test_single_device_stages_equal_plain_attention():
         assert_block_close(got, want)
 
 
+@pytest.mark.fast
 def test_stage_remat_keeps_the_cudnn_forward():
     """Traced on CPU: under the stage policy the backward pass reuses the
     fused forward's output instead of running cuDNN's forward kernel a
