@@ -18,8 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import GIB
-
+from jlong.planner.targets import GIB
 
 
 def fail(message: str, status: int = 2):

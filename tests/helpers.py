@@ -2,6 +2,7 @@
 computation, training runs, and the command line run in-process."""
 
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -193,3 +194,15 @@ WHOLE_STACK = [
 
 def whole_stack(*overrides):
     return load_config(None, [*WHOLE_STACK, *overrides])
+
+
+def load_experiment(name: str):
+    """experiments/NAME.py as a module, loaded from its file: the experiments
+    are scripts, not on the import path (their names would read as modules')."""
+    module_name = f"experiments.{name}"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, REPO / "experiments" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]

@@ -96,8 +96,10 @@ def test_an_off_diagonal_step_attends_within_the_document_spanning_the_boundary(
 def test_the_gpu_check_runs_its_paths_with_the_cuda_calls_emulated(monkeypatch):
     """experiments/gpu_check.py on CPU, cuDNN's calls emulated: what a GPU
     owner will run works end to end (its verdict on cuDNN needs the GPU)."""
-    import gpu_check
     from cudnn_emulation import emulate_cudnn
+    from helpers import load_experiment
+
+    gpu_check = load_experiment("gpu_check")
 
     emulate_cudnn(monkeypatch)
     rows = gpu_check.check_all(64, 4, 2, 16, 3, print_rows=False)

@@ -15,7 +15,7 @@ from helpers import REPO, logged_losses, run_cli, run_config
 
 from jlong.config import config_to_dict
 
-LAUNCH = REPO / "experiments" / "launch"
+LAUNCH = REPO / "launch"
 
 # The one-node config's model and length shrunk to what CPU devices compile in seconds; everything else is its own.
 SHRUNK = [

@@ -3,16 +3,16 @@ same Hugging Face Llama (and Qwen3) on the same token file to the same losses.""
 
 import json
 
-import compare
 import numpy as np
 import pytest
-import torch_baseline
+from helpers import load_experiment
 from hf_models import small_hf_model
 
 from jlong.config import load_config
 from jlong.training.loop import train as jlong_train
 
 STEPS = 20
+compare, torch_baseline = load_experiment("compare"), load_experiment("torch_baseline")
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])

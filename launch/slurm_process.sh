@@ -3,11 +3,11 @@
 # srun starts it on every node; it finds the coordinator (the job's first
 # node), its process id (SLURM_PROCID) and the process count (SLURM_NTASKS),
 # and runs the repository venv's jlong.
-#   srun experiments/launch/slurm_process.sh CONFIG.yaml [key=value ...]
+#   srun launch/slurm_process.sh CONFIG.yaml [key=value ...]
 set -euo pipefail
 : "${SLURM_JOB_NODELIST:?run me under srun}" "${SLURM_PROCID:?}" "${SLURM_NTASKS:?}"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-repo="$(cd "$here/../.." && pwd)"
+repo="$(cd "$here/.." && pwd)"
 jlong="${JLONG:-${JLONG_VENV:-$repo/.venv}/bin/jlong}"
 config="${1:?usage: slurm_process.sh CONFIG.yaml [key=value ...]}"
 shift

@@ -1,7 +1,7 @@
 #!/bin/bash
 # The body of the sbatch scripts: one jlong process per node under srun, and
 # SLURM's warnings turned into a clean stop.
-#   experiments/launch/slurm_job.sh CONFIG.yaml [key=value ...]   (run by an sbatch script, in the repository)
+#   launch/slurm_job.sh CONFIG.yaml [key=value ...]   (run by an sbatch script, in the repository)
 # - Before the time limit SLURM sends SIGUSR1 to this script (#SBATCH
 #   --signal=B:USR1@SECONDS: give more than a step and its checkpoint take,
 #   or the warning comes too late). It sends SIGTERM to every jlong process, which
