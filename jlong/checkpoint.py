@@ -63,6 +63,19 @@ def read_run_record(directory: str | Path) -> dict | None:
     return record
 
 
+def weights_kind(path: str | Path, setting: str) -> str:
+    """"hf" (a Hugging Face directory) or "jlong" (a checkpoint directory),
+    checked before anything is built; `setting` names it in the messages."""
+    path = Path(path)
+    if not path.is_dir():
+        raise JlongError(f"{setting} {str(path)!r} is not a directory")
+    if (path / "config.json").is_file():
+        return "hf"
+    if not saved_steps(path):
+        raise JlongError(f"{setting} {str(path)!r} holds no jlong checkpoint (nor a Hugging Face config.json)")
+    return "jlong"
+
+
 class Checkpoints:
     def __init__(self, directory: str | Path, keep: int = 2, *, run_record: dict | None = None):
         """`run_record`: the config of the run that saves here, written beside

@@ -178,6 +178,8 @@ class TrainConfig(_Section):
     eval_every: NonNegativeInt = 0  # steps between evaluations of loss by position on eval.path; 0 = none
     # Where each step's metrics go besides run_dir/metrics.jsonl (always written: resuming and loss.png read it).
     log_to: sequence_of(choice(Literal["jsonl", "tensorboard", "wandb"])) = ("jsonl",)
+    # Step 1 from these weights (a jlong checkpoint directory or a Hugging Face one), with a fresh optimizer.
+    init_from: optional(Text) = None
     # On a GPU, compare the step's host bytes on each node with the node's available memory before step 1.
     check_host_memory: Flag = True
 

@@ -5,11 +5,11 @@ retrieval (`jlong.eval.positions`, `jlong.eval.passkey`)."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jlong.checkpoint import Checkpoints, weights_kind
 from jlong.config import Config
 from jlong.data.prepare import Encoder
 from jlong.data.sources import TokenFile, batch_layout, document_structure
@@ -106,21 +106,12 @@ def _text_encoder(config: Config):
 
 def checkpoint_kind(checkpoint: str) -> str:
     """"hf" or "jlong", checked before anything is built."""
-    path = Path(checkpoint)
-    if not path.is_dir():
-        raise JlongError(f"--checkpoint {checkpoint!r} is not a directory")
-    if (path / "config.json").is_file():
-        return "hf"
-    if not any(p.is_dir() and p.name.isdigit() for p in path.iterdir()):
-        raise JlongError(f"--checkpoint {checkpoint!r} holds no jlong checkpoint (nor a Hugging Face config.json)")
-    return "jlong"
+    return weights_kind(checkpoint, "--checkpoint")
 
 
 def load_params(program: TrainProgram, checkpoint: str) -> tuple[dict, int | str]:
     """The parameters of a jlong checkpoint directory (its newest step) or a
     Hugging Face directory, in the program's shardings; and which step."""
-    from jlong.checkpoint import Checkpoints
-
     if checkpoint_kind(checkpoint) == "hf":
         return program.load_hf_params(checkpoint), "hf"
     checkpoints = Checkpoints(checkpoint)

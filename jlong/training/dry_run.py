@@ -14,6 +14,7 @@ from jlong.data.sources import Batches, TokenFile
 from jlong.planner.memory import format_plan, plan
 from jlong.planner.targets import GIB, PlanTarget
 from jlong.training.checkpoint_owner import check_owner
+from jlong.training.initial_weights import check_init_from
 from jlong.training.loop import checked_last_step
 from jlong.training.metric_sinks import check_available
 from jlong.training.report import LOSS_PLOT
@@ -28,6 +29,7 @@ def describe(config: Config, until_step: int | None) -> str:
     if config.run_dir:
         RunDir(config)
     done = check_owner(config).newest if config.checkpoint.dir else 0
+    initial = None if done else check_init_from(config)
     devices = jax.devices()
     mesh, train = config.mesh, config.train
     lines = [
@@ -41,6 +43,8 @@ def describe(config: Config, until_step: int | None) -> str:
         if done < last else f"steps: none left (checkpointed at step {done} of {last})",
         f"outputs: {_outputs(config, done)}",
     ]
+    if initial:
+        lines.append(f"starting weights: {initial.describe()}, with a fresh optimizer (train.init_from)")
     stats = devices[0].memory_stats() or {}
     capacity = stats.get("bytes_limit")
     target = PlanTarget(budget_gib=capacity / GIB if capacity else None)

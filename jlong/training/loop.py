@@ -22,6 +22,7 @@ from jlong.parallel.placement import make_mesh
 from jlong.model.flops import model_flops_per_token
 from jlong.training.checkpoint_owner import check_owner
 from jlong.training.host_memory import available_bytes, check_host_memory
+from jlong.training.initial_weights import InitialWeights, check_init_from, load_initial_weights
 from jlong.training.metric_sinks import check_available
 from jlong.program.optimizer import learning_rate
 from jlong.training.preemption import StopRequests
@@ -59,10 +60,12 @@ class Started:
     step: int  # the last step done (0 for a fresh run)
 
 
-def start(config: Config, mesh, checkpoints: Checkpoints | None, last: int) -> Started:
+def start(config: Config, mesh, checkpoints: Checkpoints | None, last: int,
+          initial: InitialWeights | None = None) -> Started:
     """Restores the newest readable checkpoint into this mesh's shardings (or
-    initialises, from hf_path when set), says where the run starts, and
-    compiles the step, when steps up to `last` remain."""
+    initialises: from `initial` (train.init_from), from hf_path, or from the
+    seed), says where the run starts, and compiles the step, when steps up
+    to `last` remain."""
     program = TrainProgram(config, mesh)
     step, params, opt_state = 0, None, None
     if checkpoints:
@@ -71,11 +74,15 @@ def start(config: Config, mesh, checkpoints: Checkpoints | None, last: int) -> S
         )
     if not step:
         hf_path = config.model.hf_path
-        params = program.load_hf_params(hf_path) if hf_path else program.init_params(config.train.seed)
+        initial = initial or check_init_from(config)  # none of the run's checkpoints could be read
+        if initial:
+            params = load_initial_weights(program, initial)
+        else:
+            params = program.load_hf_params(hf_path) if hf_path else program.init_params(config.train.seed)
         opt_state = program.init_opt_state(params)
     compiled = None
     if step < last:
-        _say(starting_line(config, step))
+        _say(starting_line(config, step, initial))
         with explained_out_of_memory(config, mesh, "compiling the train step"):
             compiled = _compile(program)
         if config.train.check_host_memory and mesh.devices.flat[0].platform == "gpu":
@@ -83,12 +90,13 @@ def start(config: Config, mesh, checkpoints: Checkpoints | None, last: int) -> S
     return Started(program, compiled, params, opt_state, step)
 
 
-def starting_line(config: Config, step: int) -> str:
+def starting_line(config: Config, step: int, initial: InitialWeights | None = None) -> str:
     """Where a run starts: `resuming step N from DIR`, or step 1 and why."""
     where = config.checkpoint.dir
     if step:
         return f"resuming step {step} from {where}"
     weights = f" from the weights in {config.model.hf_path}" if config.model.hf_path else ""
+    weights = f" from {initial.describe()} (a fresh optimizer)" if initial else weights
     why = f"no checkpoint in {where}" if where else "no checkpoint.dir: nothing will be saved to resume from"
     return f"starting at step 1{weights} ({why})"
 
@@ -123,16 +131,19 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
     batches = Batches(config)  # the data and the run directory are checked before anything is built
     evaluation = PeriodicEvaluation(config)
     run_dir = RunDir(config) if config.run_dir and jax.process_index() == 0 else None
+    resumable = 0
     if config.checkpoint.dir:
         owner = check_owner(config)
+        resumable = owner.newest
         if owner.note:
             _say(owner.note)
+    initial = None if resumable else check_init_from(config)  # read only by a run's first session
     mesh = make_mesh(config.mesh)
     checkpoints = Checkpoints(config.checkpoint.dir, config.checkpoint.keep,
                               run_record=config_to_dict(config)) if config.checkpoint.dir else None
     stops = stop_requests or StopRequests.installed()
     try:
-        run = start(config, mesh, checkpoints, last)
+        run = start(config, mesh, checkpoints, last, initial)
         if run.step >= last:
             _say(nothing_to_do(config, run.step, until_step))
             return []
