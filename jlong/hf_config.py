@@ -41,6 +41,10 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     scaling = hf.get("rope_scaling") or rope or None
     if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
         scaling = None
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn" \
+            and scaling.get("original_max_position_embeddings") is None:  # as transformers reads it
+        original = hf.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
+        scaling = {**scaling, "original_max_position_embeddings": original}
     fields = {
         key: hf[key]
         for key in (

@@ -11,12 +11,24 @@ LLAMA3_SCALING = {
     "original_max_position_embeddings": 32,  # short, so the test sequences use the scaling
 }
 
+# YaRN as Qwen's long-context checkpoints ship it (factor and original context
+# only: the attention factor follows from the factor), and with every knob set.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+YARN_TUNED = {**YARN, "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 0.9, "mscale_all_dim": 0.5}
+LINEAR = {"rope_type": "linear", "factor": 2.0}
+QWEN3 = {"tie_word_embeddings": True, "head_dim": 24}
+
 ARCHITECTURES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "llama3-scaled": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"rope_scaling": LLAMA3_SCALING}),
+    "llama-yarn": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"rope_scaling": YARN_TUNED}),
+    "llama-linear": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"rope_scaling": LINEAR}),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"tie_word_embeddings": True, "head_dim": 24}),
+    "qwen2-yarn": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"rope_scaling": YARN}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, QWEN3),
+    "qwen3-yarn": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {**QWEN3, "rope_scaling": YARN}),
 }
+SCALED = ("llama3-scaled", "llama-yarn", "llama-linear", "qwen2-yarn", "qwen3-yarn")
 
 
 def small_hf_model(name: str, seed: int = 0, **overrides):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hf_models import ARCHITECTURES, hf_logits, small_hf_model
+from hf_models import ARCHITECTURES, SCALED, hf_logits, small_hf_model
 
 import jlong
 from jlong.errors import JlongError
@@ -49,9 +49,11 @@ def test_round_trip_is_exact(hf_checkpoint, tmp_path):
         np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(name))
 
 
-def test_transformers4_config_form(tmp_path):
-    """rope_theta / rope_scaling at the top level, as transformers 4 writes them."""
-    hf_model = small_hf_model("llama3-scaled")
+@pytest.mark.parametrize("name", SCALED)
+def test_transformers4_config_form(name, tmp_path):
+    """rope_theta / rope_scaling at the top level, as transformers 4 writes them
+    (transformers 5's rope_parameters form is what the fixture saves)."""
+    hf_model = small_hf_model(name)
     hf_model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     rope = config.pop("rope_parameters")
@@ -59,9 +61,40 @@ def test_transformers4_config_form(tmp_path):
     config["rope_scaling"] = rope
     (tmp_path / "config.json").write_text(json.dumps(config))
     model = jlong.from_hf(tmp_path)
-    assert model.config.rope_scaling["rope_type"] == "llama3"
+    assert model.config.rope_scaling["rope_type"] == ARCHITECTURES[name][2]["rope_scaling"]["rope_type"]
     tokens = _tokens()
     np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens))), hf_logits(hf_model, tokens), atol=1e-4)
+
+
+@pytest.mark.parametrize("name", SCALED)
+def test_rope_scaling_is_written_back(name, tmp_path):
+    """A scaled model written by jlong loads in transformers with the same
+    RoPE: its logits at 70 tokens (past the original 32) are the original's."""
+    hf_model = small_hf_model(name)
+    hf_model.save_pretrained(tmp_path / "hf")
+    jlong.to_hf(jlong.from_hf(tmp_path / "hf"), tmp_path / "out")
+    reloaded = type(hf_model).from_pretrained(tmp_path / "out").eval()
+    tokens = _tokens()
+    np.testing.assert_allclose(hf_logits(reloaded, tokens), hf_logits(hf_model, tokens), rtol=0, atol=1e-6)
+
+
+def test_yarn_without_its_original_context_takes_the_checkpoints_as_transformers_does(tmp_path):
+    yarn = {"rope_type": "yarn", "factor": 4.0}
+    hf_model = small_hf_model("llama", rope_scaling=yarn, max_position_embeddings=40)
+    hf_model.save_pretrained(tmp_path)
+    model = jlong.from_hf(tmp_path)
+    assert model.config.rope_scaling["original_max_position_embeddings"] == 40
+    tokens = _tokens()
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens))), hf_logits(hf_model, tokens), atol=1e-4)
+
+
+def test_unsupported_rope_scaling_is_one_line(tmp_path):
+    small_hf_model("llama").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(JlongError, match="rope_type 'dynamic' is not supported; use one of linear, llama3, yarn"):
+        jlong.from_hf(tmp_path)
 
 
 def test_sharded_checkpoint_is_read_and_written(tmp_path, monkeypatch):

@@ -36,6 +36,7 @@ class QKVProjection:
 
     norm_eps: float
     rope_inv_freq: tuple[float, ...]  # per-pair rotation rates [head_dim / 2]
+    rope_scale: float = 1.0  # what RoPE's cos and sin are multiplied by (YaRN's attention factor)
     bias: bool = False
     qk_norm: bool = False
     tile: int = 0  # tokens projected at a time; 0 = the whole shard at once
@@ -68,7 +69,8 @@ class QKVProjection:
             q = rms_norm(q, w["q_norm"], self.norm_eps)
             k = rms_norm(k, w["k_norm"], self.norm_eps)
         inv_freq = np.asarray(self.rope_inv_freq, np.float32)
-        return apply_rope(q, positions_BS, inv_freq), apply_rope(k, positions_BS, inv_freq), v
+        rotate = functools.partial(apply_rope, positions_BS=positions_BS, inv_freq=inv_freq, scale=self.rope_scale)
+        return rotate(q), rotate(k), v
 
 
 def project_out(p, o_BSHd, first, count):

@@ -16,7 +16,12 @@ from jlong.errors import JlongError
 if TYPE_CHECKING:
     from jlong.config.schema import Config, ModelConfig
 
-LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# The RoPE scaling methods jlong computes as Hugging Face does, and the keys each needs.
+ROPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
 
 
 def check_model(m: ModelConfig) -> None:
@@ -37,11 +42,14 @@ def _check_rope_scaling(scaling: dict) -> None:
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "default":
         return
-    if kind != "llama3":
-        raise JlongError(f"model.rope_scaling.rope_type {kind!r} is not supported; use 'llama3' or null")
-    missing = [k for k in LLAMA3_ROPE_KEYS if k not in scaling]
+    if kind not in ROPE_KEYS:
+        raise JlongError(f"model.rope_scaling.rope_type {kind!r} is not supported; use one of "
+                         f"{', '.join(ROPE_KEYS)} or null")
+    missing = [k for k in ROPE_KEYS[kind] if scaling.get(k) is None]
     if missing:
-        raise JlongError(f"model.rope_scaling (llama3) lacks {', '.join(missing)}")
+        raise JlongError(f"model.rope_scaling ({kind}) lacks {', '.join(missing)}")
+    if not scaling["factor"] >= 1:
+        raise JlongError(f"model.rope_scaling.factor ({scaling['factor']}) must be at least 1")
 
 
 def check_run(config: Config) -> None:

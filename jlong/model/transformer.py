@@ -22,7 +22,7 @@ from jlong.attention.kernels import AttentionKernel, choose_kernel
 from jlong.attention.projection import ATTENTION_PARAMS, QKVProjection
 from jlong.attention.ulysses import staged_attention
 from jlong.config import Config, ModelConfig
-from jlong.ops.layers import rms_norm, rope_inverse_frequencies, swiglu
+from jlong.ops.layers import rms_norm, rope_attention_factor, rope_inverse_frequencies, swiglu
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy, token_scores
 from jlong.model.params import ParamSpec, layer_params, outer_params
 from jlong.model.remat import remat_policy, scan_layers
@@ -228,6 +228,7 @@ def attention_block(p, x_BSD, positions_BS, segment_ids_BS, config, options):
     projection = QKVProjection(
         norm_eps=config.rms_norm_eps,
         rope_inv_freq=tuple(rope_inverse_frequencies(config).tolist()),
+        rope_scale=rope_attention_factor(config),
         bias=config.attention_bias,
         qk_norm=config.qk_norm,
         tile=options.mlp_tile,

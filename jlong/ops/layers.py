@@ -18,14 +18,39 @@ def rms_norm(x, weight, eps: float):
     return (y * weight.astype(jnp.float32)).astype(x.dtype)
 
 
+def rope_type(config: ModelConfig) -> str:
+    """The RoPE scaling method: "default" (none), "linear", "llama3" or "yarn"."""
+    scaling = config.rope_scaling or {}
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
 def rope_inverse_frequencies(config: ModelConfig) -> np.ndarray:
-    """Per-pair rotation rates [head_dim/2], with Llama 3 scaling when configured."""
+    """Per-pair rotation rates [head_dim/2], scaled as model.rope_scaling says
+    (Hugging Face's definitions: `linear`, `llama3`, `yarn`)."""
     dim = config.dim_per_head
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    scaling = config.rope_scaling
-    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+    scaling, kind = config.rope_scaling, rope_type(config)
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
         inv_freq = _llama3_scaled(inv_freq, scaling)
+    elif kind == "yarn":
+        inv_freq = _yarn_scaled(inv_freq, scaling, config.rope_theta, dim)
     return inv_freq.astype(np.float32)
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What RoPE's cos and sin are multiplied by (so q.k by its square): YaRN's
+    attention factor, 1 for the other methods."""
+    if rope_type(config) != "yarn":
+        return 1.0
+    scaling = config.rope_scaling
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, all_dims = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and all_dims:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dims)
+    return _yarn_mscale(factor)
 
 
 def _llama3_scaled(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:
@@ -42,10 +67,38 @@ def _llama3_scaled(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:
     return np.where(medium, blended, scaled)
 
 
-def apply_rope(x_BSNd, positions_BS, inv_freq):
-    """Rotates the two halves of each head (the Hugging Face layout)."""
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_scaled(inv_freq: np.ndarray, scaling: dict, theta: float, dim: int) -> np.ndarray:
+    """YaRN (arXiv 2309.00071): pairs that turn fewer than `beta_slow` times
+    over the original context are interpolated (slowed by `factor`), those
+    that turn more than `beta_fast` times kept, with a linear ramp between."""
+    factor, old_context = scaling["factor"], scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def pair_turning(rotations):  # the (fractional) pair index that turns `rotations` times over the old context
+        return dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_turning(fast), pair_turning(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    kept = 1 - ramp  # the share of each pair's original rate
+    return inv_freq / factor * (1 - kept) + inv_freq * kept
+
+
+def apply_rope(x_BSNd, positions_BS, inv_freq, scale: float = 1.0):
+    """Rotates the two halves of each head (the Hugging Face layout); `scale`
+    multiplies cos and sin (YaRN's attention factor)."""
     angles = positions_BS.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, S, 1, d/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     x1, x2 = jnp.split(x_BSNd.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x_BSNd.dtype)
