@@ -275,35 +275,52 @@ def _plan(args) -> int:
     import json
 
     from jlong.config import load_config
+    from jlong.config.stages import stage_runs
+    from jlong.planner.memory import format_plan
 
     config = load_config(args.config, args.overrides)
     efficiency = _efficiency(args)
     target = _plan_target(config, args)
-    from jlong.planner.memory import compile_train_step, format_plan, plan_of
-    from jlong.planner.step_cost import cost_dict, format_cost, step_cost
-
-    step = compile_train_step(config, target, forward_only=args.eval)
-    result = plan_of(step)
-    if args.eval:  # memory only: the step-cost model prices a training step
-        cost_keys, cost_lines = {"program": "eval"}, []
-    else:
-        cost = step_cost(step, efficiency)
-        cost_keys, cost_lines = {"program": "train", **cost_dict(cost)}, [format_cost(cost)]
+    stages = stage_runs(config)
+    planned = [(stage, *_plan_one(stage.config, target, efficiency, args.eval)) for stage in stages]
+    # A run in stages fits when every stage does; its report leads with the stage that needs the most.
+    stage, result, cost_keys, cost_lines = max(planned, key=lambda p: (not p[1].fits, p[1].device_total))
     if args.json:
-        print(json.dumps({**result.as_dict(), **cost_keys}))
+        report = {**result.as_dict(), **cost_keys}
+        if len(stages) > 1:
+            report["stage"] = stage.number
+            report["stages"] = [{"stage": s.number, "steps": [s.first, s.last], "seq_len": s.config.train.seq_len,
+                                 **r.as_dict(), **c} for s, r, c, _ in planned]
+        print(json.dumps(report))
     else:
         if args.eval:
             print("program: eval (forward only: jlong eval, train.eval_every)")
-        print(format_plan(result, config))
-        print(f"device budget: {target.describe_budget(config.train.gpu_memory_fraction)}")
-        for line in cost_lines:
-            print(line)
+        for each, each_result, _, each_cost_lines in planned:
+            if len(stages) > 1:
+                print(f"stage {each.number} of {len(stages)}: steps {each.first}-{each.last} at seq_len "
+                      f"{each.config.train.seq_len:,}")
+            print(format_plan(each_result, each.config))
+            print(f"device budget: {target.describe_budget(each.config.train.gpu_memory_fraction)}")
+            for line in each_cost_lines:
+                print(line)
     if not result.fits:
         from jlong.planner.advice import over_budget_error
 
         sys.stdout.flush()
-        raise over_budget_error(result, config)
+        raise over_budget_error(result, stage.config)
     return 0
+
+
+def _plan_one(config, target, efficiency, forward_only: bool):
+    """(memory plan, step-cost JSON keys, step-cost lines) of one config's train (or eval) program."""
+    from jlong.planner.memory import compile_train_step, plan_of
+    from jlong.planner.step_cost import cost_dict, format_cost, step_cost
+
+    step = compile_train_step(config, target, forward_only=forward_only)
+    if forward_only:  # memory only: the step-cost model prices a training step
+        return plan_of(step), {"program": "eval"}, []
+    cost = step_cost(step, efficiency)
+    return plan_of(step), {"program": "train", **cost_dict(cost)}, [format_cost(cost)]
 
 
 def _efficiency(args):

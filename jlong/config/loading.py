@@ -44,7 +44,12 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
             raw[name] = {}
     if isinstance(raw.get("model"), dict):
         raw["model"] = _resolve_model_fields(raw["model"])
-    return validated(Config, raw)
+    config = validated(Config, raw)
+    if config.stages:
+        from jlong.config.stages import stage_runs  # stages are configs of this module's making
+
+        stage_runs(config)  # every stage's config checked
+    return config
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:

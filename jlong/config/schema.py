@@ -1,7 +1,8 @@
 """The run configuration's schema: one frozen pydantic model per section.
 
 A run is one YAML file whose top-level sections are `model`, `mesh`,
-`attention`, `memory`, `train`, `data`, `checkpoint` and `eval`, plus `run_dir`.
+`attention`, `memory`, `train`, `data`, `checkpoint` and `eval`, plus `run_dir`
+and, for a curriculum of lengths, `stages`.
 Each section checks its own fields and the rules among them; the rules that
 join sections (heads over sp, lengths over the mesh, tiles over shards) are
 `jlong.config.validation`'s. Values derived from several sections (U, the
@@ -221,6 +222,13 @@ class CheckpointConfig(_Section):
     keep: PositiveInt = 2
 
 
+class Stage(_Section):
+    """One stage of a run's length curriculum (`jlong.config.stages`)."""
+
+    until_step: PositiveInt  # the stage's last step
+    set: Mapping = {}  # dotted keys -> values, over the run's config
+
+
 class Config(_Section):
     model: ModelConfig
     mesh: MeshConfig = Field(default_factory=MeshConfig)
@@ -231,6 +239,7 @@ class Config(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     run_dir: optional(Text) = None
+    stages: tuple[Stage, ...] = ()  # a curriculum: each stage's settings until its step (jlong.config.stages)
 
     @model_validator(mode="after")
     def _check(self):
@@ -264,5 +273,5 @@ class Config(_Section):
 
 
 SECTIONS: dict[str, type[_Section]] = {
-    name: field.annotation for name, field in Config.model_fields.items() if name != "run_dir"
+    name: field.annotation for name, field in Config.model_fields.items() if name not in ("run_dir", "stages")
 }

@@ -9,6 +9,7 @@ from pathlib import Path
 import jax
 
 from jlong.config import Config
+from jlong.config.stages import stage_runs
 from jlong.data.documents import PackedDocuments, describe as describe_documents
 from jlong.data.sources import Batches, TokenFile
 from jlong.planner.memory import format_plan, plan
@@ -48,7 +49,13 @@ def describe(config: Config, until_step: int | None) -> str:
     stats = devices[0].memory_stats() or {}
     capacity = stats.get("bytes_limit")
     target = PlanTarget(budget_gib=capacity / GIB if capacity else None)
-    lines.append(format_plan(plan(config, target, devices=devices), config))
+    stages = stage_runs(config)
+    for stage in stages:
+        if len(stages) > 1:
+            Batches(stage.config)  # each stage's data, checked
+            lines.append(f"stage {stage.number} of {len(stages)}: steps {stage.first}-{stage.last} at seq_len "
+                         f"{stage.config.train.seq_len:,}")
+        lines.append(format_plan(plan(stage.config, target, devices=devices), stage.config))
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from jlong.checkpoint import Checkpoints
 from jlong.config import Config, config_to_dict
+from jlong.config.stages import StageRun, stage_at, stage_runs
 from jlong.data.sources import Batches
 from jlong.errors import JlongError
 from jlong.planner.advice import is_out_of_memory, out_of_memory_error
@@ -61,11 +62,11 @@ class Started:
 
 
 def start(config: Config, mesh, checkpoints: Checkpoints | None, last: int,
-          initial: InitialWeights | None = None) -> Started:
+          initial: InitialWeights | None = None, *, staged: bool = False) -> Started:
     """Restores the newest readable checkpoint into this mesh's shardings (or
     initialises: from `initial` (train.init_from), from hf_path, or from the
     seed), says where the run starts, and compiles the step, when steps up
-    to `last` remain."""
+    to `last` remain (a `staged` run compiles each stage's as it enters it)."""
     program = TrainProgram(config, mesh)
     step, params, opt_state = 0, None, None
     if checkpoints:
@@ -83,10 +84,8 @@ def start(config: Config, mesh, checkpoints: Checkpoints | None, last: int,
     compiled = None
     if step < last:
         _say(starting_line(config, step, initial))
-        with explained_out_of_memory(config, mesh, "compiling the train step"):
+        if not staged:
             compiled = _compile(program)
-        if config.train.check_host_memory and mesh.devices.flat[0].platform == "gpu":
-            check_host_memory(host_bytes_per_node(program, compiled), available_bytes())
     return Started(program, compiled, params, opt_state, step)
 
 
@@ -102,13 +101,18 @@ def starting_line(config: Config, step: int, initial: InitialWeights | None = No
 
 
 def _compile(program: TrainProgram) -> jax.stages.Compiled:
-    """The train step, compiled, with a line before and after (it can take minutes at long lengths)."""
-    mesh = program.config.mesh
+    """The train step, compiled, with a line before and after (it can take
+    minutes at long lengths); out of memory explained; on a GPU, its host
+    bytes checked against the node's free memory."""
+    config, mesh = program.config, program.config.mesh
     _say(f"compiling the train step for {mesh.size} devices (data {mesh.data} x fsdp {mesh.fsdp} x ring "
-         f"{mesh.ring} x sp {mesh.sp}), {program.config.train.seq_len:,} tokens per sequence ...")
+         f"{mesh.ring} x sp {mesh.sp}), {config.train.seq_len:,} tokens per sequence ...")
     began = time.perf_counter()
-    compiled = program.compile()
+    with explained_out_of_memory(config, program.mesh, "compiling the train step"):
+        compiled = program.compile()
     _say(f"compiled in {time.perf_counter() - began:,.1f} s")
+    if config.train.check_host_memory and program.mesh.devices.flat[0].platform == "gpu":
+        check_host_memory(host_bytes_per_node(program, compiled), available_bytes())
     return compiled
 
 
@@ -121,15 +125,17 @@ def host_bytes_per_node(program: TrainProgram, compiled: jax.stages.Compiled) ->
 
 
 def train(config: Config, *, until_step: int | None = None, stop_requests: StopRequests | None = None) -> list[dict]:
-    """Trains to train.steps (or `until_step`), resuming from the newest
-    checkpoint in checkpoint.dir when that directory holds this run's;
-    returns this run's metric records. SIGTERM, SIGUSR1 or Ctrl-C (recorded
-    by `stop_requests`, by default handlers installed for the call) stops it
+    """Trains to train.steps (or `until_step`), stage by stage when the
+    config has `stages`, resuming from the newest checkpoint in
+    checkpoint.dir when that directory holds this run's; returns this run's
+    metric records. SIGTERM, SIGUSR1 or Ctrl-C (recorded by
+    `stop_requests`, by default handlers installed for the call) stops it
     after the step under way, with a checkpoint."""
     last = checked_last_step(config, until_step)
     check_available(config.train.log_to)
-    batches = Batches(config)  # the data and the run directory are checked before anything is built
-    evaluation = PeriodicEvaluation(config)
+    stages = stage_runs(config)
+    # Each stage's data and held-out tokens, and the run directory, are checked before anything is built.
+    inputs = {run.number: (Batches(run.config), PeriodicEvaluation(run.config)) for run in stages}
     run_dir = RunDir(config) if config.run_dir and jax.process_index() == 0 else None
     resumable = 0
     if config.checkpoint.dir:
@@ -138,12 +144,12 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
         if owner.note:
             _say(owner.note)
     initial = None if resumable else check_init_from(config)  # read only by a run's first session
-    mesh = make_mesh(config.mesh)
+    stage = stage_at(stages, resumable + 1)
     checkpoints = Checkpoints(config.checkpoint.dir, config.checkpoint.keep,
                               run_record=config_to_dict(config)) if config.checkpoint.dir else None
     stops = stop_requests or StopRequests.installed()
     try:
-        run = start(config, mesh, checkpoints, last, initial)
+        run = start(stage.config, make_mesh(stage.config.mesh), checkpoints, last, initial, staged=len(stages) > 1)
         if run.step >= last:
             _say(nothing_to_do(config, run.step, until_step))
             return []
@@ -158,17 +164,22 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
                 stopped_by = stops.agreed()
                 if stopped_by:
                     break
+                stage = stage_at(stages, step)
+                if run.program.config is not stage.config or run.compiled is None:
+                    _enter_stage(run, stage, len(stages))
+                batches, evaluation = inputs[stage.number]
                 stops.step_started(step, recorder.expected_step_seconds())
                 loss, grad_norm, seconds = _update(run, batches, step)
                 _check_finite(step, loss, grad_norm, checkpoints)
-                recorder.record(step, loss, grad_norm, seconds, evaluation.at(step, run.program, run.params))
+                recorder.record(step, loss, grad_norm, seconds, evaluation.at(step, run.program, run.params),
+                                stage.config)
                 every = config.checkpoint.every
                 if checkpoints and ((every and step % every == 0) or step == last):
-                    _save(config, checkpoints, run)
+                    _save(stage.config, checkpoints, run)
         if run_dir and recorder.records:
             run_dir.plot_losses()
         if stopped_by:
-            _say(_stop(config, checkpoints, run, stopped_by))
+            _say(_stop(stage.config, checkpoints, run, stopped_by))
         else:
             _say(summary(config, recorder.records, time.perf_counter() - began, last if checkpoints else None))
         return recorder.records
@@ -179,6 +190,19 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
             run_dir.close()
         if checkpoints:
             checkpoints.close()
+
+
+def _enter_stage(run: Started, stage: StageRun, count: int) -> None:
+    """Moves the run's parameters and optimizer state into the stage's program (its length, mesh, memory
+    settings) and compiles its step."""
+    config = stage.config
+    _say(f"stage {stage.number} of {count}: steps {stage.first}-{stage.last} at seq_len {config.train.seq_len:,}")
+    if run.program.config is not config:
+        program = TrainProgram(config, make_mesh(config.mesh))
+        run.params = jax.device_put(run.params, program.rest_shardings)
+        run.opt_state = jax.device_put(run.opt_state, program.opt_shardings)
+        run.program = program
+    run.compiled = _compile(run.program)
 
 
 def checked_last_step(config: Config, until_step: int | None) -> int:
@@ -269,8 +293,6 @@ class Recorder:
     def __init__(self, config: Config, run_dir: RunDir | None, *, first: int, last: int):
         self.config, self.run_dir = config, run_dir
         self.records: list[dict] = []
-        self.tokens_per_step = config.train.batch_size * config.train.seq_len
-        self.flops_per_token = model_flops_per_token(config.model, config.train.seq_len)
         self.peak_flops = (peak_flops_per_device() or 0.0) * jax.device_count()
         self.progress = Progress(first=first, last=last, enabled=jax.process_index() == 0)
         self.eval_loss: float | None = None  # the latest evaluation's, shown until the next
@@ -288,16 +310,21 @@ class Recorder:
         """How long the next step should take: the last one's time (None before any)."""
         return self.records[-1]["step_time_s"] if self.records else None
 
-    def record(self, step: int, loss: float, grad_norm: float, seconds: float, evaluation: dict) -> None:
+    def record(self, step: int, loss: float, grad_norm: float, seconds: float, evaluation: dict,
+               stage: Config | None = None) -> None:
+        """Step `step`'s metrics; `stage` is the config it ran with (the run's own, or its stage's)."""
+        train = (stage or self.config).train
         record = {
             "step": step,
             "loss": loss,
             "grad_norm": grad_norm,
-            "lr": float(learning_rate(self.config.train, step)),
-            "tokens_per_s": self.tokens_per_step / seconds,
+            "lr": float(learning_rate(train, step)),
+            "seq_len": train.seq_len,
+            "tokens_per_s": train.batch_size * train.seq_len / seconds,
             "step_time_s": seconds,
         }
-        record.update(device_memory(), **mfu(record["tokens_per_s"], self.flops_per_token, self.peak_flops),
+        flops_per_token = model_flops_per_token((stage or self.config).model, train.seq_len)
+        record.update(device_memory(), **mfu(record["tokens_per_s"], flops_per_token, self.peak_flops),
                       **evaluation)
         self.records.append(record)
         if self.run_dir:

@@ -1,0 +1,91 @@
+"""A run in stages: a curriculum of lengths (or of data, layouts, RoPE bases)
+in one run that plans, checkpoints and resumes as one.
+
+    stages:
+      - {until_step: 200, set: {train.seq_len: 131072}}
+      - {until_step: 400, set: {train.seq_len: 524288, model.rope_theta: 4000000}}
+
+Stage k runs the steps after stage k-1's `until_step` up to its own, with
+its `set` over the run's config; the last stage ends at train.steps. The
+model's weights, the optimizer and its schedule run through every stage: a
+stage may change the length and batch, the data, the layout on the devices
+(on the same devices), the memory settings, attention, evaluation and
+RoPE's base and scaling, but not what the weights or the optimizer's state
+are, nor the run's own identity (its steps, seed, directories).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from jlong.config.identity import flatten
+from jlong.config.loading import WEIGHT_DEFINING_FIELDS, config_from_dict, config_to_dict
+from jlong.config.schema import Config
+from jlong.errors import JlongError
+
+# What no stage may set: the weights' shapes, the optimizer state's layout and dtypes, the run's identity.
+_RUN_LEVEL = {
+    "train.steps", "train.seed", "train.param_dtype", "train.compute_dtype", "train.init_from", "train.log_to",
+    "train.check_host_memory", "train.gpu_memory_fraction", "memory.optimizer_offload", "run_dir", "stages",
+    "model.preset", "model.hf_path", *(f"model.{key}" for key in WEIGHT_DEFINING_FIELDS),
+}
+_RUN_LEVEL_SECTIONS = ("checkpoint.",)
+
+
+@dataclass(frozen=True)
+class StageRun:
+    number: int  # 1-based
+    first: int  # its first step
+    last: int  # its last step
+    config: Config  # the run's config with the stage's settings, without stages
+
+
+def stage_runs(config: Config) -> list[StageRun]:
+    """The run's stages with their configs, checked (one stage, the config itself, without `stages`)."""
+    if not config.stages:
+        return [StageRun(1, 1, config.train.steps, config)]
+    base = config_to_dict(config)
+    base["stages"] = []
+    runs, first = [], 1
+    for number, stage in enumerate(config.stages, 1):
+        where = f"stages[{number - 1}]"
+        if stage.until_step < first:
+            raise JlongError(f"{where}.until_step ({stage.until_step}) must come after the previous stage's "
+                             f"({first - 1}): stages run in order")
+        refused = [key for key in stage.set if key in _RUN_LEVEL or key.startswith(_RUN_LEVEL_SECTIONS)]
+        if refused:
+            raise JlongError(f"{where}.set: {', '.join(refused)} is the whole run's, not a stage's (a stage may set "
+                             "the length, batch, data, layout, memory, attention, evaluation and RoPE)")
+        runs.append(StageRun(number, first, stage.until_step, _stage_config(base, stage.set, where)))
+        first = stage.until_step + 1
+    if runs[-1].last != config.train.steps:
+        raise JlongError(f"the last stage ends at step {runs[-1].last}, train.steps is {config.train.steps}: "
+                         f"set stages[{len(runs) - 1}].until_step to {config.train.steps}")
+    other = [run for run in runs if run.config.mesh.size != config.mesh.size]
+    if other:
+        raise JlongError(f"every stage runs on the run's {config.mesh.size} devices; stage {other[0].number}'s mesh "
+                         f"has {other[0].config.mesh.size} (a stage may split the same devices another way)")
+    return runs
+
+
+def _stage_config(base: dict, settings: dict, where: str) -> Config:
+    raw = copy.deepcopy(base)
+    known = flatten(base)
+    for key, value in settings.items():
+        if key not in known:
+            raise JlongError(f"{where}.set: unknown config key {key!r}")
+        *parents, leaf = key.split(".")
+        node = raw
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    try:
+        return config_from_dict(raw)
+    except JlongError as err:
+        raise JlongError(f"{where}: {err}") from None
+
+
+def stage_at(runs: list[StageRun], step: int) -> StageRun:
+    """The stage that runs step `step` (the last one past the end)."""
+    return next((run for run in runs if step <= run.last), runs[-1])

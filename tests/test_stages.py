@@ -1,0 +1,102 @@
+"""A run in stages (`stages:`): a curriculum of lengths and layouts in one
+run that trains exactly as its stages would by hand, resumes in any stage,
+logs each step's length, and refuses what a stage may not change."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import yaml
+from helpers import assert_one_line_error, logged_losses, run_cli, run_config
+
+from jlong.config.stages import stage_runs
+from jlong.data.sources import Batches
+from jlong.parallel.placement import make_mesh
+from jlong.program.train_program import TrainProgram
+from jlong.training.loop import train
+
+# Steps 1-2 at 32 tokens on fsdp 2 x sp 4; steps 3-4 at 64 on a ring 2 x sp 4 with a new RoPE base.
+STAGES = ("stages=[{until_step: 2, set: {train.seq_len: 32}}, {until_step: 4, set: {train.seq_len: 64, "
+          "mesh.fsdp: 1, mesh.ring: 2, model.rope_theta: 20000.0}}]")
+
+
+def staged(tmp_path, *overrides):
+    return run_config(tmp_path, "train.steps=4", "checkpoint.every=1", STAGES, *overrides)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("staged")
+    return train(staged(tmp)), tmp
+
+
+def test_a_staged_run_trains_as_its_stages_would_by_hand(uninterrupted):
+    """The same updates as running each stage's program in turn, the
+    parameters and optimizer state carried from one to the next."""
+    records, tmp = uninterrupted
+    assert [(r["step"], r["seq_len"]) for r in records] == [(1, 32), (2, 32), (3, 64), (4, 64)]
+    by_hand, params, opt_state = [], None, None
+    for stage in stage_runs(staged(tmp)):
+        program = TrainProgram(stage.config, make_mesh(stage.config.mesh))
+        if params is None:
+            params = program.init_params(stage.config.train.seed)
+            opt_state = program.init_opt_state(params)
+        params = jax.device_put(params, program.rest_shardings)
+        opt_state = jax.device_put(opt_state, program.opt_shardings)
+        step_fn, batches = program.compile(), Batches(stage.config)
+        for step in range(stage.first, stage.last + 1):
+            params, opt_state, metrics = step_fn(params, opt_state, program.place_batch(batches.batch(step)))
+            by_hand.append(float(np.asarray(metrics["loss"].addressable_data(0))))
+    assert [r["loss"] for r in records] == pytest.approx(by_hand, rel=1e-6)
+    assert records[2]["loss"] != records[1]["loss"]
+
+
+def test_a_staged_run_resumes_in_its_later_stage(uninterrupted, tmp_path, capsys):
+    records, _ = uninterrupted
+    train(staged(tmp_path), until_step=3)
+    resumed = train(staged(tmp_path))
+    said = capsys.readouterr().out
+    assert "resuming step 3 from" in said and "stage 2 of 2: steps 3-4 at seq_len 64" in said
+    assert [r["step"] for r in resumed] == [4]
+    assert logged_losses(tmp_path / "run") == [r["loss"] for r in records]
+    lengths = [json.loads(line)["seq_len"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert lengths == [32, 32, 64, 64]
+
+
+def test_changing_the_stages_is_another_run(uninterrupted, tmp_path):
+    _, tmp = uninterrupted
+    config = tmp_path / "run.yaml"
+    changed = yaml.safe_load((tmp / "run" / "config.yaml").read_text())
+    changed["stages"][1]["set"]["train.seq_len"] = 128
+    config.write_text(yaml.safe_dump(changed))
+    assert_one_line_error(run_cli("train", config), "belongs to a different configuration: stages changed")
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("stages, message", [
+    ("[{until_step: 4, set: {train.steps: 8}}]", "stages[0].set: train.steps is the whole run's, not a stage's"),
+    ("[{until_step: 4, set: {model.hidden_size: 32}}]", "model.hidden_size is the whole run's"),
+    ("[{until_step: 3, set: {}}, {until_step: 2, set: {}}]", "stages[1].until_step (2) must come after"),
+    ("[{until_step: 3, set: {}}]", "the last stage ends at step 3, train.steps is 4"),
+    ("[{until_step: 4, set: {train.seq_lne: 64}}]", "stages[0].set: unknown config key 'train.seq_lne'"),
+    ("[{until_step: 4, set: {train.seq_len: 33}}]", "stages[0]: train.seq_len (33) must be a multiple of mesh.sp"),
+    ("[{until_step: 4, set: {mesh.fsdp: 1}}]", "every stage runs on the run's 8 devices; stage 1's mesh has 4"),
+])
+def test_what_a_stage_may_not_set_is_one_line(stages, message, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("model: {preset: llama3.2-1b, num_hidden_layers: 1}\nmesh: {fsdp: 2, sp: 4}\n")
+    assert_one_line_error(run_cli("plan", config, "train.steps=4", "train.seq_len=64", f"stages={stages}"),
+                          message)
+
+
+def test_plan_reports_every_stage_and_leads_with_the_costliest(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": {"preset": "llama3.2-1b", "num_hidden_layers": 1}}))
+    result = run_cli("plan", config, "mesh.fsdp=2", "mesh.sp=4", "train.steps=4", "train.seq_len=64",
+                     "train.batch_size=2", "stages=[{until_step: 2, set: {train.seq_len: 64}}, "
+                     "{until_step: 4, set: {train.seq_len: 256}}]", "--target", "cpu", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert [s["seq_len"] for s in report["stages"]] == [64, 256] and report["stage"] == 2
+    assert report["device_total"] == report["stages"][1]["device_total"] > report["stages"][0]["device_total"]
