@@ -284,18 +284,20 @@ def _plan(args) -> int:
     stages = stage_runs(config)
     planned = [(stage, *_plan_one(stage.config, target, efficiency, args.eval)) for stage in stages]
     # A run in stages fits when every stage does; its report leads with the stage that needs the most.
-    stage, result, cost_keys, cost_lines = max(planned, key=lambda p: (not p[1].fits, p[1].device_total))
+    stage, result, cost_keys, _, _ = max(planned, key=lambda p: (not p[1].fits, p[1].device_total))
+    costs = [(s.last - s.first + 1) * cost.step_time_s for s, _, _, _, cost in planned if cost is not None]
+    recipe_s = sum(costs) if len(costs) == len(planned) and len(stages) > 1 else None
     if args.json:
         report = {**result.as_dict(), **cost_keys}
         if len(stages) > 1:
-            report["stage"] = stage.number
-            report["stages"] = [{"stage": s.number, "steps": [s.first, s.last], "seq_len": s.config.train.seq_len,
-                                 **r.as_dict(), **c} for s, r, c, _ in planned]
+            report.update(stage=stage.number, recipe_time_s=recipe_s, stages=[
+                {"stage": s.number, "steps": [s.first, s.last], "seq_len": s.config.train.seq_len, **r.as_dict(), **c}
+                for s, r, c, _, _ in planned])
         print(json.dumps(report))
     else:
         if args.eval:
             print("program: eval (forward only: jlong eval, train.eval_every)")
-        for each, each_result, _, each_cost_lines in planned:
+        for each, each_result, _, each_cost_lines, _ in planned:
             if len(stages) > 1:
                 print(f"stage {each.number} of {len(stages)}: steps {each.first}-{each.last} at seq_len "
                       f"{each.config.train.seq_len:,}")
@@ -303,6 +305,9 @@ def _plan(args) -> int:
             print(f"device budget: {target.describe_budget(each.config.train.gpu_memory_fraction)}")
             for line in each_cost_lines:
                 print(line)
+        if recipe_s is not None:
+            print(f"the whole recipe, {config.train.steps:,} steps: estimated {recipe_s / 3600:,.1f} h (each "
+                  "stage's estimated step time x its steps; an estimate, not a measurement)")
     if not result.fits:
         from jlong.planner.advice import over_budget_error
 
@@ -312,15 +317,15 @@ def _plan(args) -> int:
 
 
 def _plan_one(config, target, efficiency, forward_only: bool):
-    """(memory plan, step-cost JSON keys, step-cost lines) of one config's train (or eval) program."""
+    """(memory plan, step-cost JSON keys, step-cost lines, step cost) of one config's train (or eval) program."""
     from jlong.planner.memory import compile_train_step, plan_of
     from jlong.planner.step_cost import cost_dict, format_cost, step_cost
 
     step = compile_train_step(config, target, forward_only=forward_only)
     if forward_only:  # memory only: the step-cost model prices a training step
-        return plan_of(step), {"program": "eval"}, []
+        return plan_of(step), {"program": "eval"}, [], None
     cost = step_cost(step, efficiency)
-    return plan_of(step), {"program": "train", **cost_dict(cost)}, [format_cost(cost)]
+    return plan_of(step), {"program": "train", **cost_dict(cost)}, [format_cost(cost)], cost
 
 
 def _efficiency(args):

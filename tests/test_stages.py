@@ -3,13 +3,17 @@ run that trains exactly as its stages would by hand, resumes in any stage,
 logs each step's length, and refuses what a stage may not change."""
 
 import json
+import signal
+import subprocess
 
 import jax
 import numpy as np
 import pytest
 import yaml
-from helpers import assert_one_line_error, logged_losses, run_cli, run_config
+from helpers import (assert_one_line_error, logged_losses, run_cli, run_config, steps_logged, train_command,
+                     wait_for_steps)
 
+from jlong.checkpoint import Checkpoints
 from jlong.config.stages import stage_runs
 from jlong.data.sources import Batches
 from jlong.parallel.placement import make_mesh
@@ -100,3 +104,36 @@ def test_plan_reports_every_stage_and_leads_with_the_costliest(tmp_path):
     report = json.loads(result.stdout)
     assert [s["seq_len"] for s in report["stages"]] == [64, 256] and report["stage"] == 2
     assert report["device_total"] == report["stages"][1]["device_total"] > report["stages"][0]["device_total"]
+
+
+def test_a_stage_that_changes_the_mesh_trains_as_one_that_does_not(uninterrupted, tmp_path):
+    records, _ = uninterrupted
+    same_mesh = ("stages=[{until_step: 2, set: {train.seq_len: 32}}, {until_step: 4, set: {train.seq_len: 64, "
+                 "model.rope_theta: 20000.0}}]")
+    kept = train(run_config(tmp_path, "train.steps=4", "checkpoint.dir=null", same_mesh))
+    np.testing.assert_allclose([r["loss"] for r in kept], [r["loss"] for r in records], rtol=1e-5)
+
+
+def test_each_stage_ends_with_an_evaluation_and_its_checkpoint_names_the_stage(tmp_path):
+    held_out = tmp_path / "held_out.npy"
+    np.save(held_out, (np.arange(4000) * 7 % 128).astype(np.int32))
+    records = train(staged(tmp_path, f"eval.path={held_out}", "eval.passkey_trials=0", "checkpoint.keep=4"))
+    assert [("eval_loss" in r, r["stage"]) for r in records] == [(False, 1), (True, 1), (False, 2), (True, 2)]
+    assert records[1]["eval_loss_by_position"][-1]["end"] == 32 and records[3]["eval_loss_by_position"][-1]["end"] == 64
+    checkpoints = Checkpoints(tmp_path / "ckpt")
+    assert checkpoints.meta(4)["stage"] == 2 and checkpoints.meta(2)["stage"] == 1
+    checkpoints.close()
+
+
+def test_a_staged_run_killed_mid_stage_resumes_exactly(uninterrupted, tmp_path):
+    """SIGKILL a few milliseconds after step 3 (stage 2) is logged, then the same command."""
+    records, _ = uninterrupted
+    command, env = train_command(tmp_path, staged(tmp_path))
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_steps(process, tmp_path / "run", 3, 0.005, signal.SIGTERM)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert steps_logged(tmp_path / "run") < 4, "the run finished before it was killed"
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert logged_losses(tmp_path / "run") == [r["loss"] for r in records]

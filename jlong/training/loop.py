@@ -135,7 +135,9 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
     check_available(config.train.log_to)
     stages = stage_runs(config)
     # Each stage's data and held-out tokens, and the run directory, are checked before anything is built.
-    inputs = {run.number: (Batches(run.config), PeriodicEvaluation(run.config)) for run in stages}
+    staged = len(stages) > 1
+    inputs = {run.number: (Batches(run.config), PeriodicEvaluation(run.config, run.last if staged else None))
+              for run in stages}
     run_dir = RunDir(config) if config.run_dir and jax.process_index() == 0 else None
     resumable = 0
     if config.checkpoint.dir:
@@ -149,7 +151,7 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
                               run_record=config_to_dict(config)) if config.checkpoint.dir else None
     stops = stop_requests or StopRequests.installed()
     try:
-        run = start(stage.config, make_mesh(stage.config.mesh), checkpoints, last, initial, staged=len(stages) > 1)
+        run = start(stage.config, make_mesh(stage.config.mesh), checkpoints, last, initial, staged=staged)
         if run.step >= last:
             _say(nothing_to_do(config, run.step, until_step))
             return []
@@ -171,11 +173,12 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
                 stops.step_started(step, recorder.expected_step_seconds())
                 loss, grad_norm, seconds = _update(run, batches, step)
                 _check_finite(step, loss, grad_norm, checkpoints)
-                recorder.record(step, loss, grad_norm, seconds, evaluation.at(step, run.program, run.params),
-                                stage.config)
+                measured = evaluation.at(step, run.program, run.params)
+                recorder.record(step, loss, grad_norm, seconds, {"stage": stage.number, **measured} if staged
+                                else measured, stage.config)
                 every = config.checkpoint.every
                 if checkpoints and ((every and step % every == 0) or step == last):
-                    _save(stage.config, checkpoints, run)
+                    _save(stage.config, checkpoints, run, stage.number if staged else None)
         if run_dir and recorder.records:
             run_dir.plot_losses()
         if stopped_by:
@@ -217,30 +220,39 @@ def checked_last_step(config: Config, until_step: int | None) -> int:
 
 class PeriodicEvaluation:
     """train.eval_every: the loss by position on eval.path, with the run's
-    parameters and forward pass, every that many steps. The held-out file
-    is read (and checked) when this is made, before anything compiles."""
+    parameters and forward pass, every that many steps; and, in a run in
+    stages, at each stage's last step, the loss by position and passkey
+    retrieval at the stage's length. The held-out file and the passkey
+    prompts are read (and checked) when this is made, before anything compiles."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, stage_last: int | None = None):
+        from jlong.eval.evaluate import held_out_rows, passkey_trials
+
         self.every, self.evaluator = config.train.eval_every, None
-        if self.every:
-            from jlong.eval.evaluate import held_out_rows
-
-            self.rows = held_out_rows(config)
+        self.stage_last = stage_last if config.eval.path else None
+        self.rows = held_out_rows(config) if self.every or self.stage_last else None
+        self.trials = passkey_trials(config) if self.stage_last else []
 
     def at(self, step: int, program: TrainProgram, params: dict) -> dict:
         """The metrics to log with step `step` (none between evaluations)."""
-        if not self.every or step % self.every:
+        stage_ends = step == self.stage_last
+        if not stage_ends and (not self.every or step % self.every):
             return {}
-        from jlong.eval.evaluate import Evaluator, position_losses
+        from jlong.eval.evaluate import Evaluator, passkey_accuracy, position_losses
 
         self.evaluator = self.evaluator or Evaluator(program)
         result = position_losses(self.evaluator, params, self.rows)
-        return {"eval_loss": result["loss"], "eval_loss_by_position": result["loss_by_position"]}
+        metrics = {"eval_loss": result["loss"], "eval_loss_by_position": result["loss_by_position"]}
+        if stage_ends and self.trials:
+            metrics["eval_passkey"] = passkey_accuracy(self.evaluator, params, self.trials)
+        return metrics
 
 
-def _save(config: Config, checkpoints: Checkpoints, run: Started) -> None:
-    # The data position and RNG are functions of the step and seed; kept for readers.
+def _save(config: Config, checkpoints: Checkpoints, run: Started, stage: int | None = None) -> None:
+    # The data position, the RNG and the stage are functions of the step and the config; kept for readers.
     extra = {"samples_seen": run.step * config.train.batch_size, "seed": config.train.seed}
+    if stage is not None:
+        extra["stage"] = stage
     checkpoints.save(run.step, run.params, run.opt_state, model=config.model, extra=extra)
 
 

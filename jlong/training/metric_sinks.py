@@ -2,8 +2,9 @@
 TensorBoard event files (tensorboardX, no TensorFlow) in run_dir/tensorboard,
 and Weights & Biases (offline with WANDB_MODE=offline). Each gets the values
 metrics.jsonl holds, under the same names: `train/<key>` for a step's
-numbers, `eval/loss` and `eval/loss_by_position/<start>-<end>` for an
-evaluation's."""
+numbers (`train/stage` marks a staged run's boundaries), `eval/loss`,
+`eval/loss_by_position/<start>-<end>` and `eval/passkey/<length>-<depth>`
+for an evaluation's."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def scalars(record: dict) -> dict[str, float]:
             values.update({f"eval/loss_by_position/{b['start']}-{b['end']}": b["loss"] for b in value})
         elif key == "eval_loss":
             values["eval/loss"] = value
+        elif key == "eval_passkey":
+            values.update({f"eval/passkey/{c['length']}-{c['depth']:g}": c["accuracy"] for c in value})
         elif isinstance(value, (int, float)):
             values[f"train/{key}"] = value
     return values
