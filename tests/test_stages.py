@@ -18,7 +18,9 @@ from jlong.config.stages import stage_runs
 from jlong.data.sources import Batches
 from jlong.parallel.placement import make_mesh
 from jlong.program.train_program import TrainProgram
-from jlong.training.loop import train
+from jlong.errors import JlongError
+from jlong.planner.memory import plan
+from jlong.training.loop import check_stages_fit, train
 
 # Steps 1-2 at 32 tokens on fsdp 2 x sp 4; steps 3-4 at 64 on a ring 2 x sp 4 with a new RoPE base.
 STAGES = ("stages=[{until_step: 2, set: {train.seq_len: 32}}, {until_step: 4, set: {train.seq_len: 64, "
@@ -137,3 +139,13 @@ def test_a_staged_run_killed_mid_stage_resumes_exactly(uninterrupted, tmp_path):
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert logged_losses(tmp_path / "run") == [r["loss"] for r in records]
+
+
+def test_a_stage_that_cannot_fit_is_refused_before_the_first_step(tmp_path):
+    """On a GPU the run plans every stage against the device pool at launch
+    (here the CPU's devices with a budget that the longer stage exceeds)."""
+    stages = stage_runs(staged(tmp_path))
+    shorter = plan(stages[0].config, devices=jax.devices()).device_total
+    check_stages_fit(stages[:1], jax.devices(), shorter + 1)
+    with pytest.raises(JlongError, match=r"^stage 2 \(steps 3-4\) does not fit: at train.seq_len=64, "):
+        check_stages_fit(stages, jax.devices(), shorter + 1)

@@ -17,8 +17,9 @@ from jlong.config import Config, config_to_dict
 from jlong.config.stages import StageRun, stage_at, stage_runs
 from jlong.data.sources import Batches
 from jlong.errors import JlongError
-from jlong.planner.advice import is_out_of_memory, out_of_memory_error
-from jlong.planner.targets import peak_flops_per_device
+from jlong.planner.advice import is_out_of_memory, out_of_memory_error, over_budget_error
+from jlong.planner.memory import plan
+from jlong.planner.targets import GIB, PlanTarget, peak_flops_per_device
 from jlong.parallel.placement import make_mesh
 from jlong.model.flops import model_flops_per_token
 from jlong.training.checkpoint_owner import check_owner
@@ -147,6 +148,9 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
             _say(owner.note)
     initial = None if resumable else check_init_from(config)  # read only by a run's first session
     stage = stage_at(stages, resumable + 1)
+    capacity = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+    if staged and capacity and jax.default_backend() == "gpu":
+        check_stages_fit([run for run in stages if run.last > resumable], jax.devices(), capacity)
     checkpoints = Checkpoints(config.checkpoint.dir, config.checkpoint.keep,
                               run_record=config_to_dict(config)) if config.checkpoint.dir else None
     stops = stop_requests or StopRequests.installed()
@@ -193,6 +197,17 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
             run_dir.close()
         if checkpoints:
             checkpoints.close()
+
+
+def check_stages_fit(stages: list[StageRun], devices, budget_bytes: int) -> None:
+    """Plans every stage's step on the run's devices and refuses, before step
+    1, a stage whose plan is over `budget_bytes` per device (the GPUs' pool)."""
+    target = PlanTarget(budget_gib=budget_bytes / GIB)
+    for stage in stages:
+        result = plan(stage.config, target, devices=devices)
+        if not result.fits_device:
+            error = over_budget_error(result, stage.config)
+            raise JlongError(f"stage {stage.number} (steps {stage.first}-{stage.last}) does not fit: {error}")
 
 
 def _enter_stage(run: Started, stage: StageRun, count: int) -> None:
