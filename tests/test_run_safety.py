@@ -111,8 +111,8 @@ def test_a_fresh_start_sets_the_earlier_runs_outputs_aside(tmp_path):
     result = run_cli("train", _config_file(tmp_path), *SMALL_MODEL, *MESH, "train.warmup_steps=2", "train.lr=1e-2",
                      "train.steps=3", f"run_dir={run}")
     assert result.returncode == 0, result.stderr
-    assert f"run_dir '{run}' held an earlier run's outputs (steps 1-3 logged, no checkpoint to resume in " \
-        f"checkpoint.dir); moved them to {run / 'earlier'} and starting at step 1" in result.stdout
+    assert f"run_dir '{run}' held an earlier run's outputs (steps 1-3 logged, no checkpoint to resume); " \
+        f"moved them to {run / 'earlier'} and starting at step 1" in result.stdout
     assert (run / "earlier" / "metrics.jsonl").read_bytes() == first
     assert sorted(p.name for p in (run / "earlier").iterdir()) == ["config.yaml", "loss.png", "metrics.jsonl"]
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]

@@ -74,7 +74,7 @@ class RunDir:
         steps = _logged_steps(aside / METRICS)
         what = f"steps {steps[0]}-{steps[-1]}" if steps else "no steps"
         return [f"run_dir {str(self.path)!r} held an earlier run's outputs ({what} logged, no checkpoint to "
-                f"resume in checkpoint.dir); moved them to {aside} and starting at step 1"]
+                f"resume); moved them to {aside} and starting at step 1"]
 
     def _drop_metrics_after(self, resumed_at: int) -> list[str]:
         """A resumed run trains again the steps after its checkpoint: their lines go (and a line cut short)."""
