@@ -319,7 +319,8 @@ def _plan(args) -> int:
 def _plan_one(config, target, efficiency, forward_only: bool):
     """(memory plan, step-cost JSON keys, step-cost lines, step cost) of one config's train (or eval) program."""
     from jlong.planner.memory import compile_train_step, plan_of
-    from jlong.planner.step_cost import cost_dict, format_cost, step_cost
+    from jlong.planner.cost_report import format_cost
+    from jlong.planner.step_cost import cost_dict, step_cost
 
     step = compile_train_step(config, target, forward_only=forward_only)
     if forward_only:  # memory only: the step-cost model prices a training step
@@ -329,9 +330,12 @@ def _plan_one(config, target, efficiency, forward_only: bool):
 
 
 def _efficiency(args):
-    from jlong.planner.step_cost import Efficiency
+    from jlong.planner.pricing import Efficiency
 
-    return Efficiency().with_overrides(args.efficiency)
+    try:
+        return Efficiency().with_overrides(args.efficiency)
+    except JlongError as err:  # the library names the setting; the command line, its flag
+        raise JlongError(f"--{err}") from None
 
 
 def _maxlen(args) -> int:

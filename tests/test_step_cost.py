@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from jlong.planner.hlo import parse_module
 from jlong.planner.memory import compile_train_step, offloaded_attention_bytes, plan_of, saved_layer_input_bytes
-from jlong.planner.step_cost import COST_KEYS, Efficiency, cost_dict, estimate, format_cost, step_cost
+from jlong.planner.cost_report import format_cost
+from jlong.planner.step_cost import COST_KEYS, Efficiency, cost_dict, estimate, step_cost
 from jlong.planner.targets import GPUS, gpu_devices
 from helpers import H100, WHOLE_STACK, assert_one_line_error, needs_gpu_compiler, run_cli, whole_stack
 

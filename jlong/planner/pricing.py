@@ -1,0 +1,288 @@
+"""The price of one kernel, collective or host copy of a compiled program on
+a GPU's data-sheet rates (the roofline `jlong.planner.step_cost` describes),
+and the tally of what a stretch of the program executes."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+from jlong.errors import JlongError
+from jlong.planner.hlo import Computation, HloModule, Instruction
+from jlong.planner.targets import GpuModel
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """Shares of the data-sheet rates a step reaches; `launch_us` per kernel."""
+
+    gemm: float = 0.70
+    attention_fwd: float = 0.60
+    attention_bwd: float = 0.45
+    hbm: float = 0.80
+    links: float = 0.80  # NVLink, InfiniBand and PCIe, for every collective but all-to-all
+    all_to_all: float = 0.70
+    launch_us: float = 2.0
+
+    def with_overrides(self, entries: list[str]) -> Efficiency:
+        """`key=value` entries (`attention_fwd=0.55`) applied, each checked."""
+        values = {}
+        names = [f.name for f in dataclasses.fields(self)]
+        for entry in entries:
+            key, sep, text = entry.partition("=")
+            if not sep or key not in names:
+                raise JlongError(f"efficiency {entry!r} must be KEY=VALUE with KEY one of {', '.join(names)}")
+            try:
+                value = float(text)
+            except ValueError:
+                raise JlongError(f"efficiency {key} must be a number, got {text!r}") from None
+            limit_ok = value >= 0 if key == "launch_us" else 0 < value <= 1
+            if not limit_ok:
+                bound = "non-negative" if key == "launch_us" else "in (0, 1]"
+                raise JlongError(f"efficiency {key} must be {bound}, got {text}")
+            values[key] = value
+        return dataclasses.replace(self, **values)
+
+    def describe(self) -> str:
+        return ", ".join(f"{f.name} {getattr(self, f.name):g}" for f in dataclasses.fields(self))
+
+
+@dataclasses.dataclass
+class Tally:
+    """What one run of a computation costs; loops add their body's tally times their trip count."""
+
+    time_s: float = 0.0
+    flops: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # matmul, attention, other
+    busy_s: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # kernel time by kind
+    waited_s: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # exposed async work
+    collective_bytes: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # (kind, link)
+    host_bytes: float = 0.0
+    hbm_bytes: float = 0.0
+    launches: float = 0.0
+    unknown_trip_loops: int = 0
+    # Custom calls of a kind the planner cannot price (a Pallas or Triton kernel, say): target -> [calls, bytes].
+    unpriced: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(lambda: [0.0, 0.0]))
+
+    def add(self, other: Tally, times: float = 1.0) -> None:
+        self.time_s += other.time_s * times
+        for mine, theirs in ((self.flops, other.flops), (self.busy_s, other.busy_s), (self.waited_s, other.waited_s),
+                             (self.collective_bytes, other.collective_bytes)):
+            for key, value in theirs.items():
+                mine[key] += value * times
+        self.host_bytes += other.host_bytes * times
+        self.hbm_bytes += other.hbm_bytes * times
+        self.launches += other.launches * times
+        self.unknown_trip_loops += other.unknown_trip_loops
+        for target, (calls, moved) in other.unpriced.items():
+            self.unpriced[target][0] += calls * times
+            self.unpriced[target][1] += moved * times
+
+
+# Instructions that launch nothing: bookkeeping, aliases, and the waits of async pairs.
+_NO_KERNEL = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier", "add-dependency",
+    "partition-id", "replica-id", "domain",
+}
+_COLLECTIVES = {"all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
+                "collective-broadcast", "ragged-all-to-all"}
+_SLICING = {"dynamic-slice", "slice", "gather"}
+_ELEMENTWISE_FREE = _NO_KERNEL | {"broadcast", "reshape", "transpose", "copy", "slice", "dynamic-slice",
+                                  "dynamic-update-slice", "concatenate", "pad", "iota", "convert", "select",
+                                  "gather", "scatter", "reverse", "fusion", "dot", "custom-call"}
+
+
+class Pricer:
+    """Prices one launched instruction of a module on `gpu`: its seconds, and
+    its FLOPs, bytes and collective traffic added to a `Tally`."""
+
+    def __init__(self, module: HloModule, gpu: GpuModel, efficiency: Efficiency, node_of: list[int]):
+        self.module, self.gpu, self.eff, self.node_of = module, gpu, efficiency, node_of
+
+    def price(self, inst: Instruction, computation: Computation, tally: Tally) -> tuple[str, float]:
+        """(stream kind, seconds) of one launched instruction; adds its counts to `tally`."""
+        op = inst.opcode
+        base = op.removesuffix("-start")
+        if op == "async-start":
+            base = self.module.computations[inst.called[0]].root.opcode
+        if base in _COLLECTIVES:
+            return "collective", self._collective(base, inst, computation, tally)
+        moved = self._host_transfer_bytes(inst, computation)
+        if moved:
+            tally.host_bytes += moved
+            seconds = moved / (self.gpu.pcie_bytes_per_s * self.eff.links)
+            tally.busy_s["host copies"] += 0.0 if op.endswith("-start") else seconds
+            return "host", seconds
+        hbm = None
+        if op == "custom-call":
+            target = (inst.attribute("custom_call_target") or "").strip('"')
+            if target.startswith("__cudnn$fmha"):
+                return "compute", self._attention(inst, computation, target, tally)
+            if "cublas" not in target:  # its FLOPs are unknown: counted at its memory traffic, and reported
+                hbm = self._hbm_bytes(inst, computation)
+                tally.unpriced[target][0] += 1
+                tally.unpriced[target][1] += hbm
+        flops, is_matmul = self._flops(inst, computation)
+        hbm = self._hbm_bytes(inst, computation) if hbm is None else hbm
+        tally.hbm_bytes += hbm
+        tally.flops["matmul"] += flops.matmul
+        tally.flops["other"] += flops.other
+        rate = self.gpu.peak_bf16_flops * (self.eff.gemm if is_matmul else 1.0)
+        seconds = max(flops.total / rate, hbm / (self.gpu.hbm_bytes_per_s * self.eff.hbm))
+        tally.busy_s["matmul" if is_matmul else "other kernels"] += seconds
+        return "compute", seconds
+
+    def _attention(self, inst: Instruction, computation: Computation, target: str, tally: Tally) -> float:
+        config = inst.backend_config.get("cudnn_fmha_backend_config", {})
+        B, H, Sq, Skv = (int(v) for v in config["intermediate_tensor_shape"]["dimensions"])
+        head_dim = computation.operand_arrays(inst)[0].dims[-1]
+        visible = _visible_fraction(config.get("mask_type", "NO_MASK"), Sq, Skv)
+        backward = "Backward" in target
+        flops = (10 if backward else 4) * B * H * Sq * Skv * head_dim * visible
+        tally.flops["attention"] += flops
+        hbm = sum(a.bytes for a in computation.operand_arrays(inst)) + inst.bytes
+        tally.hbm_bytes += hbm
+        efficiency = self.eff.attention_bwd if backward else self.eff.attention_fwd
+        seconds = max(flops / (self.gpu.peak_bf16_flops * efficiency), hbm / (self.gpu.hbm_bytes_per_s * self.eff.hbm))
+        tally.busy_s["attention backward" if backward else "attention forward"] += seconds
+        return seconds
+
+    def _collective(self, kind: str, inst: Instruction, computation: Computation, tally: Tally) -> float:
+        sent = sum(a.bytes for a in computation.operand_arrays(inst))
+        if kind == "collective-permute":
+            pairs = inst.source_target_pairs()
+            crosses = any(self.node_of[s] != self.node_of[t] for s, t in pairs)
+            wire = sent if pairs else 0
+        else:
+            groups = inst.device_groups(len(self.node_of))
+            n = max(len(g) for g in groups)
+            crosses = any(len({self.node_of[d] for d in g}) > 1 for g in groups)
+            share = (n - 1) / n if n else 0.0
+            wire = {"all-gather": sent * (n - 1), "all-reduce": 2 * sent * share}.get(kind, sent * share)
+        link = "infiniband" if crosses else "nvlink"
+        tally.collective_bytes[(kind, link)] += wire
+        bandwidth = self.gpu.infiniband_bytes_per_s if crosses else self.gpu.nvlink_bytes_per_s
+        efficiency = self.eff.all_to_all if kind == "all-to-all" else self.eff.links
+        return wire / (bandwidth * efficiency)
+
+    def _host_transfer_bytes(self, inst: Instruction, computation: Computation) -> int:
+        """Bytes an instruction moves between host and device memory (0 if none)."""
+        operands = computation.operand_arrays(inst)
+        result = inst.arrays
+        if inst.opcode.endswith("-start"):  # (operands..., results..., context): the results follow the operands
+            result = inst.arrays[len(operands):]
+        operands, result = _data(operands), _data(result)
+        touches_host = any(a.on_host for a in (*operands, *result))
+        if not touches_host or all(a.on_host for a in (*operands, *result)):
+            return 0
+        fused = self.module.computations[inst.called[0]] if inst.called else None
+        root = fused.root if fused else inst
+        if root.opcode == "dynamic-update-slice":
+            return (fused.operand_arrays(root) if fused else operands)[1].bytes
+        if fused and (root.opcode in _SLICING or root.opcode == "copy"):
+            return root.bytes
+        return sum(a.bytes for a in result if not a.on_host) or sum(a.bytes for a in operands if not a.on_host)
+
+    def _flops(self, inst: Instruction, computation: Computation) -> tuple[_Flops, bool]:
+        if inst.opcode == "custom-call" and "cublas" in (inst.attribute("custom_call_target") or ""):
+            flops = _Flops(matmul=_cublas_flops(inst, computation))
+            return flops, True
+        if inst.opcode == "fusion":
+            flops = self._fused_flops(inst.called[0])
+            return flops, flops.matmul > 0
+        if inst.opcode == "dot":
+            return _Flops(matmul=_dot_flops(inst, computation)), True
+        return _Flops(other=_elementwise_flops(inst)), False
+
+    def _fused_flops(self, name: str) -> _Flops:
+        total = _Flops()
+        computation = self.module.computations[name]
+        for inst in computation.instructions:
+            if inst.opcode == "dot":
+                total.matmul += _dot_flops(inst, computation)
+            elif inst.opcode in ("reduce", "reduce-window"):  # one operation per input element
+                total.other += sum(a.elements for a in computation.operand_arrays(inst)[: len(inst.operands) // 2])
+            elif inst.opcode == "fusion":
+                for called in inst.called:
+                    inner = self._fused_flops(called)
+                    total.matmul += inner.matmul
+                    total.other += inner.other
+            else:
+                total.other += _elementwise_flops(inst)
+        return total
+
+    def _hbm_bytes(self, inst: Instruction, computation: Computation) -> int:
+        """Bytes a kernel reads and writes: its operands and results, except
+        that an operand only sliced is read as its slices, and a result
+        updated in place (dynamic-update-slice) is written as its update."""
+        operands = [computation.by_name[name] for name in inst.operands if name in computation.by_name]
+        if inst.opcode != "fusion":
+            if inst.opcode == "dynamic-update-slice":
+                update = operands[1].bytes if len(operands) > 1 else 0
+                return 2 * update
+            return sum(o.bytes for o in operands) + inst.bytes
+        fused = self.module.computations[inst.called[0]]
+        read = 0
+        for operand, parameter in zip(operands, fused.parameters):
+            users = fused.users.get(parameter.name, [])
+            if users and all(u.opcode in _SLICING and u.operands[0] == parameter.name for u in users):
+                read += sum(u.bytes for u in users)
+            elif users and all(u.opcode == "dynamic-update-slice" and u.operands[0] == parameter.name for u in users):
+                continue  # updated in place: only the update is written
+            else:
+                read += operand.bytes
+        written = 0
+        roots = [fused.by_name[n] for n in fused.root.operands] if fused.root.opcode == "tuple" else [fused.root]
+        for root in roots:
+            if root.opcode == "dynamic-update-slice":
+                written += fused.by_name[root.operands[1]].bytes if root.operands[1] in fused.by_name else 0
+            else:
+                written += root.bytes
+        return read + written
+
+
+@dataclasses.dataclass
+class _Flops:
+    matmul: float = 0.0
+    other: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.matmul + self.other
+
+
+def _allocates_only(inst: Instruction) -> bool:
+    """XLA's buffer allocation for host offload: no kernel."""
+    return inst.opcode == "custom-call" and "AllocateBuffer" in (inst.attribute("custom_call_target") or "")
+
+
+def _data(arrays) -> list:
+    """Arrays that hold data: not the scalars of indices and async contexts."""
+    return [a for a in arrays if a.dims]
+
+
+def _dot_flops(inst: Instruction, computation: Computation) -> float:
+    lhs = computation.by_name[inst.operands[0]].arrays[0]
+    contracted = math.prod(lhs.dims[d] for d in inst.int_list("lhs_contracting_dims"))
+    return 2.0 * inst.arrays[0].elements * contracted
+
+
+def _cublas_flops(inst: Instruction, computation: Computation) -> float:
+    numbers = inst.backend_config.get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
+    lhs = computation.by_name[inst.operands[0]].arrays[0]
+    contracted = math.prod(lhs.dims[int(d)] for d in numbers.get("lhs_contracting_dimensions", []))
+    return 2.0 * inst.arrays[0].elements * contracted
+
+
+def _elementwise_flops(inst: Instruction) -> float:
+    if inst.opcode in _ELEMENTWISE_FREE or inst.opcode.endswith(("-start", "-done")):
+        return 0.0
+    return float(sum(a.elements for a in inst.arrays))
+
+
+def _visible_fraction(mask_type: str, q_len: int, kv_len: int) -> float:
+    """The share of the [Sq, Skv] scores a mask leaves: a causal mask keeps
+    the lower triangle with its diagonal."""
+    if "CAUSAL" in mask_type and q_len == kv_len:
+        return (q_len + 1) / (2 * q_len)
+    return 1.0
