@@ -32,13 +32,15 @@ from jlong.planner.targets import DEFAULT_HOST_BUDGET_GIB, PlanTarget, node_shap
 ConfigLike = Config | str | Path
 
 
-def config_of(config: ConfigLike, overrides: Sequence[str] = ()) -> Config:
+def config_of(config: ConfigLike, overrides: Sequence[str] = (), *, check_stages: bool = True) -> Config:
     """`config` itself, or the YAML file it names, with the overrides applied."""
     if isinstance(config, Config):
-        return load_config(None, list(overrides), base=config.model_dump(mode="json")) if overrides else config
+        if not overrides:
+            return config
+        return load_config(None, list(overrides), base=config.model_dump(mode="json"), check_stages=check_stages)
     if not isinstance(config, (str, Path)):
         raise JlongError(f"a config is a jlong.Config or the path of a YAML file, got {type(config).__name__}")
-    return load_config(config, list(overrides))
+    return load_config(config, list(overrides), check_stages=check_stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,11 +138,10 @@ def evaluate(config: ConfigLike, checkpoint: str | Path, overrides: Sequence[str
     """`jlong eval`: the loss by position on eval.path and passkey retrieval
     of a checkpoint (a jlong checkpoint directory or a Hugging Face one), on
     the config's mesh; the dict `eval.json` holds."""
-    from jlong.eval.evaluate import checkpoint_kind, eval_inputs, evaluate as evaluate_checkpoint
+    from jlong.eval.evaluate import at_checkpoint, eval_inputs, evaluate as evaluate_checkpoint
     from jlong.parallel.placement import make_mesh
 
-    resolved = config_of(config, overrides)
-    checkpoint_kind(str(checkpoint))
+    resolved = at_checkpoint(config_of(config, overrides, check_stages=False), str(checkpoint), list(overrides))
     inputs = eval_inputs(resolved)
     start_backends(cpu_devices=resolved.mesh.size)
     return evaluate_checkpoint(resolved, str(checkpoint), make_mesh(resolved.mesh), inputs)

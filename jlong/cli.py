@@ -249,10 +249,10 @@ def _eval(args) -> int:
 
     from jlong.config import load_config
 
-    from jlong.eval.evaluate import checkpoint_kind, eval_inputs
+    from jlong.eval.evaluate import at_checkpoint, eval_inputs
 
-    config = load_config(args.config, args.overrides)
-    checkpoint_kind(args.checkpoint)
+    config = load_config(args.config, args.overrides, check_stages=False)  # the checkpoint's stage decides
+    config = at_checkpoint(config, args.checkpoint, args.overrides)
     inputs = eval_inputs(config)
     start_backends(cpu_devices=config.mesh.size)
     from jlong.eval import report

@@ -14,7 +14,7 @@ from helpers import (assert_one_line_error, logged_losses, run_cli, run_config, 
                      wait_for_steps)
 
 from jlong.checkpoint import Checkpoints
-from jlong.config.stages import stage_runs
+from jlong.config.stages import config_at_step, stage_runs
 from jlong.data.sources import Batches
 from jlong.parallel.placement import make_mesh
 from jlong.program.train_program import TrainProgram
@@ -149,3 +149,20 @@ def test_a_stage_that_cannot_fit_is_refused_before_the_first_step(tmp_path):
     check_stages_fit(stages[:1], jax.devices(), shorter + 1)
     with pytest.raises(JlongError, match=r"^stage 2 \(steps 3-4\) does not fit: at train.seq_len=64, "):
         check_stages_fit(stages, jax.devices(), shorter + 1)
+
+
+def test_a_staged_runs_checkpoint_is_evaluated_with_its_stages_settings(uninterrupted, tmp_path):
+    """`jlong eval run_dir/config.yaml` reads the stage of the checkpoint's
+    step (its length, mesh, RoPE base); the command line's overrides win."""
+    _, tmp = uninterrupted
+    config = staged(tmp)
+    at_step_3 = config_at_step(config, 3, ["mesh.ring=1", "mesh.fsdp=2"])
+    assert (at_step_3.train.seq_len, at_step_3.model.rope_theta, at_step_3.mesh.ring) == (64, 20000.0, 1)
+    assert config_at_step(config, 1, []).train.seq_len == 32 and not config_at_step(config, 1, []).stages
+    held_out = tmp_path / "held_out.npy"
+    np.save(held_out, (np.arange(4000) * 7 % 128).astype(np.int32))
+    result = run_cli("eval", tmp / "run" / "config.yaml", f"eval.path={held_out}", "eval.passkey_trials=0",
+                     "--checkpoint", tmp / "ckpt", "--json")
+    assert result.returncode == 0, result.stderr
+    printed = json.loads(result.stdout)
+    assert printed["step"] == 4 and printed["seq_len"] == 64

@@ -28,16 +28,18 @@ WEIGHT_DEFINING_FIELDS = (
 )
 
 
-def load_config(path: str | Path | None, overrides: list[str] = (), *, base: dict | None = None) -> Config:
+def load_config(path: str | Path | None, overrides: list[str] = (), *, base: dict | None = None,
+                check_stages: bool = True) -> Config:
     """Reads a YAML config (or starts from `base`, a config's dict), applies
-    `a.b=value` overrides, validates."""
+    `a.b=value` overrides, validates (each stage's config too, unless
+    `check_stages` is False: for evaluating one stage's checkpoint)."""
     raw = _read_yaml(Path(path)) if path is not None else copy.deepcopy(base or {})
     for override in overrides:
         _apply_override(raw, override)
-    return config_from_dict(raw)
+    return config_from_dict(raw, check_stages=check_stages)
 
 
-def config_from_dict(raw: dict[str, Any]) -> Config:
+def config_from_dict(raw: dict[str, Any], *, check_stages: bool = True) -> Config:
     raw = dict(raw)
     for name in SECTIONS:
         if raw.get(name, {}) is None:  # an empty section in YAML
@@ -45,7 +47,7 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     if isinstance(raw.get("model"), dict):
         raw["model"] = _resolve_model_fields(raw["model"])
     config = validated(Config, raw)
-    if config.stages:
+    if config.stages and check_stages:
         from jlong.config.stages import stage_runs  # stages are configs of this module's making
 
         stage_runs(config)  # every stage's config checked

@@ -20,7 +20,7 @@ import copy
 from dataclasses import dataclass
 
 from jlong.config.identity import flatten
-from jlong.config.loading import WEIGHT_DEFINING_FIELDS, config_from_dict, config_to_dict
+from jlong.config.loading import WEIGHT_DEFINING_FIELDS, config_from_dict, config_to_dict, load_config
 from jlong.config.schema import Config
 from jlong.errors import JlongError
 
@@ -70,6 +70,14 @@ def stage_runs(config: Config) -> list[StageRun]:
 
 
 def _stage_config(base: dict, settings: dict, where: str) -> Config:
+    try:
+        return config_from_dict(_with_settings(base, settings, where))
+    except JlongError as err:
+        raise JlongError(f"{where}: {err}") from None
+
+
+def _with_settings(base: dict, settings: dict, where: str) -> dict:
+    """A copy of config dict `base` with a stage's dotted settings set."""
     raw = copy.deepcopy(base)
     known = flatten(base)
     for key, value in settings.items():
@@ -80,12 +88,25 @@ def _stage_config(base: dict, settings: dict, where: str) -> Config:
         for part in parents:
             node = node[part]
         node[leaf] = value
-    try:
-        return config_from_dict(raw)
-    except JlongError as err:
-        raise JlongError(f"{where}: {err}") from None
+    return raw
 
 
 def stage_at(runs: list[StageRun], step: int) -> StageRun:
     """The stage that runs step `step` (the last one past the end)."""
     return next((run for run in runs if step <= run.last), runs[-1])
+
+
+def config_at_step(config: Config, step: int, overrides: list[str] = ()) -> Config:
+    """The config a run had at `step` (its stage's, in a run in stages) with
+    `overrides` applied over it, the stage's settings included: what
+    evaluating that step's checkpoint uses. `config` may come from a file
+    loaded with the same overrides and `check_stages=False`."""
+    base = config_to_dict(config)
+    if config.stages:
+        number, stage = next(((n, s) for n, s in enumerate(config.stages) if step <= s.until_step),
+                             (len(config.stages) - 1, config.stages[-1]))
+        base["stages"] = []
+        base = _with_settings(base, stage.set, f"stages[{number}]")
+    elif not overrides:
+        return config
+    return load_config(None, list(overrides), base=base)

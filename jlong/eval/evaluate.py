@@ -9,8 +9,9 @@ import math
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jlong.checkpoint import Checkpoints, weights_kind
+from jlong.checkpoint import Checkpoints, saved_steps, weights_kind
 from jlong.config import Config
+from jlong.config.stages import config_at_step
 from jlong.data.prepare import Encoder
 from jlong.data.sources import TokenFile, batch_layout, document_structure
 from jlong.errors import JlongError
@@ -107,6 +108,15 @@ def _text_encoder(config: Config):
 def checkpoint_kind(checkpoint: str) -> str:
     """"hf" or "jlong", checked before anything is built."""
     return weights_kind(checkpoint, "--checkpoint")
+
+
+def at_checkpoint(config: Config, checkpoint: str, overrides: list[str] = ()) -> Config:
+    """The config to evaluate `checkpoint` with: a run in stages is evaluated
+    with the settings of the stage its checkpoint's step belongs to (a
+    Hugging Face checkpoint: the last stage's), `overrides` over them."""
+    kind = checkpoint_kind(checkpoint)
+    step = saved_steps(checkpoint)[-1] if kind == "jlong" else config.train.steps
+    return config_at_step(config, step, overrides)
 
 
 def load_params(program: TrainProgram, checkpoint: str) -> tuple[dict, int | str]:
