@@ -10,16 +10,19 @@ import jax
 import numpy as np
 import pytest
 import yaml
-from helpers import (assert_one_line_error, logged_losses, run_cli, run_config, steps_logged, train_command,
-                     wait_for_steps)
+from helpers import (H100, SMALL_MODEL, WHOLE_STACK, assert_one_line_error, logged_losses, needs_gpu_compiler, run_cli,
+                     run_config, steps_logged, train_command, wait_for_steps)
 
 from jlong.checkpoint import Checkpoints
 from jlong.config.stages import config_at_step, stage_runs
+from jlong.config import load_config
 from jlong.data.sources import Batches
 from jlong.parallel.placement import make_mesh
 from jlong.program.train_program import TrainProgram
 from jlong.errors import JlongError
 from jlong.planner.memory import plan
+from jlong.planner.targets import gpu_devices
+from jlong.training.dry_run import stage_plans
 from jlong.training.loop import check_stages_fit, train
 
 # Steps 1-2 at 32 tokens on fsdp 2 x sp 4; steps 3-4 at 64 on a ring 2 x sp 4 with a new RoPE base.
@@ -83,6 +86,8 @@ def test_changing_the_stages_is_another_run(uninterrupted, tmp_path):
 @pytest.mark.parametrize("stages, message", [
     ("[{until_step: 4, set: {train.steps: 8}}]", "stages[0].set: train.steps is the whole run's, not a stage's"),
     ("[{until_step: 4, set: {model.hidden_size: 32}}]", "model.hidden_size is the whole run's"),
+    ("[{until_step: 4, set: {train.weight_decay: 0.0}}]", "train.weight_decay is the whole run's"),
+    ("[{until_step: 4, set: {memory.optimizer_offload: true}}]", "memory.optimizer_offload is the whole run's"),
     ("[{until_step: 3, set: {}}, {until_step: 2, set: {}}]", "stages[1].until_step (2) must come after"),
     ("[{until_step: 3, set: {}}]", "the last stage ends at step 3, train.steps is 4"),
     ("[{until_step: 4, set: {train.seq_lne: 64}}]", "stages[0].set: unknown config key 'train.seq_lne'"),
@@ -166,3 +171,26 @@ def test_a_staged_runs_checkpoint_is_evaluated_with_its_stages_settings(uninterr
     assert result.returncode == 0, result.stderr
     printed = json.loads(result.stdout)
     assert printed["step"] == 4 and printed["seq_len"] == 64
+
+
+def test_the_dry_run_shows_every_stage(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("{}\n")
+    result = run_cli("train", config, *SMALL_MODEL, "mesh.fsdp=2", "mesh.sp=4", "train.steps=4", STAGES, "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "stage 1 of 2: steps 1-2 at seq_len 32" in result.stdout
+    assert "stage 2 of 2: steps 3-4 at seq_len 64" in result.stdout
+    assert result.stdout.count("device total") == 2
+
+
+@needs_gpu_compiler
+def test_on_a_gpu_each_stage_has_an_estimated_step_time_and_the_recipe_its_total():
+    """What `--dry-run` prints on a node of H100s, compiled here for compile-only ones."""
+    config = load_config(None, [*WHOLE_STACK, "train.steps=4", "stages=[{until_step: 2, set: {train.seq_len: 2048}}, "
+                                "{until_step: 4, set: {train.seq_len: 4096}}]"])
+    lines = stage_plans(stage_runs(config), H100, gpu_devices("h100", 8))
+    estimates = [line for line in lines if line.startswith("estimated step time")]
+    assert len(estimates) == 2 and all("an estimate, not a measurement" in line for line in estimates)
+    times = [float(line.split()[3].replace(",", "")) for line in estimates]
+    recipe = [line for line in lines if line.startswith("the whole recipe: estimated ")]
+    assert recipe == [f"the whole recipe: estimated {2 * sum(times) / 3600:,.1f} h"]

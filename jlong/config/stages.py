@@ -8,10 +8,10 @@ in one run that plans, checkpoints and resumes as one.
 Stage k runs the steps after stage k-1's `until_step` up to its own, with
 its `set` over the run's config; the last stage ends at train.steps. The
 model's weights, the optimizer and its schedule run through every stage: a
-stage may change the length and batch, the data, the layout on the devices
-(on the same devices), the memory settings, attention, evaluation and
-RoPE's base and scaling, but not what the weights or the optimizer's state
-are, nor the run's own identity (its steps, seed, directories).
+stage may set the length and batch, RoPE's base and scaling, the data (path,
+sampling, long-document weight, shuffle), the layout on the same devices
+(mesh, attention, memory but the optimizer's offload), evaluation and the
+learning rate's peak; anything else is refused in one line.
 """
 
 from __future__ import annotations
@@ -20,17 +20,23 @@ import copy
 from dataclasses import dataclass
 
 from jlong.config.identity import flatten
-from jlong.config.loading import WEIGHT_DEFINING_FIELDS, config_from_dict, config_to_dict, load_config
+from jlong.config.loading import config_from_dict, config_to_dict, load_config
 from jlong.config.schema import Config
 from jlong.errors import JlongError
 
-# What no stage may set: the weights' shapes, the optimizer state's layout and dtypes, the run's identity.
-_RUN_LEVEL = {
-    "train.steps", "train.seed", "train.param_dtype", "train.compute_dtype", "train.init_from", "train.log_to",
-    "train.check_host_memory", "train.gpu_memory_fraction", "memory.optimizer_offload", "run_dir", "stages",
-    "model.preset", "model.hf_path", *(f"model.{key}" for key in WEIGHT_DEFINING_FIELDS),
+# What a stage may set: the length and batch, RoPE, the data, the layout on
+# the devices, evaluation, and the learning rate's peak. Nothing that gives
+# the weights or the optimizer's state their shapes, nor the run's identity.
+_STAGE_SETTINGS = {
+    "train.seq_len", "train.batch_size", "train.lr", "model.rope_theta", "model.rope_scaling",
+    "data.path", "data.sampling", "data.long_document_weight", "data.shuffle",
 }
-_RUN_LEVEL_SECTIONS = ("checkpoint.",)
+_STAGE_SECTIONS = ("mesh.", "attention.", "memory.", "eval.")
+_NOT_STAGE_SETTINGS = {"memory.optimizer_offload"}  # it lays the optimizer's state out differently
+
+
+def stage_may_set(key: str) -> bool:
+    return key not in _NOT_STAGE_SETTINGS and (key in _STAGE_SETTINGS or key.startswith(_STAGE_SECTIONS))
 
 
 @dataclass(frozen=True)
@@ -47,16 +53,21 @@ def stage_runs(config: Config) -> list[StageRun]:
         return [StageRun(1, 1, config.train.steps, config)]
     base = config_to_dict(config)
     base["stages"] = []
+    known = flatten(base)
     runs, first = [], 1
     for number, stage in enumerate(config.stages, 1):
         where = f"stages[{number - 1}]"
         if stage.until_step < first:
             raise JlongError(f"{where}.until_step ({stage.until_step}) must come after the previous stage's "
                              f"({first - 1}): stages run in order")
-        refused = [key for key in stage.set if key in _RUN_LEVEL or key.startswith(_RUN_LEVEL_SECTIONS)]
+        unknown = [key for key in stage.set if key not in known]
+        if unknown:
+            raise JlongError(f"{where}.set: unknown config key {unknown[0]!r}")
+        refused = [key for key in stage.set if not stage_may_set(key)]
         if refused:
             raise JlongError(f"{where}.set: {', '.join(refused)} is the whole run's, not a stage's (a stage may set "
-                             "the length, batch, data, layout, memory, attention, evaluation and RoPE)")
+                             f"{', '.join(sorted(_STAGE_SETTINGS))}, and mesh.*, attention.*, memory.* but "
+                             "memory.optimizer_offload, eval.*)")
         runs.append(StageRun(number, first, stage.until_step, _stage_config(base, stage.set, where)))
         first = stage.until_step + 1
     if runs[-1].last != config.train.steps:

@@ -9,11 +9,12 @@ from pathlib import Path
 import jax
 
 from jlong.config import Config
-from jlong.config.stages import stage_runs
+from jlong.config.stages import StageRun, stage_runs
 from jlong.data.documents import PackedDocuments, describe as describe_documents
 from jlong.data.sources import Batches, TokenFile
-from jlong.planner.memory import format_plan, plan
-from jlong.planner.targets import GIB, PlanTarget
+from jlong.planner.memory import compile_train_step, format_plan, plan_of
+from jlong.planner.step_cost import step_cost
+from jlong.planner.targets import GIB, GPUS, PlanTarget
 from jlong.training.checkpoint_owner import check_owner
 from jlong.training.initial_weights import check_init_from
 from jlong.training.loop import checked_last_step
@@ -48,15 +49,37 @@ def describe(config: Config, until_step: int | None) -> str:
         lines.append(f"starting weights: {initial.describe()}, with a fresh optimizer (train.init_from)")
     stats = devices[0].memory_stats() or {}
     capacity = stats.get("bytes_limit")
-    target = PlanTarget(budget_gib=capacity / GIB if capacity else None)
-    stages = stage_runs(config)
+    target = PlanTarget(known_gpu(devices[0]) or "cpu", budget_gib=capacity / GIB if capacity else None)
+    lines += stage_plans(stage_runs(config), target, devices)
+    return "\n".join(lines)
+
+
+def known_gpu(device) -> str | None:
+    """The planner's name for a device's GPU model ("h100"), or None (a CPU, another GPU)."""
+    if device.platform != "gpu":
+        return None
+    return next((name for name in GPUS if name.upper() in device.device_kind.upper()), None)
+
+
+def stage_plans(stages: list[StageRun], target: PlanTarget, devices) -> list[str]:
+    """Each stage's memory plan on `devices` and, on a GPU the planner knows,
+    its estimated step time and the whole recipe's (estimates, never measurements)."""
+    lines, recipe_s = [], 0.0
     for stage in stages:
         if len(stages) > 1:
             Batches(stage.config)  # each stage's data, checked
             lines.append(f"stage {stage.number} of {len(stages)}: steps {stage.first}-{stage.last} at seq_len "
                          f"{stage.config.train.seq_len:,}")
-        lines.append(format_plan(plan(stage.config, target, devices=devices), stage.config))
-    return "\n".join(lines)
+        step = compile_train_step(stage.config, target, devices)
+        lines.append(format_plan(plan_of(step), stage.config))
+        cost = step_cost(step) if target.is_gpu else None
+        if cost is not None:
+            recipe_s += cost.step_time_s * (stage.last - stage.first + 1)
+            lines.append(f"estimated step time {cost.step_time_s:,.1f} s ({cost.tokens_per_s:,.0f} tokens/s), read "
+                         "from the compiled program: an estimate, not a measurement")
+    if recipe_s and len(stages) > 1:
+        lines.append(f"the whole recipe: estimated {recipe_s / 3600:,.1f} h")
+    return lines
 
 
 def _data(config: Config, batches: Batches) -> str:
