@@ -18,7 +18,7 @@ from jlong.config.stages import StageRun, stage_at, stage_runs
 from jlong.data.sources import Batches
 from jlong.errors import JlongError
 from jlong.planner.advice import is_out_of_memory, out_of_memory_error, over_budget_error
-from jlong.planner.memory import plan
+from jlong.planner.memory import CompiledStep, plan, plan_of
 from jlong.planner.targets import GIB, PlanTarget, peak_flops_per_device
 from jlong.parallel.placement import make_mesh
 from jlong.model.flops import model_flops_per_token
@@ -119,9 +119,6 @@ def _compile(program: TrainProgram) -> jax.stages.Compiled:
 
 def host_bytes_per_node(program: TrainProgram, compiled: jax.stages.Compiled) -> int:
     """What the compiled step keeps in host memory on this process's node (the plan's figure)."""
-    from jlong.planner.memory import CompiledStep, plan_of
-    from jlong.planner.targets import PlanTarget
-
     return plan_of(CompiledStep(program, compiled, PlanTarget(), list(program.mesh.devices.flat))).host_per_node
 
 
