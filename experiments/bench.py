@@ -11,7 +11,7 @@ random one written from the config's architecture) and the same random token
 file. Every run is its own process, jlong and PyTorch alternating, so neither
 inherits the other's memory; each figure is the median over the repetitions
 of the median over steps after the first (which holds jlong's compilation).
-MFU counts model FLOPs with causal attention once (`jlong.model.flops`),
+MFU counts model FLOPs with causal attention once (`jlong.families.Family.flops_per_token`),
 for both, against the device's dense bf16 peak.
 
 `longest`: jlong's longest length comes from `jlong maxlen` (planned by the
@@ -38,7 +38,7 @@ from common import GIB
 
 from jlong.config import Config, load_config
 from jlong.hf_config import hf_config_dict
-from jlong.model.flops import model_flops_per_token
+from jlong.families import family_of
 from jlong.planner.targets import PEAK_BF16_FLOPS
 
 HERE = Path(__file__).resolve().parent
@@ -125,7 +125,7 @@ def speed(args, config: Config) -> str:
     shared = prepare_inputs(config, work, steps * config.train.batch_size * config.train.seq_len + 1)
     overrides = [*args.overrides, *shared, f"train.steps={steps}"]
     _, peak_flops = device_description(args.device)
-    flops = model_flops_per_token(config.model, config.train.seq_len)
+    flops = family_of(config.model).flops_per_token(config.model, config.train.seq_len)
     results = {"jlong": [], "torch": []}
     for rep in range(args.reps):
         for name in ("jlong", "torch") if rep % 2 == 0 else ("torch", "jlong"):

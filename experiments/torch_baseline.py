@@ -28,7 +28,8 @@ import transformers
 
 from jlong.config import Config, load_config
 from jlong.errors import JlongError
-from jlong.hf import hf_roles
+from jlong.families import family_of
+from jlong.hf import hf_tensor_names
 from jlong.program.optimizer import learning_rate
 
 
@@ -44,7 +45,9 @@ def batch_tokens(tokens: np.ndarray, step: int, seq_len: int, batch_size: int) -
 def parameter_groups(model: torch.nn.Module, config: Config) -> list[dict]:
     """Decay where jlong decays: by each tensor's role in jlong's parameter
     layout (matrices, not norms or biases)."""
-    roles = hf_roles(config.model)
+    role = family_of(config.model).roles(config.model)
+    roles = {tensor: role[keys[-1]] for keys, (tensors, _, _) in hf_tensor_names(config.model).items()
+             for tensor in tensors}
     decay, plain = [], []
     for name, param in model.named_parameters():
         (decay if roles[name].decays else plain).append(param)

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints: config.json + *.safetensors <-> jlong models.
 
-config.json is read and written by `jlong.hf_config`. Tensor names and
-layouts follow LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM.
+config.json is read and written by `jlong.hf_config`; each parameter's
+tensor name and layout is its family's (`jlong.families`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from safetensors.flax import save_file
 from jlong.config import ModelConfig, model_config
 from jlong.errors import JlongError
 from jlong.files import with_normal_permissions
+from jlong.families import family_of
 from jlong.hf_config import hf_config_dict, read_hf_config
-from jlong.model.params import Role, layer_params, outer_params, roles
 from jlong.model.transformer import ForwardOptions, Transformer
 
 SHARD_BYTES = 4 << 30  # safetensors file size cap when writing
@@ -37,82 +37,28 @@ def model_config_from_hf(path: str | Path) -> ModelConfig:
 
 # --------------------------------------------------------------------------
 # Tensor names and layouts
-#
-# Each entry: jlong layer parameter -> (HF tensor suffix, HF -> jlong, jlong -> HF).
-# HF linear weights are [out, in]; jlong keeps [in, heads, head_dim] and
-# [heads, head_dim, out] so attention can slice heads.
 
 
-def _layer_tensor_map(config: ModelConfig) -> dict[str, tuple[str, Callable, Callable]]:
-    D, H, K, d = config.hidden_size, config.num_attention_heads, config.kv_heads, config.dim_per_head
-
-    def in_heads(n):
-        return (lambda w: w.T.reshape(D, n, d), lambda w: w.reshape(D, n * d).T)
-
-    def heads(n):
-        return (lambda b: b.reshape(n, d), lambda b: b.reshape(n * d))
-
-    transpose = (lambda w: w.T, lambda w: w.T)
-    same = (lambda w: w, lambda w: w)
-    table = {
-        "attn_norm": ("input_layernorm.weight", *same),
-        "wq": ("self_attn.q_proj.weight", *in_heads(H)),
-        "wk": ("self_attn.k_proj.weight", *in_heads(K)),
-        "wv": ("self_attn.v_proj.weight", *in_heads(K)),
-        "wo": ("self_attn.o_proj.weight", lambda w: w.T.reshape(H, d, D), lambda w: w.reshape(H * d, D).T),
-        "mlp_norm": ("post_attention_layernorm.weight", *same),
-        "w_gate": ("mlp.gate_proj.weight", *transpose),
-        "w_up": ("mlp.up_proj.weight", *transpose),
-        "w_down": ("mlp.down_proj.weight", *transpose),
-        "bq": ("self_attn.q_proj.bias", *heads(H)),
-        "bk": ("self_attn.k_proj.bias", *heads(K)),
-        "bv": ("self_attn.v_proj.bias", *heads(K)),
-        "q_norm": ("self_attn.q_norm.weight", *same),
-        "k_norm": ("self_attn.k_norm.weight", *same),
-    }
-    return {name: table[name] for name in layer_params(config)}
-
-
-def _param_sources(config: ModelConfig) -> dict[tuple[str, ...], tuple[list[str], Callable]]:
-    """Each jlong parameter (its path in the parameter dict) -> the HF tensors
-    it is built from (one per layer for stacked layer parameters) and the
-    HF -> jlong layout change of one tensor."""
-    sources = {
-        ("embed",): ([OUTER_TENSORS["embed"]], lambda w: w),
-        ("final_norm",): ([OUTER_TENSORS["final_norm"]], lambda w: w),
-    }
-    if not config.tie_word_embeddings:
-        sources[("lm_head",)] = ([OUTER_TENSORS["lm_head"]], lambda w: w.T)
-    for name, (suffix, to_jlong, _) in _layer_tensor_map(config).items():
-        names = [f"model.layers.{i}.{suffix}" for i in range(config.num_hidden_layers)]
-        sources[("layers", name)] = (names, to_jlong)
-    return sources
-
-
-OUTER_TENSORS = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
-
-
-def hf_roles(config: ModelConfig) -> dict[str, Role]:
-    """The role (`jlong.model.params`) of each Hugging Face tensor of the model."""
-    role = roles(config)
-    tensors = {OUTER_TENSORS[name]: role[name] for name in outer_params(config)}
-    for name, (suffix, _, _) in _layer_tensor_map(config).items():
-        tensors.update({f"model.layers.{i}.{suffix}": role[name] for i in range(config.num_hidden_layers)})
-    return tensors
+def hf_tensor_names(config: ModelConfig) -> dict[tuple[str, ...], tuple[list[str], Callable, Callable]]:
+    """Each jlong parameter (its path in the parameter dict) -> the Hugging
+    Face tensors it is made of (one per layer for stacked layer parameters)
+    and the layout change of one tensor each way (to jlong, to HF)."""
+    family = family_of(config)
+    names = {(name,): ([t.name], t.to_jlong, t.to_hf) for name, t in family.hf_outer_tensors(config).items()}
+    for name, t in family.hf_layer_tensors(config).items():
+        layers = [f"model.layers.{i}.{t.name}" for i in range(config.num_hidden_layers)]
+        names[("layers", name)] = (layers, t.to_jlong, t.to_hf)
+    return names
 
 
 def _expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    family = family_of(config)
+    specs = {("layers", n): s for n, s in family.layer_params(config).items()}
+    specs.update({(n,): s for n, s in family.outer_params(config).items()})
     shapes = {}
-    for name, (suffix, _, to_hf) in _layer_tensor_map(config).items():
-        shape = layer_params(config)[name].shape
-        hf_shape = jax.eval_shape(to_hf, jax.ShapeDtypeStruct(shape, np.float32)).shape
-        for i in range(config.num_hidden_layers):
-            shapes[f"model.layers.{i}.{suffix}"] = hf_shape
-    V, D = config.vocab_size, config.hidden_size
-    shapes["model.embed_tokens.weight"] = (V, D)
-    shapes["model.norm.weight"] = (D,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (V, D)
+    for keys, (names, _, to_hf) in hf_tensor_names(config).items():
+        hf_shape = jax.eval_shape(to_hf, jax.ShapeDtypeStruct(specs[keys].shape, np.float32)).shape
+        shapes.update({name: hf_shape for name in names})
     return shapes
 
 
@@ -174,7 +120,7 @@ def load_hf_params(path: str | Path, config: ModelConfig, abstract_params: dict)
     cut into the pieces the devices hold and dropped."""
     checkpoint = _Checkpoint(Path(path), config)
     params: dict = {}
-    for keys, (names, to_jlong) in _param_sources(config).items():
+    for keys, (names, to_jlong, _) in hf_tensor_names(config).items():
         node = params
         for key in keys[:-1]:
             node = node.setdefault(key, {})
@@ -238,17 +184,17 @@ def from_hf(
 
 
 def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
-    config = model.config
-    tensors = {
-        "model.embed_tokens.weight": model.embed.get_value(),
-        "model.norm.weight": model.final_norm.get_value(),
-    }
-    if not config.tie_word_embeddings:
-        tensors["lm_head.weight"] = model.lm_head.get_value().T
-    for name, (suffix, _, to_hf) in _layer_tensor_map(config).items():
-        stacked = np.asarray(getattr(model.layers, name).get_value())
-        for i, layer in enumerate(stacked):
-            tensors[f"model.layers.{i}.{suffix}"] = to_hf(layer)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tensors = {}
+    for keys, (names, _, to_hf) in hf_tensor_names(model.config).items():
+        value = params
+        for key in keys:
+            value = value[key]
+        value = np.asarray(value)
+        if keys[0] == "layers":
+            tensors.update({name: to_hf(layer) for name, layer in zip(names, value)})
+        else:
+            tensors[names[0]] = to_hf(value)
     return {name: np.ascontiguousarray(np.asarray(t)) for name, t in tensors.items()}
 
 

@@ -12,7 +12,8 @@ from jlong.attention.kernels import AttentionKernel, reference_attention
 from jlong.config import ModelConfig
 from jlong.ops.layers import apply_rope, rms_norm, rope_inverse_frequencies
 from jlong.ops.shards import HIDDEN, TOKENS
-from jlong.model.transformer import ForwardOptions, attention_block
+from jlong.families import blocks
+from jlong.model.transformer import ForwardOptions
 from jlong.parallel.placement import MeshShards, compute_sharding, make_mesh
 from jlong.ops.zigzag import SequenceLayout
 
@@ -94,7 +95,7 @@ def sharded_block(model, params, inputs, mesh_config, heads_per_stage, impl="blo
         head_stages=model.num_attention_heads // heads_per_stage, mlp_tile=4,
     )
     tokens, hidden = compute_sharding(mesh, TOKENS), compute_sharding(mesh, HIDDEN)
-    block = lambda p, x, pos, seg: attention_block(p, x, pos, seg, model, options)  # noqa: E731
+    block = lambda p, x, pos, seg: blocks.attention(p, x, pos, seg, model, options)  # noqa: E731
     placed = [jax.device_put(layout.lay_out(x), hidden), jax.device_put(layout.lay_out(positions), tokens),
               None if segment_ids is None else jax.device_put(layout.lay_out(segment_ids), tokens),
               jax.device_put(layout.lay_out(cotangent), hidden)]

@@ -44,7 +44,7 @@ def test_round_trip_is_exact(hf_checkpoint, tmp_path):
     for name, tensor in hf_model.state_dict().items():
         np.testing.assert_array_equal(reloaded_hf.state_dict()[name].numpy(), tensor.numpy(), err_msg=name)
     again = jlong.from_hf(tmp_path / "out")
-    assert again.config.hf_architecture == model.config.hf_architecture
+    assert again.config.family == model.config.family
     for (name, a), (_, b) in zip(nnx.to_flat_state(nnx.state(model)), nnx.to_flat_state(nnx.state(again))):
         np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(name))
 

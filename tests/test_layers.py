@@ -12,15 +12,18 @@ pytestmark = pytest.mark.fast  # every test here is quick: the fast tier (pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jlong"
 
-# Lowest first: shared names and hardware-free helpers, the config, the maths
-# that attention and the model share, attention, the model, its placement on
+# Lowest first: shared names and hardware-free helpers, the maths that
+# attention and the model share, attention, the model families (each an
+# architecture: its layout, blocks, Hugging Face form), the config (which
+# asks the families and attention's methods what they need), the model, its placement on
 # a mesh, weights in and out, data, the program, then what runs the program
 # (planner, evaluator, loop), then the ways in (Python API, command line).
 LAYERS = [
-    "errors", "options", "files", "plots", "jax_startup", "hf_config",
-    "config",
+    "errors", "options", "files", "plots", "jax_startup",
     "ops",
     "attention",
+    "families",
+    "hf_config", "config",
     "model",
     "parallel",
     "hf", "checkpoint",

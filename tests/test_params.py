@@ -2,18 +2,22 @@
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 from helpers import small_config
 
-from jlong.model.params import Role, decay_mask, layer_params, outer_params
+from jlong.families import Role, family_of
 from jlong.model.transformer import Transformer
+
+pytestmark = pytest.mark.fast
 
 
 def test_roles_decide_initial_values_and_decay():
-    config = small_config("model.attention_bias=true", "model.qk_norm=true").model
+    config = small_config("model.family=qwen3", "model.attention_bias=true").model
+    family = family_of(config)
     params = nnx.to_pure_dict(nnx.state(Transformer(config, rngs=nnx.Rngs(0))))
-    mask = decay_mask(config, params)
-    specs = {**outer_params(config), **layer_params(config)}
+    mask = family.decay_mask(config, params)
+    specs = {**family.outer_params(config), **family.layer_params(config)}
     for path, value in jax.tree_util.tree_leaves_with_path(params):
         name = path[-1].key
         role = specs[name].role

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from helpers import MESH, SMALL_MODEL, assert_one_line_error, logged_losses, run_cli, run_config
 
 from jlong.checkpoint import RUN_RECORD, Checkpoints
@@ -86,6 +87,19 @@ def test_a_checkpoint_dir_from_before_records_resumes_with_a_note(first_run, tmp
     assert f"checkpoint.dir '{ckpt}' has no record of the run that wrote it (written before jlong kept one): " \
         "resuming without checking its settings" in result.stdout
     assert (ckpt / RUN_RECORD).is_file()  # the run records itself from its first save on
+
+
+def test_a_record_from_before_families_had_names_resumes(first_run, tmp_path):
+    """A record without model.family (written before it existed) is read as
+    the family its flags imply, so the same run resumes."""
+    ckpt = tmp_path / "ckpt"
+    subprocess.run(["cp", "-r", str(first_run / "ckpt"), str(ckpt)], check=True)
+    record = yaml.safe_load((ckpt / RUN_RECORD).read_text())
+    assert record["model"].pop("family") == "llama"
+    (ckpt / RUN_RECORD).write_text(yaml.safe_dump(record))
+    result = _train_cli(tmp_path, "run", ckpt, "train.steps=5")
+    assert result.returncode == 0, result.stderr
+    assert f"resuming step 4 from {ckpt}" in result.stdout
 
 
 @pytest.mark.fast

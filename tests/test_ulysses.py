@@ -18,7 +18,8 @@ from attention_cases import (
 from jlong.attention.kernels import AttentionKernel
 from jlong.attention.ulysses import StagePlan
 from jlong.config import MeshConfig
-from jlong.model.transformer import ForwardOptions, attention_block
+from jlong.families import blocks
+from jlong.model.transformer import ForwardOptions
 
 
 @pytest.mark.parametrize(
@@ -72,7 +73,7 @@ def test_single_device_stages_equal_plain_attention():
     want = reference_block(model, params, inputs)
     for stages in (8, 4, 2):  # U = 1, 2, 4
         options = ForwardOptions(attention=AttentionKernel("blockwise", 16), head_stages=stages)
-        block = lambda p, x, pos, seg: attention_block(p, x, pos, seg, model, options)  # noqa: E731
+        block = lambda p, x, pos, seg: blocks.attention(p, x, pos, seg, model, options)  # noqa: E731
         got = jax.jit(value_and_grads, static_argnums=0)(block, params, x, positions, segment_ids, cotangent)
         assert_block_close(got, want)
 

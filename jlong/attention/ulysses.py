@@ -14,7 +14,9 @@ every stage reuses the same buffers). For each stage:
    passes the other groups' keys and values around);
 4. all-to-all back: [B, S/R, U/C, d] -> [B, s, U, d];
 5. add its output projection, o @ Wo[stage heads], into the residual stream
-   [B, s, D] (the block returns x + attention).
+   [B, s, D] (the block returns x + attention), or, for a family that
+   normalises attention's output before the residual add, into a sum of its
+   own (one more [B, s, D] buffer, paid only by such families).
 
 Attention buffers hold U/C heads per device instead of H/C (U = H is plain
 Ulysses). Each stage is rematerialised with a policy that keeps only the
@@ -106,9 +108,11 @@ class StagePlan:
 
 
 def staged_attention(params, x_BSD, positions_BS, segment_ids_BS, *, projection: QKVProjection, heads,
-                     kernel: AttentionKernel, shards: Shards = OneDevice(), unroll_stages=False):
+                     kernel: AttentionKernel, shards: Shards = OneDevice(), unroll_stages=False,
+                     add_to_input=True):
     """x + self-attention of x [B, S, D] (the projection normalises x first;
-    output projection included), in UPipe stages. `params` are the attention
+    output projection included), in UPipe stages; the attention alone when
+    `add_to_input` is False. `params` are the attention
     weights (`jlong.attention.projection`).
 
     `heads` is (H, K, U). On a mesh (`shards`) this runs per device
@@ -127,14 +131,16 @@ def staged_attention(params, x_BSD, positions_BS, segment_ids_BS, *, projection:
         projection=projection,
         kernel=kernel,
         unroll_stages=unroll_stages,
+        add_to_input=add_to_input,
     )
     run = shards.map(run, (REPLICATED, HIDDEN, TOKENS, TOKENS), HIDDEN)
     return run(params, x_BSD, positions_BS, segment_ids_BS)
 
 
 def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, ring, projection, kernel,
-                unroll_stages):
-    """The per-device program: x [B, s, D] -> x + attention output [B, s, D].
+                unroll_stages, add_to_input):
+    """The per-device program: x [B, s, D] -> x + attention output [B, s, D]
+    (the output alone without `add_to_input`).
     Shape letters: s = S/(R*C) (this device's shard; R the ring, C the sp
     degree), U heads per stage, u = U/C heads per device, r kv slots per
     device, w the kv heads a stage projects."""
@@ -182,12 +188,12 @@ def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, r
     # (jax 0.10.2) fails to compile for a residual stacked by a loop nested
     # in the layer loop. The scan plans 1.3 GiB less per device (Llama3-8B,
     # 1M tokens), so it stays the default.
+    carry = (x_BsD if add_to_input else jnp.zeros_like(x_BsD), x_BsD)
     if unroll_stages:
-        carry = (x_BsD, x_BsD)
         for stage in range(plan.num_stages):
             carry, _ = add_stage(carry, stage)
         return carry[0]
-    (y_BsD, _), _ = jax.lax.scan(add_stage, (x_BsD, x_BsD), jnp.arange(plan.num_stages))
+    (y_BsD, _), _ = jax.lax.scan(add_stage, carry, jnp.arange(plan.num_stages))
     return y_BsD
 
 

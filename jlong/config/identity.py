@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jlong.config.validation import with_family
+
 # Settings outside the layout sections that a continued run may change.
 _FREE_SETTINGS = {
     "train.steps", "train.profile_start", "train.profile_steps", "train.gpu_memory_fraction",
@@ -60,6 +62,8 @@ class Changes:
 
 def changes(before: dict, now: dict) -> Changes:
     """The settings of config dict `now` that differ from `before` (both as `config_to_dict` writes them)."""
+    if isinstance(before.get("model"), dict) and "family" not in before["model"]:  # written before families had names
+        before = {**before, "model": with_family(before["model"])}
     flat_before, flat_now = flatten(before), flatten(now)
     changed = sorted(k for k in flat_before.keys() | flat_now.keys() if flat_before.get(k) != flat_now.get(k))
     return Changes(

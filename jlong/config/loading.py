@@ -23,7 +23,7 @@ from jlong.hf_config import read_hf_config
 # config.json decides them. The others (RoPE, norm epsilon, positions) may be
 # set inline over a checkpoint, to train it at a longer context, say.
 WEIGHT_DEFINING_FIELDS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "family", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias", "qk_norm",
 )
 

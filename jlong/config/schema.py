@@ -74,6 +74,7 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """Decoder architecture, named as in Hugging Face config.json files."""
 
+    family: Text  # the model family (`jlong.families`), as Hugging Face's model_type names it
     vocab_size: PositiveInt
     hidden_size: PositiveInt
     intermediate_size: PositiveInt
@@ -94,6 +95,11 @@ class ModelConfig(_Section):
     def __hash__(self):  # rope_scaling is a dict; models keep this config as static data
         return hash(json.dumps(self.model_dump(), sort_keys=True))
 
+    @model_validator(mode="before")
+    @classmethod
+    def _family(cls, values):
+        return validation.with_family(values) if isinstance(values, dict) else values
+
     @model_validator(mode="after")
     def _check(self):
         validation.check_model(self)
@@ -106,15 +112,6 @@ class ModelConfig(_Section):
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
-
-    @property
-    def hf_architecture(self) -> str:
-        """The transformers class that has exactly this architecture."""
-        if self.qk_norm:
-            return "Qwen3ForCausalLM"
-        if self.attention_bias:
-            return "Qwen2ForCausalLM"
-        return "LlamaForCausalLM"
 
 
 class MeshConfig(_Section):

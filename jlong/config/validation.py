@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from jlong.errors import JlongError
+from jlong.families import family_named
 
 if TYPE_CHECKING:
     from jlong.config.schema import Config, ModelConfig
@@ -24,7 +25,24 @@ ROPE_KEYS = {
 }
 
 
+def with_family(values: dict) -> dict:
+    """A `model` section's values with `family` resolved and the family's
+    defaults beneath them: `family` if set, else Hugging Face's `model_type`
+    (presets and config.json files name it so), else, for configs written
+    before either was recorded, what the flags imply (qk_norm: qwen3,
+    attention_bias: qwen2, neither: llama)."""
+    values = dict(values)
+    model_type = values.pop("model_type", None)
+    family = values.get("family") or model_type
+    if family is None:
+        family = "qwen3" if values.get("qk_norm") else "qwen2" if values.get("attention_bias") else "llama"
+    if not isinstance(family, str):
+        raise JlongError(f"model.family must be a name, got {family!r}")
+    return {**family_named(family).config_defaults(), **values, "family": family}
+
+
 def check_model(m: ModelConfig) -> None:
+    family_named(m.family).check(m)
     if m.num_attention_heads % m.kv_heads:
         raise JlongError(
             f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of "

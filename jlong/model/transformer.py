@@ -1,4 +1,6 @@
-"""The decoder-only transformer (Llama 3.x, Qwen 2.5, Qwen 3) in Flax NNX.
+"""The decoder-only transformer in Flax NNX: embedding, the layers of its
+family (`jlong.families`: Llama 3.x, Qwen 2.5, Qwen 3, ...), the final norm
+and the output projection with its loss.
 
 Layer parameters are stacked along a leading `layers` axis and the layers run
 as one `lax.scan`, so XLA compiles a single layer whatever the depth. Every
@@ -12,22 +14,17 @@ projection [H, d, D]) so attention can take any subset of heads.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jlong.attention.kernels import AttentionKernel, choose_kernel
-from jlong.attention.projection import ATTENTION_PARAMS, QKVProjection
-from jlong.attention.ulysses import staged_attention
 from jlong.config import Config, ModelConfig
-from jlong.ops.layers import rms_norm, rope_attention_factor, rope_inverse_frequencies, swiglu
+from jlong.families import ParamSpec, family_of
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy, token_scores
-from jlong.model.params import ParamSpec, layer_params, outer_params
 from jlong.model.remat import remat_policy, scan_layers
-from jlong.ops.shards import HIDDEN, REPLICATED, OneDevice, Shards
-from jlong.ops.tiling import map_tiles
+from jlong.ops.shards import HIDDEN, OneDevice, Shards
 from jlong.options import DType, RematName
 
 
@@ -43,6 +40,13 @@ class ForwardOptions:
     layers_per_checkpoint: int = 1  # k: the policy keeps one input per k layers
     mlp_tile: int = 0  # tokens per sequence tile of the MLP on each device; 0 = untiled
     loss_tile: int = 0  # the same for the output projection and the loss
+
+    @property
+    def unroll_attention_stages(self) -> bool:
+        """Whether attention's head stages run unrolled rather than as a loop:
+        under a policy that moves their saved outputs to host memory
+        (`jlong.attention.ulysses`)."""
+        return remat_policy(self.remat).offloads_attention
 
     @classmethod
     def for_training(cls, config: Config, shards: Shards, platform: str) -> ForwardOptions:
@@ -84,7 +88,7 @@ class LayerStack(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype):
         L = config.num_hidden_layers
-        specs = layer_params(config)
+        specs = family_of(config).layer_params(config)
         self.names = tuple(specs)
         for name, spec in specs.items():
             value = spec.role.initial(rngs.params(), (L, *spec.shape), param_dtype)
@@ -107,7 +111,7 @@ class Transformer(nnx.Module):
     ):
         self.config = config
         self.options = options
-        outer = outer_params(config)
+        outer = family_of(config).outer_params(config)
         self.embed = _param(outer["embed"], rngs.params(), param_dtype)
         self.layers = LayerStack(config, rngs=rngs, param_dtype=param_dtype)
         self.final_norm = _param(outer["final_norm"], None, param_dtype)  # ones: draws no key
@@ -130,18 +134,19 @@ class Transformer(nnx.Module):
         embed_VD = constrain(self.embed.get_value().astype(dtype), ("vocab", "embed"))
         x_BSD = constrain(jnp.take(embed_VD, tokens_BS, axis=0), HIDDEN)
 
-        layer_axes = {name: spec.axes for name, spec in layer_params(config).items()}
+        family = family_of(config)
+        layer_axes = {name: spec.axes for name, spec in family.layer_params(config).items()}
 
         def one_layer(x_BSD, params):
             # Cast, then constrain to the compute layout: under FSDP this is
             # where each layer's weights are gathered (in the compute dtype).
             params = {name: constrain(w.astype(dtype), layer_axes[name]) for name, w in params.items()}
-            x_BSD = decoder_layer(params, x_BSD, positions_BS, segment_ids_BS, config, options)
+            x_BSD = family.block(params, x_BSD, positions_BS, segment_ids_BS, config, options)
             return x_BSD, None
 
         policy = remat_policy(options.remat)
         x_BSD = scan_layers(one_layer, x_BSD, self.layers.arrays(), policy, options.layers_per_checkpoint)
-        return sequence_norm(x_BSD, self.final_norm.get_value(), config, options)
+        return family.final_norm(x_BSD, self.final_norm.get_value(), config, options)
 
     def output_embedding(self):
         """The [D, vocab] matrix that maps hidden states to logits."""
@@ -176,71 +181,3 @@ class Transformer(nnx.Module):
         hidden_BSD = self.hidden_states(batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
         return token_scores(hidden_BSD, self.output_weights(hidden_BSD.dtype), batch["targets"],
                             tile=self.options.loss_tile, shards=self.options.shards)
-
-
-def decoder_layer(p, x_BSD, positions_BS, segment_ids_BS, config, options):
-    """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(x))."""
-    constrain = options.shards.constrain
-    x_BSD = constrain(attention_block(p, x_BSD, positions_BS, segment_ids_BS, config, options), HIDDEN)
-    return constrain(mlp_block(p, x_BSD, config, options), HIDDEN)
-
-
-MLP_PARAMS = ("mlp_norm", "w_gate", "w_up", "w_down")
-
-
-def sequence_norm(x_BSD, weight, config, options):
-    """RMSNorm of the residual stream; with `mlp_tile`, tile by tile like the
-    MLP, so its float32 intermediates never span the whole shard."""
-    norm = functools.partial(_tile_norm, eps=config.rms_norm_eps)
-    return _per_sequence_tile(norm, weight, x_BSD, options)
-
-
-def _tile_norm(weight, x_BSD, *, eps):
-    return rms_norm(x_BSD, weight, eps)
-
-
-def mlp_block(p, x_BSD, config, options):
-    """x + swiglu(norm(x)); with `mlp_tile`, computed per device over
-    sequence tiles so no [tokens, intermediate] buffer spans the whole shard."""
-    p = {name: p[name] for name in MLP_PARAMS}
-    residual_mlp = functools.partial(_residual_mlp, eps=config.rms_norm_eps)
-    return _per_sequence_tile(residual_mlp, p, x_BSD, options)
-
-
-def _per_sequence_tile(fn, params, x_BSD, options):
-    """fn(params, x) as it is (`mlp_tile` 0), or on each device's shard tile by tile."""
-    if not options.mlp_tile:
-        return fn(params, x_BSD)
-    per_device = functools.partial(map_tiles, fn, tile=options.mlp_tile)
-    return options.shards.map(per_device, (REPLICATED, HIDDEN), HIDDEN)(params, x_BSD)
-
-
-def _residual_mlp(p, x_BSD, *, eps):
-    h_BSD = rms_norm(x_BSD, p["mlp_norm"], eps)
-    return x_BSD + swiglu(h_BSD, p["w_gate"], p["w_up"], p["w_down"])
-
-
-def attention_block(p, x_BSD, positions_BS, segment_ids_BS, config, options):
-    """x + self-attention of norm(x), in Ulysses/UPipe head stages (and with
-    a ring, ring attention across the sp groups). Positions default to the
-    tokens' indices in the sequence."""
-    H = config.num_attention_heads
-    projection = QKVProjection(
-        norm_eps=config.rms_norm_eps,
-        rope_inv_freq=tuple(rope_inverse_frequencies(config).tolist()),
-        rope_scale=rope_attention_factor(config),
-        bias=config.attention_bias,
-        qk_norm=config.qk_norm,
-        tile=options.mlp_tile,
-    )
-    return staged_attention(
-        {name: p[name] for name in ATTENTION_PARAMS if name in p},
-        x_BSD,
-        positions_BS,
-        segment_ids_BS,
-        projection=projection,
-        heads=(H, config.kv_heads, H // options.head_stages),
-        kernel=options.attention,
-        shards=options.shards,
-        unroll_stages=remat_policy(options.remat).offloads_attention,
-    )

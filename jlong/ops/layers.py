@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlong.config import ModelConfig
+if TYPE_CHECKING:
+    from jlong.config import ModelConfig
 
 
 def rms_norm(x, weight, eps: float):

@@ -12,6 +12,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jlong.ops.shards import HIDDEN, REPLICATED
+
 
 def split_tiles(x, tile: int):
     """[B, s, ...] -> [s/T, B, T, ...] (a bitcast when B = 1)."""
@@ -95,3 +97,12 @@ def _tiles_backward(fn, tile, residuals, dy):
 
 
 _tiles_in_place.defvjp(_tiles_forward, _tiles_backward)
+
+
+def per_sequence_tile(fn, params, x_BSD, *, shards, tile: int):
+    """fn(params, x) on the whole array (`tile` 0), or on each device's shard
+    of x [B, S, D] tile by tile (`map_tiles`); fn keeps x's shape."""
+    if not tile:
+        return fn(params, x_BSD)
+    per_device = functools.partial(map_tiles, fn, tile=tile)
+    return shards.map(per_device, (REPLICATED, HIDDEN), HIDDEN)(params, x_BSD)

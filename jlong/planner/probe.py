@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 
 from jlong.attention.kernels import AttentionKernel
-from jlong.attention.projection import ATTENTION_PARAMS
 from jlong.config import MeshConfig, ModelConfig
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy
 from jlong.ops.shards import HIDDEN, TOKENS
-from jlong.model.params import layer_params
-from jlong.model.transformer import MLP_PARAMS, ForwardOptions, attention_block, mlp_block
+from jlong.attention.projection import ATTENTION_PARAMS
+from jlong.families import blocks, family_of
+from jlong.model.transformer import ForwardOptions
 from jlong.parallel.placement import MeshShards, compute_sharding, make_mesh, replicated
 
 
@@ -33,7 +33,7 @@ class _Probe:
         self.tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32, sharding=compute_sharding(self.mesh, TOKENS))
 
     def layer_params(self, names):
-        specs = layer_params(self.model)
+        specs = family_of(self.model).layer_params(self.model)
         return {n: self.weight(specs[n].shape) for n in names if n in specs}
 
     def weight(self, shape):
@@ -59,7 +59,7 @@ def attention_temp_bytes(model: ModelConfig, seq_len: int, sp: int, heads_per_st
         shards=probe.shards, compute_dtype=dtype, attention=AttentionKernel("blockwise"),
         head_stages=model.num_attention_heads // heads_per_stage,
     )
-    block = lambda p, x, positions: attention_block(p, x, positions, None, model, options)  # noqa: E731
+    block = lambda p, x, positions: blocks.attention(p, x, positions, None, model, options)  # noqa: E731
     return probe.vjp_temp_bytes(block, probe.layer_params(ATTENTION_PARAMS), probe.tokens)
 
 
@@ -67,8 +67,8 @@ def mlp_temp_bytes(model: ModelConfig, seq_len: int, sp: int, tile: int, dtype="
     """The residual MLP block (RMSNorm, SwiGLU, residual add), tiled when `tile` > 0."""
     probe = _Probe(model, seq_len, sp, dtype, devices)
     options = ForwardOptions(shards=probe.shards, compute_dtype=dtype, mlp_tile=tile)
-    block = lambda p, x: mlp_block(p, x, model, options)  # noqa: E731
-    return probe.vjp_temp_bytes(block, probe.layer_params(MLP_PARAMS))
+    block = lambda p, x: blocks.residual_swiglu(p, x, model, options)  # noqa: E731
+    return probe.vjp_temp_bytes(block, probe.layer_params(blocks.SWIGLU_PARAMS))
 
 
 def loss_temp_bytes(model: ModelConfig, seq_len: int, sp: int, tile: int, dtype="float32", devices=None) -> int:

@@ -76,7 +76,7 @@ def clipping(train: TrainConfig) -> optax.GradientTransformation:
 
 def adamw(train: TrainConfig, decays: DecayMask) -> optax.GradientTransformation:
     """AdamW with the schedule, decaying the parameters `decays` marks (the
-    model's weight matrices, by their role: `jlong.model.params.decay_mask`);
+    model's weight matrices, by their role: `jlong.families.Family.decay_mask`);
     elementwise, so it may update parameters piece by piece."""
     return optax.adamw(
         learning_rate_schedule(train),

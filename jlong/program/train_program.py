@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 
 from jlong.config import Config
 from jlong.data.sources import batch_layout
-from jlong.model.params import decay_mask
+from jlong.families import family_of
 from jlong.model.transformer import ForwardOptions, Transformer
 from jlong.parallel.placement import MeshShards, batch_sharding, replicated, rest_spec
 from jlong.ops.zigzag import SequenceLayout
@@ -29,7 +29,7 @@ from jlong.program.optimizer import DeviceAdamW, Optimizer
 def make_optimizer(config: Config) -> Optimizer:
     """The run's optimizer: in host memory with `memory.optimizer_offload`, else on the devices."""
     kind = HostAdamW if config.memory.optimizer_offload else DeviceAdamW
-    return kind(config.train, functools.partial(decay_mask, config.model))
+    return kind(config.train, functools.partial(family_of(config.model).decay_mask, config.model))
 
 
 def _with_shardings(shapes, shardings):

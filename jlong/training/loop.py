@@ -21,7 +21,7 @@ from jlong.planner.advice import is_out_of_memory, out_of_memory_error, over_bud
 from jlong.planner.memory import CompiledStep, plan, plan_of
 from jlong.planner.targets import GIB, PlanTarget, peak_flops_per_device
 from jlong.parallel.placement import make_mesh
-from jlong.model.flops import model_flops_per_token
+from jlong.families import family_of
 from jlong.training.checkpoint_owner import check_owner
 from jlong.training.host_memory import available_bytes, check_host_memory
 from jlong.training.initial_weights import InitialWeights, check_init_from, load_initial_weights
@@ -347,7 +347,8 @@ class Recorder:
             "tokens_per_s": train.batch_size * train.seq_len / seconds,
             "step_time_s": seconds,
         }
-        flops_per_token = model_flops_per_token((stage or self.config).model, train.seq_len)
+        model = (stage or self.config).model
+        flops_per_token = family_of(model).flops_per_token(model, train.seq_len)
         record.update(device_memory(), **mfu(record["tokens_per_s"], flops_per_token, self.peak_flops),
                       **evaluation)
         self.records.append(record)

@@ -1,0 +1,166 @@
+"""A model family: everything jlong knows about one architecture, in one
+object that the rest of jlong asks.
+
+- its config: defaults its Hugging Face config implies, and its own checks;
+- its parameter layout: each parameter's shape, logical axes and role
+  (`jlong.families.params`), layer parameters without the `layers` axis the
+  model stacks them on;
+- its maths: the decoder block (norm placement, attention, MLP and its
+  activation, the residual epilogue) and the final norm;
+- its FLOPs per token, the convention MFU is quoted in;
+- its Hugging Face form: reading and writing config.json, and each
+  parameter's tensor name and layout.
+
+A new family subclasses `Family` (or an existing family) and is registered
+(`jlong.families.register`); `model.family` names it, as Hugging Face's
+`model_type` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from jlong.errors import JlongError
+from jlong.families import blocks
+from jlong.families.params import ParamSpec, Role
+
+if TYPE_CHECKING:
+    from jlong.config import ModelConfig
+
+# The Hugging Face config.json keys that are jlong `model` fields by the same name.
+SHARED_HF_KEYS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    """One parameter's Hugging Face tensor: its name (for a layer parameter,
+    what follows `model.layers.{i}.`) and the layout changes both ways."""
+
+    name: str
+    to_jlong: Callable = lambda w: w
+    to_hf: Callable = lambda w: w
+
+
+TRANSPOSED = {"to_jlong": lambda w: w.T, "to_hf": lambda w: w.T}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str  # `model.family`, and Hugging Face's model_type
+    hf_architecture: str  # the transformers class with exactly this architecture
+
+    # ---------------------------------------------------------------- config
+
+    def config_defaults(self) -> dict[str, Any]:
+        """`model` fields this family implies unless a config sets them."""
+        return {}
+
+    def check(self, model: ModelConfig) -> None:
+        """Raises a one-line `JlongError` for a model this family cannot be."""
+
+    # ---------------------------------------------------------------- layout
+
+    def layer_params(self, model: ModelConfig) -> dict[str, ParamSpec]:
+        raise NotImplementedError
+
+    def outer_params(self, model: ModelConfig) -> dict[str, ParamSpec]:
+        """The parameters outside the layers: embedding, final norm, output projection."""
+        V, D = model.vocab_size, model.hidden_size
+        specs = {
+            "embed": ParamSpec((V, D), ("vocab", "embed"), Role.EMBEDDING),
+            "final_norm": ParamSpec((D,), ("embed",), Role.NORM),
+        }
+        if not model.tie_word_embeddings:
+            specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"), Role.EMBEDDING)
+        return specs
+
+    def roles(self, model: ModelConfig) -> dict[str, Role]:
+        """Each parameter's role, by its leaf's name (names are unique across the whole dict)."""
+        specs = {**self.outer_params(model), **self.layer_params(model)}
+        return {name: spec.role for name, spec in specs.items()}
+
+    def decay_mask(self, model: ModelConfig, params) -> dict:
+        """True for each leaf of `params` (the whole dict or any part of it) that AdamW decays."""
+        role = self.roles(model)
+        return jax.tree_util.tree_map_with_path(lambda path, _: role[path[-1].key].decays, params)
+
+    # ---------------------------------------------------------------- maths
+
+    def block(self, p, x_BSD, positions_BS, segment_ids_BS, model: ModelConfig, options):
+        """One decoder layer: [B, S, D] -> [B, S, D] with the layer's parameters `p` by name."""
+        raise NotImplementedError
+
+    def final_norm(self, x_BSD, weight, model: ModelConfig, options):
+        return blocks.sequence_norm(x_BSD, weight, model, options)
+
+    def flops_per_token(self, model: ModelConfig, seq_len: int) -> float:
+        """Model FLOPs per training token: 6 x matmul parameters (forward 2,
+        backward 4: each layer's matrices and the output projection), plus
+        causal attention (QK^T and PV: 4 x S x d per head forward, halved
+        by the mask, x3 with the backward pass). Recomputation is not counted."""
+        matrices = sum(math.prod(s.shape) for s in self.layer_params(model).values() if s.role is Role.MATRIX)
+        matmul_params = model.num_hidden_layers * matrices + model.hidden_size * model.vocab_size
+        attention = 6 * model.num_hidden_layers * model.num_attention_heads * model.dim_per_head * seq_len
+        return 6 * matmul_params + attention
+
+    # ---------------------------------------------------------------- Hugging Face
+
+    def hf_fields(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
+        """The jlong `model` fields a Hugging Face config.json (`hf`, read
+        from `where`) describes. Reads both config forms: transformers 4
+        (`rope_theta`, `rope_scaling`) and 5 (`rope_parameters`)."""
+        if hf.get("mlp_bias"):
+            raise JlongError(f"{where}: mlp_bias=true is not supported")
+        rope = dict(hf.get("rope_parameters") or {})
+        theta = hf.get("rope_theta", rope.pop("rope_theta", 10000.0))
+        scaling = hf.get("rope_scaling") or rope or None
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+            scaling = None
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn" \
+                and scaling.get("original_max_position_embeddings") is None:  # as transformers reads it
+            original = hf.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
+            scaling = {**scaling, "original_max_position_embeddings": original}
+        fields = {key: hf[key] for key in SHARED_HF_KEYS if hf.get(key) is not None}
+        fields.update(family=self.name, rope_theta=float(theta), rope_scaling=scaling,
+                      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
+        return fields
+
+    def hf_config(self, model: ModelConfig) -> dict[str, Any]:
+        """config.json in the transformers 4 form, which both generations load."""
+        return {
+            "architectures": [self.hf_architecture],
+            "model_type": self.name,
+            "vocab_size": model.vocab_size,
+            "hidden_size": model.hidden_size,
+            "intermediate_size": model.intermediate_size,
+            "num_hidden_layers": model.num_hidden_layers,
+            "num_attention_heads": model.num_attention_heads,
+            "num_key_value_heads": model.kv_heads,
+            "head_dim": model.dim_per_head,
+            "max_position_embeddings": model.max_position_embeddings or 131072,
+            "rms_norm_eps": model.rms_norm_eps,
+            "rope_theta": model.rope_theta,
+            "rope_scaling": model.rope_scaling,
+            "tie_word_embeddings": model.tie_word_embeddings,
+            "initializer_range": 0.02,
+            "torch_dtype": "float32",
+        }
+
+    def hf_layer_tensors(self, model: ModelConfig) -> dict[str, HFTensor]:
+        """Each layer parameter's tensor within `model.layers.{i}.`."""
+        raise JlongError(f"model family {self.name!r} has no Hugging Face tensor names")
+
+    def hf_outer_tensors(self, model: ModelConfig) -> dict[str, HFTensor]:
+        tensors = {"embed": HFTensor("model.embed_tokens.weight"), "final_norm": HFTensor("model.norm.weight")}
+        if not model.tie_word_embeddings:
+            tensors["lm_head"] = HFTensor("lm_head.weight", **TRANSPOSED)
+        return tensors
+

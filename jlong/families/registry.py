@@ -1,0 +1,37 @@
+"""The model families jlong knows, by name: the built-in ones and any a
+script or test registers."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jlong.errors import JlongError
+from jlong.families.base import Family
+from jlong.families.llama import LLAMA, QWEN2, QWEN3
+
+if TYPE_CHECKING:
+    from jlong.config import ModelConfig
+
+_FAMILIES: dict[str, Family] = {family.name: family for family in (LLAMA, QWEN2, QWEN3)}
+
+
+def register(family: Family) -> Family:
+    """Makes `family` known as `model.family=<family.name>` (replacing one of
+    the same name, so a notebook can register an edited family again)."""
+    _FAMILIES[family.name] = family
+    return family
+
+
+def names() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def family_named(name: str, where: str = "model.family") -> Family:
+    if name not in _FAMILIES:
+        raise JlongError(f"{where} {name!r} is not a model family jlong knows (known: {', '.join(names())}; "
+                         "a new one is registered with jlong.families.register)")
+    return _FAMILIES[name]
+
+
+def family_of(model: ModelConfig) -> Family:
+    return family_named(model.family)
