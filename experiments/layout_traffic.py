@@ -1,6 +1,6 @@
 """Bytes each device sends per layer for the attention exchanges of a
 context-parallel layout (Ulysses, ring, or both), counted from the shapes the
-stages exchange (`jlong.attention.ulysses.StagePlan`); arithmetic, not a
+stages exchange (`jlong.attention.methods.ulysses.StagePlan`); arithmetic, not a
 measurement.
 
     python experiments/layout_traffic.py [--model llama3-8b] [--seq-len 33554432] [--nodes 4] [--gpus-per-node 8]
@@ -20,7 +20,7 @@ import sys
 
 from common import GIB, markdown_table, publish
 
-from jlong.attention.ulysses import StagePlan
+from jlong.attention.methods.ulysses import StagePlan
 from jlong.config import load_config
 
 BF16, F32 = 2, 4

@@ -45,6 +45,13 @@ def test_heads_per_stage_defaults_to_sp():
     assert load_config(None, ["model.preset=llama3-8b", "attention.heads_per_stage=all"]).heads_per_stage == 32
 
 
+def test_allgather_stages_one_kv_heads_group_by_default_and_needs_no_head_split_over_sp():
+    allgather = ["attention.sp_method=allgather"]
+    assert load_config(None, ["model.preset=llama3-8b", "mesh.sp=8", *allgather]).heads_per_stage == 4  # 32 / 8 kv
+    qwen = load_config(None, ["model.preset=qwen2.5-14b", "mesh.sp=16", "train.seq_len=65536", *allgather])
+    assert (qwen.heads_per_stage, qwen.sequence_granule) == (5, 32 * 512)  # 40 heads, 8 kv; 2 x sp chunks of blocks
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [
@@ -65,6 +72,14 @@ def test_heads_per_stage_defaults_to_sp():
         (["model.preset=llama3-8b", "novalue"], "must look like section.key=value"),
         (["model.preset=qwen2.5-14b", "mesh.sp=16"], "sp degrees that work: 1, 2, 4, 5, 8, 10, 20, 40"),
         (["model.preset=llama3-8b", "mesh.sp=8", "attention.heads_per_stage=12"], "values that work: 8, 16, 32"),
+        (["model.preset=llama3-8b", "attention.sp_method=ring"],
+         "attention.sp_method 'ring' is not a sequence-parallel method jlong knows (known: allgather, ulysses)"),
+        (["model.preset=llama3-8b", "attention.sp_method=allgather", "mesh.ring=2", "mesh.sp=4"],
+         "attention.sp_method=allgather spreads the sequence over mesh.sp alone, but mesh.ring is 2"),
+        (["model.preset=llama3-8b", "attention.sp_method=allgather", "attention.heads_per_stage=5"],
+         "attention.heads_per_stage (5) must divide the 32 heads (it is the all-gather method's stage size)"),
+        (["model.preset=llama3-8b", "attention.sp_method=allgather", "mesh.sp=8", "train.seq_len=1000"],
+         "must be a multiple of 2 x mesh.sp (16: the all-gather method's zigzag layout"),
     ],
 )
 def test_bad_configs_are_one_clear_line(overrides, message):

@@ -140,6 +140,25 @@ def test_the_long_context_configs_fit_their_default_budgets_on_h100(name, seq_le
         assert step_cost(compile_train_step(default_stack, H100)).step_time_s >= 1.15 * cost.step_time_s
 
 
+@needs_gpu_compiler
+def test_allgather_plans_llama3_8b_at_1m_on_h100_with_its_step_cost():
+    """The all-gather method with the committed 5M config's other settings at
+    1,048,576 tokens: fits both default budgets, gathers instead of
+    exchanging heads, runs attention in cuDNN, and has a step cost."""
+    config = load_config(REPO / "configs" / "llama3-8b-5m.yaml",
+                         ["train.seq_len=1048576", "attention.sp_method=allgather"])
+    step = compile_train_step(config, H100)
+    result = plan_of(step)
+    assert result.fits_device and result.fits_host, result
+    hlo = step.compiled.as_text()
+    assert "all-gather" in hlo and "all-to-all" not in hlo
+    assert cudnn_attention_calls(hlo) >= 2
+    cost = step_cost(step)
+    assert cost.step_time_s > 0 and not cost.unpriced_custom_calls
+    assert cost.collective_bytes_by_kind.get("all-gather nvlink", 0) > 0
+    assert "all-to-all nvlink" not in cost.collective_bytes_by_kind
+
+
 def _text_proto_fields(text: str) -> dict[str, str]:
     """Scalar fields of a protobuf text, keyed by their dotted path
     (`gpu_device_info.core_count`); repeated fields keep their last value."""

@@ -17,7 +17,7 @@ from jlong.attention.blockwise import BlockwiseStep
 from jlong.attention.cudnn import CudnnStep
 from jlong.attention.kernels import reference_attention
 from jlong.attention.ring import ring_attention
-from jlong.attention.ulysses import KEEP_ATTENTION_OUTPUT
+from jlong.attention.methods.base import KEEP_ATTENTION_OUTPUT
 from jlong.config import MeshConfig, config_to_dict
 from jlong.errors import JlongError
 from jlong.options import REMAT_NAMES
@@ -37,7 +37,7 @@ def test_zigzag_gives_each_ring_rank_an_early_and_a_late_chunk():
     order = _zigzag_order(16, ring=4)
     assert sorted(order) == list(range(16))
     assert order.reshape(4, 2, 2)[:, :, 0].tolist() == [[0, 14], [2, 12], [4, 10], [6, 8]]
-    layout = SequenceLayout(ring=4)
+    layout = SequenceLayout(ranks=4)
     x = np.arange(32).reshape(2, 16)
     assert (np.asarray(layout.lay_out(x)) == x[:, order]).all()
     assert (np.asarray(layout.restore(layout.lay_out(x))) == x).all()

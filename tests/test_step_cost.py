@@ -246,6 +246,15 @@ def test_fastest_ranks_the_fitting_settings_by_estimated_tokens_per_s():
     assert lines[-1].startswith(f"fastest setting that fits: {fastest} ")
 
 
+@needs_gpu_compiler
+def test_the_search_compares_sequence_parallel_methods():
+    result = run_cli("maxlen", "configs/tiny.yaml", "data.source=synthetic", "--target", "h100", "--fastest",
+                     "--search", "attention.sp_method=ulysses,allgather")
+    assert result.returncode == 0, result.stderr
+    ranked = [line for line in result.stdout.splitlines() if "tokens/s, executed" in line]
+    assert len(ranked) == 2 and any("allgather" in line for line in ranked), result.stdout
+
+
 @pytest.mark.fast
 def test_fastest_needs_a_gpu_target():
     result = run_cli("maxlen", "configs/tiny.yaml", "--target", "cpu", "--fastest", "--search", "memory.mlp_tile=0,64")

@@ -23,7 +23,19 @@ def test_sharded_step_equals_single_device(mesh, single_device_result):
     assert_same_result(loss_and_grads(config, jax.devices()), single_device_result)
 
 
-@pytest.mark.parametrize("mesh", [["mesh.fsdp=2"], ["mesh.ring=2"]], ids=["fsdp2-sp4", "ring2-sp4"])
+@pytest.mark.parametrize("stages", [[], ["attention.heads_per_stage=2"], ["attention.heads_per_stage=all"]],
+                         ids=["one-kv-head-per-stage", "half-a-group-per-stage", "one-stage"])
+def test_allgather_on_fsdp2_sp4_equals_fsdp8(stages):
+    """attention.sp_method=allgather (keys and values gathered over sp, zigzag
+    layout) gives fsdp 8's loss and gradients, whatever its stage size
+    (heads_per_stage need not be a multiple of sp here)."""
+    fsdp8 = loss_and_grads(small_config("mesh.fsdp=8", "mesh.sp=1"), jax.devices())
+    allgather = small_config("attention.sp_method=allgather", "mesh.fsdp=2", "mesh.sp=4", *stages)
+    assert_same_result(loss_and_grads(allgather, jax.devices()), fsdp8)
+
+
+@pytest.mark.parametrize("mesh", [["mesh.fsdp=2"], ["mesh.ring=2"], ["mesh.fsdp=2", "attention.sp_method=allgather"]],
+                         ids=["fsdp2-sp4", "ring2-sp4", "allgather-fsdp2-sp4"])
 def test_packed_documents_under_sequence_parallelism(mesh):
     """eos-packed batches (segment ids, per-document positions) give the same loss on sp=4,
     and with a ring (segment ids travel with their keys and values)."""

@@ -16,7 +16,7 @@ from attention_cases import (
 )
 
 from jlong.attention.kernels import AttentionKernel
-from jlong.attention.ulysses import StagePlan
+from jlong.attention.methods.ulysses import StagePlan
 from jlong.config import MeshConfig
 from jlong.families import blocks
 from jlong.model.transformer import ForwardOptions
@@ -83,7 +83,7 @@ def test_stage_remat_keeps_the_cudnn_forward():
     """Traced on CPU: under the stage policy the backward pass reuses the
     fused forward's output instead of running cuDNN's forward kernel a
     second time."""
-    from jlong.attention.ulysses import KEEP_ATTENTION_OUTPUT
+    from jlong.attention.methods.base import KEEP_ATTENTION_OUTPUT
 
     def cudnn_attention(q):
         return AttentionKernel("cudnn").local(q, q, q)

@@ -28,7 +28,7 @@ from einops import rearrange
 
 from jlong.attention.blockwise import BlockwiseStep, group_queries
 from jlong.attention.cudnn import CudnnStep
-from jlong.attention.ring import ring_attention
+from jlong.attention.ring import gathered_attention, ring_attention
 from jlong.attention.step import MASKED, StepKernel
 from jlong.errors import JlongError
 from jlong.options import ATTENTION_IMPLS, AttentionImpl
@@ -62,6 +62,13 @@ class AttentionKernel:
         steps, so a ring runs the blockwise one in its place)."""
         kernel = self.step(q_BsHd, window=q_BsHd.shape[1] // 2, reference="blockwise")
         return ring_attention(q_BsHd, k_BsKd, v_BsKd, segment_ids_Bs, kernel=kernel, axis=axis, size=size)
+
+    def gathered(self, q_BsHd, k_BSKd, v_BSKd, segment_ids_Bs, k_segment_ids_BS, *, axis: str, size: int):
+        """Attention over every rank's keys and values of mesh axis `axis`,
+        gathered at hand (`jlong.attention.ring.gathered_attention`)."""
+        kernel = self.step(q_BsHd, window=q_BsHd.shape[1] // 2, reference="blockwise")
+        return gathered_attention(q_BsHd, k_BSKd, v_BSKd, segment_ids_Bs, k_segment_ids_BS, kernel=kernel, axis=axis,
+                                  size=size)
 
     def step(self, q_BSHd, *, window: int, reference: str = "reference") -> StepKernel:
         """The flash step kernel for queries like q on this backend; `window`

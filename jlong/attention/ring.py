@@ -109,6 +109,31 @@ def _docs(segments_Bs, k_segments_Bs, q_start, k_start, length):
     return Documents(_part(segments_Bs, q_start, length), _part(k_segments_Bs, k_start, length))
 
 
+def _attend_windows(kernel, q, segments, windows, o_BsHd, lse_BHs, k, v, k_segments):
+    """Merges each window's partial softmax into the running output and
+    log-sum-exp over its queries, in place and in float32, one window after
+    another (see `_add_window_gradients`)."""
+    for i, (q0, k0, n, causal) in enumerate(windows):
+        if i:
+            o_BsHd, lse_BHs, k, v = jax.lax.optimization_barrier((o_BsHd, lse_BHs, k, v))
+        o_step, lse_step = kernel.forward(_part(q, q0, n), _part(k, k0, n), _part(v, k0, n),
+                                          _docs(segments, k_segments, q0, k0, n), causal)
+        o_part, lse_part = _merge(_part(o_BsHd, q0, n), _part(lse_BHs, q0, n, axis=2), o_step, lse_step)
+        o_BsHd = jax.lax.dynamic_update_slice_in_dim(o_BsHd, o_part, q0, axis=1)
+        lse_BHs = jax.lax.dynamic_update_slice_in_dim(lse_BHs, lse_part, q0, axis=2)
+    return o_BsHd, lse_BHs
+
+
+def _empty_softmax(q):
+    """The float32 output and log-sum-exp of queries that have seen no key yet."""
+    B, s, H, _ = q.shape
+    return jnp.zeros_like(q, jnp.float32), jnp.full_like(q, MASKED, jnp.float32, (B, H, s))
+
+
+def _saved_output(q, o_BsHd, lse_BHs):
+    return checkpoint_name(o_BsHd.astype(q.dtype), ATTENTION_OUT), checkpoint_name(lse_BHs, ATTENTION_LSE)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _ring(q, k, v, segments, kernel, axis, size, window):
     return _ring_forward(q, k, v, segments, kernel, axis, size, window)[0]
@@ -116,20 +141,7 @@ def _ring(q, k, v, segments, kernel, axis, size, window):
 
 def _ring_forward(q, k, v, segments, kernel, axis, size, window):
     length = q.shape[1]
-
-    def attend(windows, o_BsHd, lse_BHs, k, v, k_segments):
-        """Merges each window's partial softmax into the running output and
-        log-sum-exp over its queries, in place and in float32, one window
-        after another (see `add_gradients`)."""
-        for i, (q0, k0, n, causal) in enumerate(windows):
-            if i:
-                o_BsHd, lse_BHs, k, v = jax.lax.optimization_barrier((o_BsHd, lse_BHs, k, v))
-            o_step, lse_step = kernel.forward(_part(q, q0, n), _part(k, k0, n), _part(v, k0, n),
-                                              _docs(segments, k_segments, q0, k0, n), causal)
-            o_part, lse_part = _merge(_part(o_BsHd, q0, n), _part(lse_BHs, q0, n, axis=2), o_step, lse_step)
-            o_BsHd = jax.lax.dynamic_update_slice_in_dim(o_BsHd, o_part, q0, axis=1)
-            lse_BHs = jax.lax.dynamic_update_slice_in_dim(lse_BHs, lse_part, q0, axis=2)
-        return o_BsHd, lse_BHs
+    attend = functools.partial(_attend_windows, kernel, q, segments)
 
     def step(t, carry):
         o_BsHd, lse_BHs, kv = carry
@@ -139,12 +151,9 @@ def _ring_forward(q, k, v, segments, kernel, axis, size, window):
     if size == 1:  # local attention: the kernel's own output, with no float32 accumulator
         o_BsHd, lse_BHs = kernel.forward(q, k, v, _docs(segments, segments, 0, 0, length), True)
     else:
-        B, s, H, _ = q.shape
-        start = (jnp.zeros_like(q, jnp.float32), jnp.full_like(q, MASKED, jnp.float32, (B, H, s)))
-        o_BsHd, lse_BHs = attend(_own_windows(length, window), *start, k, v, segments)
+        o_BsHd, lse_BHs = attend(_own_windows(length, window), *_empty_softmax(q), k, v, segments)
         o_BsHd, lse_BHs, _ = while_range(1, size, step, (o_BsHd, lse_BHs, (k, v, segments)))
-    o_BsHd = checkpoint_name(o_BsHd.astype(q.dtype), ATTENTION_OUT)
-    lse_BHs = checkpoint_name(lse_BHs, ATTENTION_LSE)
+    o_BsHd, lse_BHs = _saved_output(q, o_BsHd, lse_BHs)
     return o_BsHd, (q, k, v, segments, o_BsHd, lse_BHs)
 
 
@@ -155,41 +164,45 @@ def _merge(o_BsHd, lse_BHs, o_step, lse_step):
     return o_BsHd * scale_old + o_step.astype(jnp.float32) * scale_step, lse_new
 
 
+def _add_window_gradients(kernel, saved, windows, dq, k, v, k_segments, dk, dv):
+    """Adds each window's gradients in place: dq (of the device's own queries)
+    in float32, dk and dv into the sums of the keys' chunk. The windows run
+    one after another: a barrier keeps the next window's inputs (copied out
+    of their chunks for the kernel) from being made while the last one's
+    gradients still live. `saved` is (q, segments, o, lse, do)."""
+    q_, segments, o_, lse_, do_ = saved
+    for i, (q0, k0, n, causal) in enumerate(windows):
+        if i:
+            dq, dk, dv, k, v, q_, o_, lse_, do_ = jax.lax.optimization_barrier((dq, dk, dv, k, v, q_, o_, lse_, do_))
+        dq_step, dk_step, dv_step = kernel.backward(
+            _part(q_, q0, n), _part(k, k0, n), _part(v, k0, n), _docs(segments, k_segments, q0, k0, n), causal,
+            _part(o_, q0, n), _part(lse_, q0, n, axis=2), _part(do_, q0, n))
+        dq = _add_into(dq, dq_step, q0)
+        dk, dv = _add_into(dk, dk_step, k0), _add_into(dv, dv_step, k0)
+    return dq, k, v, dk, dv  # k and v as the barriers passed them on
+
+
 def _ring_backward(kernel, axis, size, window, residuals, do_BsHd):
     q, k, v, segments, o_BsHd, lse_BHs = residuals
     length = q.shape[1]
-
-    def add_gradients(windows, dq, k, v, k_segments, dk, dv):
-        """Adds each window's gradients in place: dq at home in float32, dk
-        and dv into the travelling sums. The windows run one after another: a
-        barrier keeps the next window's inputs (copied out of their chunks for
-        the kernel) from being made while the last one's gradients still live."""
-        q_, o_, lse_, do_ = q, o_BsHd, lse_BHs, do_BsHd
-        for i, (q0, k0, n, causal) in enumerate(windows):
-            if i:
-                dq, dk, dv, k, v, q_, o_, lse_, do_ = jax.lax.optimization_barrier(
-                    (dq, dk, dv, k, v, q_, o_, lse_, do_))
-            dq_step, dk_step, dv_step = kernel.backward(
-                _part(q_, q0, n), _part(k, k0, n), _part(v, k0, n), _docs(segments, k_segments, q0, k0, n), causal,
-                _part(o_, q0, n), _part(lse_, q0, n, axis=2), _part(do_, q0, n))
-            dq = _add_into(dq, dq_step, q0)
-            dk, dv = _add_into(dk, dk_step, k0), _add_into(dv, dv_step, k0)
-        return dq, (k, v, k_segments, dk, dv)
+    add_gradients = functools.partial(_add_window_gradients, kernel, (q, segments, o_BsHd, lse_BHs, do_BsHd))
 
     def step(t, carry):
-        dq, travelling = carry
-        dq, travelling = add_gradients(_arriving_windows(length, window, t, axis, size), dq, *travelling)
+        dq, (k, v, k_segments, dk, dv) = carry
+        dq, k, v, dk, dv = add_gradients(_arriving_windows(length, window, t, axis, size), dq, k, v, k_segments,
+                                         dk, dv)
         # After the last step's hop every chunk's keys, values and summed gradients are home.
-        return dq, _next_on_ring(travelling, axis, size)
+        return dq, _next_on_ring((k, v, k_segments, dk, dv), axis, size)
 
     if size == 1:  # local attention: the kernel's own gradients, with no float32 sums
         dq, dk, dv = kernel.backward(q, k, v, _docs(segments, segments, 0, 0, length), True, o_BsHd, lse_BHs,
                                      do_BsHd)
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
     zeros_k = jnp.zeros_like(k)
-    dq, travelling = add_gradients(_own_windows(length, window), jnp.zeros_like(q, jnp.float32), k, v, segments,
-                                   zeros_k, zeros_k)
-    dq, (_, _, _, dk, dv) = while_range(1, size, step, (dq, _next_on_ring(travelling, axis, size)))
+    dq, k_, v_, dk, dv = add_gradients(_own_windows(length, window), jnp.zeros_like(q, jnp.float32), k, v, segments,
+                                       zeros_k, zeros_k)
+    travelling = _next_on_ring((k_, v_, segments, dk, dv), axis, size)
+    dq, (_, _, _, dk, dv) = while_range(1, size, step, (dq, travelling))
     return dq.astype(q.dtype), dk, dv.astype(v.dtype), None
 
 
@@ -206,3 +219,65 @@ def _add_into(total, part, start):
 def _per_query(x_BHs):
     """[B, H, s] -> [B, s, H, 1], to scale outputs [B, s, H, d]."""
     return rearrange(x_BHs, "b h s -> b s h")[..., None]
+
+
+def gathered_attention(q_BsHd, k_BSKd, v_BSKd, segment_ids_Bs, k_segment_ids_BS, *, kernel: StepKernel, axis: str,
+                       size: int, window: int = RING_WINDOW):
+    """Causal attention of this device's queries over every rank's keys and
+    values gathered at hand: k, v [B, R*s, K, d] (and the keys' segment ids
+    [B, R*s]) in rank order, as `all_gather` lays them out, each rank's
+    chunk zigzag like the ring's. The ring's windows, with each rank's chunk
+    sliced out of the gathered keys instead of passed around; the gradients
+    of the gathered keys and values come back whole, for `all_gather`'s
+    transpose to return each rank its part."""
+    return _gathered(q_BsHd, k_BSKd, v_BSKd, segment_ids_Bs, k_segment_ids_BS, kernel, axis, size, window)
+
+
+def _chunk_of(x, t, axis, size, length):
+    """The chunk of rank (this rank - t) mod R, the one a ring holds at step t (None stays None)."""
+    rank = jax.lax.axis_index(axis)
+    return _part(x, (rank - t) % size * length, length)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _gathered(q, k_all, v_all, segments, k_segments_all, kernel, axis, size, window):
+    return _gathered_forward(q, k_all, v_all, segments, k_segments_all, kernel, axis, size, window)[0]
+
+
+def _gathered_forward(q, k_all, v_all, segments, k_segments_all, kernel, axis, size, window):
+    length = q.shape[1]
+    attend = functools.partial(_attend_windows, kernel, q, segments)
+    at = functools.partial(_chunk_of, axis=axis, size=size, length=length)
+
+    def step(t, carry):
+        windows = _arriving_windows(length, window, t, axis, size)
+        return attend(windows, *carry, at(k_all, t), at(v_all, t), at(k_segments_all, t))
+
+    o_BsHd, lse_BHs = attend(_own_windows(length, window), *_empty_softmax(q), at(k_all, 0), at(v_all, 0), segments)
+    o_BsHd, lse_BHs = _saved_output(q, *while_range(1, size, step, (o_BsHd, lse_BHs)))
+    return o_BsHd, (q, k_all, v_all, segments, k_segments_all, o_BsHd, lse_BHs)
+
+
+def _gathered_backward(kernel, axis, size, window, residuals, do_BsHd):
+    q, k_all, v_all, segments, k_segments_all, o_BsHd, lse_BHs = residuals
+    length = q.shape[1]
+    add_gradients = functools.partial(_add_window_gradients, kernel, (q, segments, o_BsHd, lse_BHs, do_BsHd))
+    at = functools.partial(_chunk_of, axis=axis, size=size, length=length)
+
+    def add_chunk(windows, t, dq, dk_all, dv_all):
+        start = (jax.lax.axis_index(axis) - t) % size * length
+        dq, _, _, dk, dv = add_gradients(windows, dq, at(k_all, t), at(v_all, t), at(k_segments_all, t),
+                                         at(dk_all, t), at(dv_all, t))
+        put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=start, axis=1)
+        return dq, put(dk_all, dk), put(dv_all, dv)
+
+    def step(t, carry):
+        return add_chunk(_arriving_windows(length, window, t, axis, size), t, *carry)
+
+    zeros = jnp.zeros_like(k_all)
+    carry = add_chunk(_own_windows(length, window), 0, jnp.zeros_like(q, jnp.float32), zeros, zeros)
+    dq, dk_all, dv_all = while_range(1, size, step, carry)
+    return dq.astype(q.dtype), dk_all, dv_all.astype(v_all.dtype), None, None
+
+
+_gathered.defvjp(_gathered_forward, _gathered_backward)

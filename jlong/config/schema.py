@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from jlong.attention.methods import method_of
 from jlong.config import validation
 from jlong.config.types import (
     Flag,
@@ -129,17 +130,11 @@ class MeshConfig(_Section):
         """How many pieces each sequence is cut into, one per device: ring x sp."""
         return self.ring * self.sp
 
-    @property
-    def sequence_granule(self) -> int:
-        """What seq_len must be a multiple of for the mesh: one token per
-        device, and with a ring, the zigzag layout's 2 x ring chunks
-        (`jlong.ops.zigzag`)."""
-        return self.sp * (2 * self.ring if self.ring > 1 else 1)
-
 
 class AttentionConfig(_Section):
     impl: choice(AttentionImpl) = "auto"
-    # U: unset = mesh.sp; "all" (or 0) = every head in one stage (plain Ulysses)
+    sp_method: Text = "ulysses"  # how attention spans the sp devices (`jlong.attention.methods`): ulysses, allgather
+    # U: unset = the method's default (Ulysses: mesh.sp); "all" (or 0) = every head in one stage (plain Ulysses)
     heads_per_stage: Annotated[int | Literal["all"] | None, BeforeValidator(_heads_per_stage)] = None
     block_size: PositiveInt = 512  # query/key block of the blockwise kernel
     max_documents: PositiveInt = 64  # packed documents per sequence cuDNN takes (sizes its statistics)
@@ -245,11 +240,8 @@ class Config(_Section):
 
     @property
     def heads_per_stage(self) -> int:
-        """U resolved: as many as mesh.sp unless set, every head for "all"."""
-        u = self.attention.heads_per_stage
-        if u is None:
-            return self.mesh.sp
-        return self.model.num_attention_heads if u == "all" else u
+        """U resolved: the sequence-parallel method's default unless set, every head for "all"."""
+        return method_of(self).heads_per_stage(self)
 
     @property
     def shard_tokens(self) -> int:
@@ -259,13 +251,14 @@ class Config(_Section):
     @property
     def sequence_granule(self) -> int:
         """What every workable seq_len of this config is a multiple of: the
-        mesh's granule, every device's shard a multiple of each tile in use,
-        and with a ring every zigzag chunk a multiple of the attention block."""
-        mesh = self.mesh
+        sequence-parallel method's granule, every device's shard a multiple
+        of each tile in use, and in a zigzag layout every chunk a multiple of
+        the attention block."""
+        method = method_of(self)
         tiles = [t for t in (self.memory.mlp_tile, self.memory.loss_tile) if t]
-        multiples = [mesh.sequence_granule, mesh.sequence_shards * math.lcm(1, *tiles)]
-        if mesh.ring > 1:
-            multiples.append(2 * mesh.ring * self.attention.block_size)
+        multiples = [method.granule(self)[0], self.mesh.sequence_shards * math.lcm(1, *tiles)]
+        if (ranks := method.layout(self).ranks) > 1:
+            multiples.append(2 * ranks * self.attention.block_size)
         return math.lcm(*multiples)
 
 

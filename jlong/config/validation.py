@@ -1,16 +1,17 @@
 """The configuration's rules that a single field cannot state: the model's
-own consistency, and the rules that join sections (heads over sp, the
-batch over data x fsdp, lengths over the mesh and tiles, layer groups).
+own consistency (its family's checks), and the rules that join sections:
+the sequence-parallel method's (heads and lengths over the mesh, checked
+first: no sequence length helps heads that sp cannot split), the batch over
+data x fsdp, lengths over tiles, layer groups.
 
-Each raises a `JlongError` whose one line names the keys and a fix. The
-most fundamental problem comes first: no sequence length helps heads that
-sp cannot split.
+Each raises a `JlongError` whose one line names the keys and a fix.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from jlong.attention.methods import method_named
 from jlong.errors import JlongError
 from jlong.families import family_named
 
@@ -71,34 +72,14 @@ def _check_rope_scaling(scaling: dict) -> None:
 
 
 def check_run(config: Config) -> None:
-    _check_head_split(config)
+    method_named(config.attention.sp_method).check(config)  # heads, lengths and chunks over the mesh
     if config.train.profile_steps and not config.run_dir:
         raise JlongError("train.profile_steps writes its trace into run_dir: set run_dir")
     _check_batch_split(config)
-    _check_seq_len(config)
-    _check_ring_blocks(config)
     _check_tiles(config)
     _check_layer_groups(config)
     _check_eval(config)
     _check_eos_id(config)
-
-
-def _check_head_split(config: Config) -> None:
-    """Ulysses splits the query heads over sp; UPipe runs them in stages of U."""
-    H, sp = config.model.num_attention_heads, config.mesh.sp
-    if H % sp:
-        workable = [c for c in range(1, H + 1) if H % c == 0]
-        raise JlongError(
-            f"model.num_attention_heads ({H}) is not divisible by mesh.sp ({sp}); "
-            f"sp degrees that work: {', '.join(map(str, workable))}"
-        )
-    U = config.heads_per_stage
-    if U % sp or H % U:
-        workable = [u for u in range(sp, H + 1, sp) if H % u == 0]
-        raise JlongError(
-            f"attention.heads_per_stage ({U}) must be a multiple of mesh.sp ({sp}) that divides "
-            f"the {H} heads; values that work: {', '.join(map(str, workable))} (or all)"
-        )
 
 
 def _check_batch_split(config: Config) -> None:
@@ -107,30 +88,6 @@ def _check_batch_split(config: Config) -> None:
         raise JlongError(
             f"train.batch_size ({batch}) must be a multiple of mesh.data x mesh.fsdp "
             f"({mesh.data * mesh.fsdp}): each of those ranks takes whole sequences"
-        )
-
-
-def _check_seq_len(config: Config) -> None:
-    mesh, seq_len = config.mesh, config.train.seq_len
-    granule = mesh.sequence_granule
-    if seq_len % granule:
-        lower = seq_len // granule * granule
-        what = f"mesh.sp ({mesh.sp})" if mesh.ring == 1 else (
-            f"2 x mesh.ring x mesh.sp ({granule}: the zigzag layout cuts the sequence into 2 x ring chunks, "
-            f"each split over sp)")
-        nearest = f"{lower or granule} or {lower + granule}"
-        raise JlongError(f"train.seq_len ({seq_len}) must be a multiple of {what}; nearest valid: {nearest}")
-
-
-def _check_ring_blocks(config: Config) -> None:
-    """Ring attention's steps walk each zigzag chunk (seq_len / (2 x ring) tokens) in whole blocks."""
-    if config.mesh.ring == 1:
-        return
-    chunk, block = config.train.seq_len // (2 * config.mesh.ring), config.attention.block_size
-    if chunk % min(block, chunk):
-        raise JlongError(
-            f"attention.block_size ({block}) must divide the {chunk} tokens of each zigzag chunk "
-            f"(train.seq_len / (2 x mesh.ring)) with ring attention"
         )
 
 

@@ -17,7 +17,7 @@ from jlong.data.sources import TokenFile, batch_layout, document_structure
 from jlong.errors import JlongError
 from jlong.eval import passkey
 from jlong.eval.positions import loss_by_position
-from jlong.ops.zigzag import SequenceLayout
+from jlong.attention.methods import method_of
 from jlong.program.train_program import TrainProgram
 
 
@@ -26,7 +26,7 @@ class Evaluator:
 
     def __init__(self, program: TrainProgram):
         self.program, self.config = program, program.config
-        self.layout = SequenceLayout(self.config.mesh.ring)
+        self.layout = method_of(self.config).layout(self.config)
         self.keys = batch_layout(self.config)
         self.compiled = None
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 
 from jlong.attention.projection import ATTENTION_PARAMS, QKVProjection
-from jlong.attention.ulysses import staged_attention
 from jlong.ops.layers import rms_norm, rope_attention_factor, rope_inverse_frequencies, swiglu
 from jlong.ops.tiling import per_sequence_tile
 
@@ -19,8 +18,8 @@ SWIGLU_PARAMS = ("mlp_norm", "w_gate", "w_up", "w_down")
 
 
 def attention(p, x_BSD, positions_BS, segment_ids_BS, model, options, *, add_to_input: bool = True):
-    """Self-attention of norm(x) with its output projection, summed over
-    UPipe's head stages: added into x itself (`add_to_input`: the block
+    """Self-attention of norm(x) with its output projection, run by the
+    sequence-parallel method of `options` and summed over its head stages: added into x itself (`add_to_input`: the block
     returns x + attention, with no buffer besides x), or into a buffer of
     its own (the block returns attention alone, for a family that
     normalises it before the residual add). Positions default to the
@@ -34,7 +33,7 @@ def attention(p, x_BSD, positions_BS, segment_ids_BS, model, options, *, add_to_
         qk_norm=model.qk_norm,
         tile=options.mlp_tile,
     )
-    return staged_attention(
+    return options.sequence_parallel.attention(
         {name: p[name] for name in ATTENTION_PARAMS if name in p},
         x_BSD,
         positions_BS,

@@ -36,7 +36,7 @@ import jax
 from jax.ad_checkpoint import Offloadable, Recompute, checkpoint_name
 
 from jlong.attention.ring import ATTENTION_LSE, ATTENTION_OUT
-from jlong.attention.ulysses import KEEP_ATTENTION_OUTPUT
+from jlong.attention.methods.base import KEEP_ATTENTION_OUTPUT
 from jlong.options import REMAT_NAMES, RematName
 
 LAYER_INPUT = "layer_input"

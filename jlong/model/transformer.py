@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jlong.attention.kernels import AttentionKernel, choose_kernel
+from jlong.attention.methods import SequenceParallelMethod, method_of
+from jlong.attention.methods.ulysses import ULYSSES
 from jlong.config import Config, ModelConfig
 from jlong.families import ParamSpec, family_of
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy, token_scores
@@ -33,6 +35,7 @@ class ForwardOptions:
     """How the forward pass computes; none of it changes the parameters."""
 
     shards: Shards = OneDevice()  # the devices the arrays are split over, as the model sees them
+    sequence_parallel: SequenceParallelMethod = ULYSSES  # how attention spans the sp devices
     compute_dtype: DType = "float32"
     attention: AttentionKernel = AttentionKernel()
     head_stages: int = 1  # UPipe: the query heads run in this many stages of U = H / head_stages heads
@@ -45,7 +48,7 @@ class ForwardOptions:
     def unroll_attention_stages(self) -> bool:
         """Whether attention's head stages run unrolled rather than as a loop:
         under a policy that moves their saved outputs to host memory
-        (`jlong.attention.ulysses`)."""
+        (`jlong.attention.methods.ulysses`)."""
         return remat_policy(self.remat).offloads_attention
 
     @classmethod
@@ -53,13 +56,15 @@ class ForwardOptions:
         """The forward pass a run's config asks for on its mesh (`shards`) of
         `platform` ("gpu" or "cpu"), where `attention.impl=auto` becomes the
         kernel that platform runs."""
+        method = method_of(config)
         return cls(
             shards=shards,
+            sequence_parallel=method,
             compute_dtype=config.train.compute_dtype,
             attention=AttentionKernel(
                 choose_kernel(
                     config.attention.impl, platform=platform, dtype=config.train.compute_dtype,
-                    seq_len=shortest_attention_window(config), head_dim=config.model.dim_per_head,
+                    seq_len=method.shortest_window(config), head_dim=config.model.dim_per_head,
                 ),
                 config.attention.block_size,
                 config.attention.max_documents,
@@ -70,13 +75,6 @@ class ForwardOptions:
             mlp_tile=config.memory.mlp_tile,
             loss_tile=config.memory.loss_tile,
         )
-
-
-def shortest_attention_window(config: Config) -> int:
-    """The fewest tokens one attention step attends over: the sequence, or on
-    a ring half a device's chunk (`jlong.attention.ring`)."""
-    ring = config.mesh.ring
-    return config.train.seq_len if ring == 1 else config.train.seq_len // (2 * ring)
 
 
 def _param(spec: ParamSpec, key, dtype) -> nnx.Param:

@@ -5,7 +5,9 @@ and never a mesh axis. Where it cares how an array is split (pinning a
 layout, running code on each device's shard, exchanging heads, passing keys
 around a ring), it asks a `Shards` value that its caller hands it
 explicitly: `OneDevice` here, or `jlong.parallel.placement.MeshShards` for a
-device mesh. Nothing is read from an ambient context.
+device mesh. Nothing is read from an ambient context. Mesh axes are named as
+the config's `mesh` section names them (`sp`, `ring`, ...); code that runs
+collectives over one asks its size and its name.
 """
 
 from __future__ import annotations
@@ -24,21 +26,11 @@ HIDDEN: Axes = ("batch", "seq", "embed")
 class Shards(Protocol):
     """How arrays with logical axes are split over devices while computing."""
 
-    @property
-    def ulysses_size(self) -> int:
-        """C: the sp degree, over which attention exchanges heads all-to-all."""
+    def size(self, axis: str) -> int:
+        """How many devices the mesh axis `axis` has (1 without it)."""
 
-    @property
-    def ulysses_axis(self) -> str | None:
-        """The sp mesh axis when it has more than one device (else None)."""
-
-    @property
-    def ring_size(self) -> int:
-        """R: how many sp groups pass keys and values around in ring attention."""
-
-    @property
-    def ring_axis(self) -> str | None:
-        """The ring mesh axis when it has more than one group (else None)."""
+    def axis(self, axis: str) -> str | None:
+        """The mesh axis `axis` to run collectives over, when it has more than one device (else None)."""
 
     @property
     def all_axes(self) -> tuple[str, ...]:
@@ -56,11 +48,13 @@ class Shards(Protocol):
 class OneDevice:
     """Unsharded: every array whole, per-device code run on the whole array."""
 
-    ulysses_size: int = 1
-    ulysses_axis: str | None = None
-    ring_size: int = 1
-    ring_axis: str | None = None
     all_axes: tuple[str, ...] = ()
+
+    def size(self, axis: str) -> int:
+        return 1
+
+    def axis(self, axis: str) -> str | None:
+        return None
 
     def constrain(self, x, axes: Axes):
         return x

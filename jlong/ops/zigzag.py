@@ -42,25 +42,26 @@ def _zigzag_index(rank, ring: int, seq_len: int, in_chunk):
 @dataclasses.dataclass(frozen=True)
 class SequenceLayout:
     """How [B, S, ...] arrays are laid out along the sequence for the model:
-    in order (ring 1), or zigzag over a ring. The batch is laid out where it
+    in order (`ranks` 1), or zigzag over `ranks` devices (a ring's, or the
+    sp devices of the all-gather method). The batch is laid out where it
     is placed on the mesh (`jlong.program.train_program.TrainProgram.place_batch`),
     and per-token results are restored wherever they come back."""
 
-    ring: int = 1
+    ranks: int = 1
 
     def lay_out(self, x_BS):
         """x in the layout (None stays None)."""
-        return self._permute_chunks(x_BS, chunk_order(self.ring))
+        return self._permute_chunks(x_BS, chunk_order(self.ranks))
 
     def restore(self, x_BS):
         """x back in sequence order."""
-        return self._permute_chunks(x_BS, np.argsort(chunk_order(self.ring)))
+        return self._permute_chunks(x_BS, np.argsort(chunk_order(self.ranks)))
 
     def _permute_chunks(self, x_BS, order):
-        if self.ring == 1 or x_BS is None:
+        if self.ranks == 1 or x_BS is None:
             return x_BS
         B, S = x_BS.shape[:2]
-        chunks = x_BS.reshape(B, 2 * self.ring, S // (2 * self.ring), *x_BS.shape[2:])
+        chunks = x_BS.reshape(B, 2 * self.ranks, S // (2 * self.ranks), *x_BS.shape[2:])
         return chunks.take(order, axis=1).reshape(x_BS.shape)  # numpy or jax, as x is
 
 

@@ -110,21 +110,11 @@ class MeshShards:
 
     mesh: jax.sharding.Mesh
 
-    @property
-    def ulysses_size(self) -> int:
-        return self.mesh.shape["sp"]
+    def size(self, axis: str) -> int:
+        return self.mesh.shape.get(axis, 1)
 
-    @property
-    def ulysses_axis(self) -> str | None:
-        return "sp" if self.ulysses_size > 1 else None
-
-    @property
-    def ring_size(self) -> int:
-        return self.mesh.shape["ring"]
-
-    @property
-    def ring_axis(self) -> str | None:
-        return "ring" if self.ring_size > 1 else None
+    def axis(self, axis: str) -> str | None:
+        return axis if self.size(axis) > 1 else None
 
     @property
     def all_axes(self) -> tuple[str, ...]:

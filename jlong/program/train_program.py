@@ -21,7 +21,7 @@ from jlong.data.sources import batch_layout
 from jlong.families import family_of
 from jlong.model.transformer import ForwardOptions, Transformer
 from jlong.parallel.placement import MeshShards, batch_sharding, replicated, rest_spec
-from jlong.ops.zigzag import SequenceLayout
+from jlong.attention.methods import method_of
 from jlong.program.host_optimizer import HostAdamW
 from jlong.program.optimizer import DeviceAdamW, Optimizer
 
@@ -149,7 +149,7 @@ class TrainProgram:
         """The global numpy batch -> arrays sharded over the mesh, laid out
         along the sequence as the model computes on it (zigzag over a ring;
         each process builds only the shards its devices hold)."""
-        layout = SequenceLayout(self.config.mesh.ring)
+        layout = method_of(self.config).layout(self.config)
         placed = {}
         for key, value in batch.items():
             laid_out = layout.lay_out(value)

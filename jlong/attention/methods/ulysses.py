@@ -43,22 +43,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jlong.attention.kernels import AttentionKernel
-from jlong.attention.ring import ATTENTION_LSE, ATTENTION_OUT
+from jlong.attention.methods.base import SequenceParallelMethod, check_blocks_divide_chunks, sum_over_head_stages
 from jlong.attention.projection import QKVProjection, project_out
 from jlong.ops.shards import HIDDEN, REPLICATED, TOKENS, OneDevice, Shards
-from jlong.ops.zigzag import shard_token_index
+from jlong.errors import JlongError
+from jlong.ops.zigzag import SequenceLayout, shard_token_index
 
-# Between forward and backward each stage keeps only the attention's output
-# and log-sum-exp (named by `jlong.attention.ring`, whatever the kernel);
-# q, k, v and the exchanges are recomputed.
-KEEP_ATTENTION_OUTPUT = jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT, ATTENTION_LSE)
-
+if TYPE_CHECKING:
+    from jlong.config import Config
 
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
@@ -125,9 +124,9 @@ def staged_attention(params, x_BSD, positions_BS, segment_ids_BS, *, projection:
     H, K, U = heads
     run = functools.partial(
         _run_stages,
-        plan=StagePlan(H, K, shards.ulysses_size, U),
-        sp_axis=shards.ulysses_axis,
-        ring=(shards.ring_axis, shards.ring_size),
+        plan=StagePlan(H, K, shards.size("sp"), U),
+        sp_axis=shards.axis("sp"),
+        ring=(shards.axis("ring"), shards.size("ring")),
         projection=projection,
         kernel=kernel,
         unroll_stages=unroll_stages,
@@ -157,44 +156,16 @@ def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, r
     width, first_kv, slots = plan.kv_window
     first_kv, slots = jnp.asarray(first_kv), jnp.asarray(slots)
 
-    # The projections read x without differentiating it; the stages pass a
-    # gradient sink along instead (x's value, otherwise unused), into whose
-    # gradient each stage's backward pass adds its part of x's gradient in
-    # place (`jlong.attention.projection`): one [B, s, D] sum over the stages,
-    # with no per-stage gradient of x beside it.
-    x_input_BsD = jax.lax.stop_gradient(x_BsD)
-
-    # The stream y goes in and out of the checkpointed stage so the stage
-    # output is added in place; the backward pass needs no copy of it.
-    @functools.partial(jax.checkpoint, policy=KEEP_ATTENTION_OUTPUT)
-    def add_stage(carry, stage):
-        y_BsD, sink_BsD = carry
+    def stage_output(x_input_BsD, sink_BsD, stage):
         q_BsUd, k_Bswd, v_Bswd, sink_BsD = projection.qkv(
             params, x_input_BsD, positions_Bs, (stage * U, U), (first_kv[stage], width), sink_BsD
         )
         k_BSrd, v_BSrd = (to_heads(jnp.take(t, slots[stage], axis=2)) for t in (k_Bswd, v_Bswd))
         o_BSud = attend(to_heads(q_BsUd), k_BSrd, v_BSrd, segment_ids_BS)
-        return (y_BsD + project_out(params, to_sequence(o_BSud), stage * U, U), sink_BsD), None
+        return project_out(params, to_sequence(o_BSud), stage * U, U), sink_BsD
 
-    # The stages add into the residual stream itself (no zero-filled sum,
-    # which XLA would share between the forward and backward pass and keep
-    # alive in between), in the compute dtype: a float32 sum would be the
-    # largest buffer of the layer at long context, for the rounding of a
-    # handful of additions.
-    #
-    # Unrolled, each stage's saved attention output is a value of the layer
-    # itself rather than a slice of the stage loop's stacked residual: the
-    # layer's remat policy can then move it to host memory, which XLA:GPU
-    # (jax 0.10.2) fails to compile for a residual stacked by a loop nested
-    # in the layer loop. The scan plans 1.3 GiB less per device (Llama3-8B,
-    # 1M tokens), so it stays the default.
-    carry = (x_BsD if add_to_input else jnp.zeros_like(x_BsD), x_BsD)
-    if unroll_stages:
-        for stage in range(plan.num_stages):
-            carry, _ = add_stage(carry, stage)
-        return carry[0]
-    (y_BsD, _), _ = jax.lax.scan(add_stage, carry, jnp.arange(plan.num_stages))
-    return y_BsD
+    return sum_over_head_stages(stage_output, x_BsD, plan.num_stages, unroll=unroll_stages,
+                                add_to_input=add_to_input)
 
 
 def _gather_sequence(x_Bs, axis):
@@ -209,3 +180,51 @@ def _exchange(x, *, axis, split, concat):
     if axis is None:
         return x
     return jax.lax.all_to_all(x, axis, split, concat, tiled=True)
+
+
+class Ulysses(SequenceParallelMethod):
+    """Heads exchanged all-to-all within the sp group, in UPipe stages of U
+    heads; with a ring, ring attention across the sp groups."""
+
+    def default_heads_per_stage(self, config: Config) -> int:
+        return config.mesh.sp  # one head per device per stage: UPipe's smallest stage
+
+    def granule(self, config: Config) -> tuple[int, str]:
+        sp, ring = config.mesh.sp, config.mesh.ring
+        if ring == 1:
+            return sp, f"mesh.sp ({sp})"
+        granule = 2 * ring * sp
+        return granule, (f"2 x mesh.ring x mesh.sp ({granule}: the zigzag layout cuts the sequence into "
+                         "2 x ring chunks, each split over sp)")
+
+    def check(self, config: Config) -> None:
+        H, sp = config.model.num_attention_heads, config.mesh.sp
+        if H % sp:  # first: no sequence length helps heads that sp cannot split
+            workable = [c for c in range(1, H + 1) if H % c == 0]
+            raise JlongError(f"model.num_attention_heads ({H}) is not divisible by mesh.sp ({sp}); "
+                             f"sp degrees that work: {', '.join(map(str, workable))}")
+        U = self.heads_per_stage(config)
+        if U % sp or H % U:
+            workable = [u for u in range(sp, H + 1, sp) if H % u == 0]
+            raise JlongError(f"attention.heads_per_stage ({U}) must be a multiple of mesh.sp ({sp}) that divides "
+                             f"the {H} heads; values that work: {', '.join(map(str, workable))} (or all)")
+        super().check(config)
+        if config.mesh.ring > 1:
+            check_blocks_divide_chunks(config, 2 * config.mesh.ring, "train.seq_len / (2 x mesh.ring) with ring "
+                                       "attention")
+
+    def layout(self, config: Config) -> SequenceLayout:
+        return SequenceLayout(config.mesh.ring)
+
+    def shortest_window(self, config: Config) -> int:
+        """The sequence, or on a ring half a device's chunk (`jlong.attention.ring`)."""
+        ring = config.mesh.ring
+        return config.train.seq_len if ring == 1 else config.train.seq_len // (2 * ring)
+
+    def attention(self, params, x_BSD, positions_BS, segment_ids_BS, *, projection, heads, kernel, shards,
+                  unroll_stages=False, add_to_input=True):
+        return staged_attention(params, x_BSD, positions_BS, segment_ids_BS, projection=projection, heads=heads,
+                                kernel=kernel, shards=shards, unroll_stages=unroll_stages, add_to_input=add_to_input)
+
+
+ULYSSES = Ulysses("ulysses")

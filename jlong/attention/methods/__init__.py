@@ -1,0 +1,43 @@
+"""Sequence-parallel methods: how attention runs over a sequence sharded
+across devices, one module each behind one interface (`base`):
+
+- `ulysses`: heads exchanged all-to-all over sp, in UPipe head stages, with
+  ring attention across sp groups (`mesh.ring`);
+- `allgather`: keys and values gathered over sp, each device attending its
+  own queries (the Llama 3 paper's context parallelism), in head stages.
+
+`attention.sp_method` names one; a new method registers itself here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jlong.attention.methods.allgather import ALLGATHER
+from jlong.attention.methods.base import SequenceParallelMethod
+from jlong.attention.methods.ulysses import ULYSSES
+from jlong.errors import JlongError
+
+if TYPE_CHECKING:
+    from jlong.config import Config
+
+_METHODS: dict[str, SequenceParallelMethod] = {method.name: method for method in (ULYSSES, ALLGATHER)}
+
+
+def register(method: SequenceParallelMethod) -> SequenceParallelMethod:
+    _METHODS[method.name] = method
+    return method
+
+
+def method_named(name: str) -> SequenceParallelMethod:
+    if name not in _METHODS:
+        raise JlongError(f"attention.sp_method {name!r} is not a sequence-parallel method jlong knows "
+                         f"(known: {', '.join(sorted(_METHODS))})")
+    return _METHODS[name]
+
+
+def method_of(config: Config) -> SequenceParallelMethod:
+    return method_named(config.attention.sp_method)
+
+
+__all__ = ["SequenceParallelMethod", "method_named", "method_of", "register"]

@@ -1,0 +1,121 @@
+"""All-gather context parallelism (the Llama 3 paper's and Megatron's
+`all_gather` method): the sequence stays sharded over the sp devices, each
+device projects q, k and v of its own tokens, gathers every device's keys
+and values, and attends its own queries over them.
+
+The sequence is laid out zigzag over the sp devices (`jlong.ops.zigzag`:
+device c holds chunks c and 2C-1-c of 2C), so every device has the same
+causal work; attention then runs the ring's windows over the gathered keys
+(`jlong.attention.ring.gathered_attention`), and the keys' gradients go
+back to their devices by reduce-scatter (all-gather's transpose).
+
+Heads are taken U at a time, as UPipe does (`attention.heads_per_stage`,
+by default one kv head's query group per stage): a stage gathers only the
+kv heads its U query heads use, so the gathered keys and values hold
+S x (U / group) heads rather than all of them. Unlike Ulysses, every device
+keeps all of a stage's query heads, so U need not be a multiple of sp and
+H need not divide over sp. No ring: the sequence spans the sp devices alone.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+from jlong.attention.methods.base import SequenceParallelMethod, check_blocks_divide_chunks, sum_over_head_stages
+from jlong.attention.methods.ulysses import StagePlan
+from jlong.attention.projection import project_out
+from jlong.errors import JlongError
+from jlong.ops.shards import HIDDEN, REPLICATED, TOKENS
+from jlong.ops.zigzag import SequenceLayout, shard_token_index
+
+if TYPE_CHECKING:
+    from jlong.config import Config
+
+
+class AllGather(SequenceParallelMethod):
+    def default_heads_per_stage(self, config: Config) -> int:
+        model = config.model
+        return model.num_attention_heads // model.kv_heads  # one kv head per stage
+
+    def granule(self, config: Config) -> tuple[int, str]:
+        sp = config.mesh.sp
+        if sp == 1:
+            return 1, "1"
+        return 2 * sp, (f"2 x mesh.sp ({2 * sp}: the all-gather method's zigzag layout cuts the sequence into "
+                        "2 x sp chunks)")
+
+    def check(self, config: Config) -> None:
+        if config.mesh.ring > 1:
+            raise JlongError(f"attention.sp_method=allgather spreads the sequence over mesh.sp alone, but mesh.ring "
+                             f"is {config.mesh.ring}: set mesh.ring=1 (fold it into mesh.sp), or use "
+                             "attention.sp_method=ulysses with the ring")
+        H, U = config.model.num_attention_heads, self.heads_per_stage(config)
+        if H % U:
+            workable = [u for u in range(1, H + 1) if H % u == 0]
+            raise JlongError(f"attention.heads_per_stage ({U}) must divide the {H} heads (it is the all-gather "
+                             f"method's stage size); values that work: {', '.join(map(str, workable))} (or all)")
+        super().check(config)
+        if config.mesh.sp > 1:
+            check_blocks_divide_chunks(config, 2 * config.mesh.sp, "train.seq_len / (2 x mesh.sp) with "
+                                       "attention.sp_method=allgather")
+
+    def layout(self, config: Config) -> SequenceLayout:
+        return SequenceLayout(config.mesh.sp)
+
+    def shortest_window(self, config: Config) -> int:
+        sp = config.mesh.sp
+        return config.train.seq_len if sp == 1 else config.train.seq_len // (2 * sp)
+
+    def attention(self, params, x_BSD, positions_BS, segment_ids_BS, *, projection, heads, kernel, shards,
+                  unroll_stages=False, add_to_input=True):
+        H, K, U = heads
+        run = functools.partial(
+            _run_stages, plan=StagePlan(H, K, 1, U), axis=shards.axis("sp"), size=shards.size("sp"),
+            projection=projection, kernel=kernel, unroll_stages=unroll_stages, add_to_input=add_to_input,
+        )
+        run = shards.map(run, (REPLICATED, HIDDEN, TOKENS, TOKENS), HIDDEN)
+        return run(params, x_BSD, positions_BS, segment_ids_BS)
+
+
+def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, axis, size, projection, kernel, unroll_stages,
+                add_to_input):
+    """The per-device program: x [B, s, D] (s = S / C) -> x + attention output
+    (the output alone without `add_to_input`). U query heads per stage, r kv
+    slots, w the kv heads a stage projects."""
+    if positions_Bs is None:
+        index_s = shard_token_index(x_BsD.shape[1] * size, axis, size, None, 1)  # zigzag over the sp ranks
+        positions_Bs = jnp.broadcast_to(index_s, x_BsD.shape[:2])
+    gather = functools.partial(_gather_sequence, axis=axis)
+    k_segment_ids_BS = gather(segment_ids_Bs)
+    U = plan.heads_per_stage
+    width, first_kv, slots = plan.kv_window
+    first_kv, slots = jnp.asarray(first_kv), jnp.asarray(slots)
+
+    def stage_output(x_input_BsD, sink_BsD, stage):
+        q_BsUd, k_Bswd, v_Bswd, sink_BsD = projection.qkv(
+            params, x_input_BsD, positions_Bs, (stage * U, U), (first_kv[stage], width), sink_BsD
+        )
+        k_Bsrd, v_Bsrd = (jnp.take(t, slots[stage], axis=2) for t in (k_Bswd, v_Bswd))
+        if axis is None:
+            o_BsUd = kernel.local(q_BsUd, k_Bsrd, v_Bsrd, segment_ids_Bs)
+        else:
+            o_BsUd = kernel.gathered(q_BsUd, gather(k_Bsrd), gather(v_Bsrd), segment_ids_Bs, k_segment_ids_BS,
+                                     axis=axis, size=size)
+        return project_out(params, o_BsUd, stage * U, U), sink_BsD
+
+    return sum_over_head_stages(stage_output, x_BsD, plan.num_stages, unroll=unroll_stages,
+                                add_to_input=add_to_input)
+
+
+def _gather_sequence(x_Bs, *, axis):
+    """[B, s, ...] of this device -> [B, S, ...] of all sp devices, in device order (None stays None)."""
+    if axis is None or x_Bs is None:
+        return x_Bs
+    return jax.lax.all_gather(x_Bs, axis, axis=1, tiled=True)
+
+
+ALLGATHER = AllGather("allgather")

@@ -1,0 +1,131 @@
+"""What a sequence-parallel method is: the way attention runs over a
+sequence sharded across devices, behind one interface.
+
+A method says what it asks of a run's config (its rules, what the sequence
+length must be a multiple of, how many heads a stage takes by default),
+how the batch is laid out along the sequence for it, and runs attention
+(`SequenceParallelMethod.attention`): x [B, S, D] in, the attention's
+output projection summed over the head stages out, added into x or alone.
+
+The stages share one loop (`sum_over_head_stages`): each stage is
+rematerialised keeping only the attention output and its log-sum-exp, so
+nothing O(heads) but those outputs lives between the forward and the
+backward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+from jlong.attention.ring import ATTENTION_LSE, ATTENTION_OUT
+from jlong.errors import JlongError
+from jlong.ops.zigzag import SequenceLayout
+
+if TYPE_CHECKING:
+    from jlong.config import Config
+
+# Between forward and backward each stage keeps only the attention's output
+# and log-sum-exp (named by `jlong.attention.ring`, whatever the kernel);
+# q, k, v and the exchanges are recomputed.
+KEEP_ATTENTION_OUTPUT = jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT, ATTENTION_LSE)
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceParallelMethod:
+    name: str  # attention.sp_method
+
+    def default_heads_per_stage(self, config: Config) -> int:
+        raise NotImplementedError
+
+    def heads_per_stage(self, config: Config) -> int:
+        """U: attention.heads_per_stage, its default when unset, every head for "all"."""
+        u = config.attention.heads_per_stage
+        if u is None:
+            return self.default_heads_per_stage(config)
+        return config.model.num_attention_heads if u == "all" else u
+
+    def granule(self, config: Config) -> tuple[int, str]:
+        """What seq_len must be a multiple of on this mesh, and why (for the error)."""
+        raise NotImplementedError
+
+    def check(self, config: Config) -> None:
+        """Raises a one-line `JlongError` for a config this method cannot run."""
+        check_seq_len(config, *self.granule(config))
+
+    def layout(self, config: Config) -> SequenceLayout:
+        """How the batch is laid out along the sequence for this method."""
+        raise NotImplementedError
+
+    def shortest_window(self, config: Config) -> int:
+        """The fewest tokens one kernel call attends over (the kernel's choice depends on it)."""
+        raise NotImplementedError
+
+    def attention(self, params, x_BSD, positions_BS, segment_ids_BS, *, projection, heads, kernel, shards,
+                  unroll_stages=False, add_to_input=True):
+        """x + attention of x [B, S, D] (its projection normalises x first; the
+        output projection included), or the attention alone without
+        `add_to_input`. `heads` is (H, K, U); `shards` the mesh as the model
+        sees it; positions default to the tokens' indices in the sequence."""
+        raise NotImplementedError
+
+
+def check_seq_len(config: Config, granule: int, what: str) -> None:
+    seq_len = config.train.seq_len
+    if seq_len % granule:
+        lower = seq_len // granule * granule
+        raise JlongError(f"train.seq_len ({seq_len}) must be a multiple of {what}; "
+                         f"nearest valid: {lower or granule} or {lower + granule}")
+
+
+def check_blocks_divide_chunks(config: Config, chunks: int, why: str) -> None:
+    """The blockwise kernel walks each of the sequence's `chunks` zigzag chunks in whole blocks."""
+    chunk, block = config.train.seq_len // chunks, config.attention.block_size
+    if chunk % min(block, chunk):
+        raise JlongError(f"attention.block_size ({block}) must divide the {chunk} tokens of each zigzag chunk "
+                         f"({why})")
+
+
+def sum_over_head_stages(stage_output, x_BsD, num_stages: int, *, unroll: bool, add_to_input: bool):
+    """Sum over stages of stage_output(x, sink, stage) -> (out [B, s, D], sink),
+    added into x itself (`add_to_input`) or into a zero-filled sum.
+
+    The projections read x without differentiating it; the stages pass a
+    gradient sink along instead (x's value, otherwise unused), into whose
+    gradient each stage's backward pass adds its part of x's gradient in
+    place (`jlong.attention.projection`): one [B, s, D] sum over the stages,
+    with no per-stage gradient of x beside it.
+    """
+    x_input_BsD = jax.lax.stop_gradient(x_BsD)
+
+    # The stream y goes in and out of the checkpointed stage so the stage
+    # output is added in place; the backward pass needs no copy of it.
+    @functools.partial(jax.checkpoint, policy=KEEP_ATTENTION_OUTPUT)
+    def add_stage(carry, stage):
+        y_BsD, sink_BsD = carry
+        out_BsD, sink_BsD = stage_output(x_input_BsD, sink_BsD, stage)
+        return (y_BsD + out_BsD, sink_BsD), None
+
+    # With `add_to_input` the stages add into the residual stream itself (no
+    # zero-filled sum, which XLA would share between the forward and backward
+    # pass and keep alive in between), in the compute dtype: a float32 sum
+    # would be the largest buffer of the layer at long context, for the
+    # rounding of a handful of additions.
+    #
+    # Unrolled, each stage's saved attention output is a value of the layer
+    # itself rather than a slice of the stage loop's stacked residual: the
+    # layer's remat policy can then move it to host memory, which XLA:GPU
+    # (jax 0.10.2) fails to compile for a residual stacked by a loop nested
+    # in the layer loop. The scan plans 1.3 GiB less per device (Llama3-8B,
+    # 1M tokens), so it stays the default.
+    carry = (x_BsD if add_to_input else jnp.zeros_like(x_BsD), x_BsD)
+    if unroll:
+        for stage in range(num_stages):
+            carry, _ = add_stage(carry, stage)
+        return carry[0]
+    (y_BsD, _), _ = jax.lax.scan(add_stage, carry, jnp.arange(num_stages))
+    return y_BsD
