@@ -7,8 +7,6 @@ import typing
 from typing import Literal
 
 DType = Literal["float32", "bfloat16", "float16"]
-AttentionImpl = Literal["auto", "cudnn", "blockwise", "reference"]
 RematName = Literal["none", "full", "save_inputs", "offload_inputs", "save_attention", "offload_attention"]
 
-ATTENTION_IMPLS: tuple[str, ...] = typing.get_args(AttentionImpl)
 REMAT_NAMES: tuple[str, ...] = typing.get_args(RematName)

@@ -38,11 +38,14 @@ def while_range(lower, upper, body, carry):
     return jax.lax.while_loop(lambda state: state[0] < upper, step, (start, carry))[1]
 
 
+DEFAULT_BLOCK_SIZE = 512  # attention.block_size
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockwiseStep:
     """The step kernel of `jlong.attention.step`, block by block."""
 
-    block_size: int = 512
+    block_size: int = DEFAULT_BLOCK_SIZE
 
     def forward(self, q_BqHd, k_BkKd, v_BkKd, docs: Documents | None, causal: bool):
         w = _Window(q_BqHd, k_BkKd, v_BkKd, docs, causal, self.block_size)

@@ -37,7 +37,10 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 
-from jlong.attention.step import MASKED, Documents
+from jlong.attention.step import MASKED, CallCost, Documents
+
+DEFAULT_MAX_DOCUMENTS = 64  # attention.max_documents
+CUSTOM_CALL = "__cudnn$fmha"  # the prefix of its custom calls' targets in a compiled program
 
 try:
     from jax._src.cudnn.fused_attention_stablehlo import (
@@ -254,3 +257,26 @@ class _Segments:
 
     def keep_keys(self, x_BSKd):
         return jnp.where(self.k_covered_BS[:, :, None, None], x_BSKd, jnp.zeros((), x_BSKd.dtype))
+
+
+def price_call(target: str, backend_config: dict, operand_dims: list[tuple[int, ...]]) -> CallCost | None:
+    """The cost of one cuDNN attention custom call (None for another kernel's):
+    4 x B x H x Sq x Skv x d FLOPs forward, 10 x backward (five matmuls: the
+    scores are recomputed), times the visible fraction of a causal mask.
+
+    Compiled deviceless, cuDNN's graphs are never built, so their workspace
+    buffers appear as u8[0] and XLA's buffer assignment leaves them out: a
+    backward call's workspace is counted from cuDNN's own requirement
+    (cudnn-frontend's SDPA backward node), a float32 dQ accumulator
+    [B, H, Sq, d] and float32 softmax sums [B, H, Sq]; the forward pass
+    needs none beyond its outputs."""
+    if not target.startswith(CUSTOM_CALL):
+        return None
+    config = backend_config.get("cudnn_fmha_backend_config", {})
+    B, H, Sq, Skv = (int(v) for v in config["intermediate_tensor_shape"]["dimensions"])
+    head_dim = operand_dims[0][-1]
+    backward = "Backward" in target
+    mask = config.get("mask_type", "NO_MASK")
+    visible = (Sq + 1) / (2 * Sq) if "CAUSAL" in mask and Sq == Skv else 1.0  # the lower triangle with its diagonal
+    flops = (10 if backward else 4) * B * H * Sq * Skv * head_dim * visible
+    return CallCost(flops, backward, B * H * Sq * (head_dim + 1) * 4 if backward else 0)

@@ -1,4 +1,5 @@
-"""Causal self-attention kernels behind one interface, `attend`.
+"""Causal self-attention kernels: a registry of flash step kernels
+(`jlong.attention.step`) behind one interface, `AttentionKernel`.
 
 All kernels take q [B, S, H, d] and k, v [B, S, K, d] (H a multiple of K:
 grouped-query attention without repeating k and v), optional segment ids
@@ -6,49 +7,128 @@ grouped-query attention without repeating k and v), optional segment ids
 never see each other; non-decreasing, as jlong's data gives them), and
 return o [B, S, H, d] in q's dtype.
 
-- `reference`: plain XLA with the S x S score matrix; for tests.
-- `blockwise`: the flash step in plain XLA (`jlong.attention.blockwise`);
-  runs anywhere.
+Each registered kernel (`KernelSpec`) says how it is made from the
+attention settings, which settings are its own, what it cannot run (by
+platform, dtype, head_dim, window length, masks), and, if its compiled
+program holds custom calls, how the planner prices them (FLOPs and any
+workspace the compiled program does not show). Built in, in the order
+`auto` prefers them:
+
 - `cudnn`: cuDNN's fused flash kernel (`jlong.attention.cudnn`); GPU only,
   16-bit inputs, packed documents up to `attention.max_documents` per
-  sequence.
-- `auto`: cuDNN where it applies, blockwise otherwise.
+  sequence;
+- `blockwise`: the flash step in plain XLA (`jlong.attention.blockwise`);
+  runs anywhere.
 
-Both flash kernels run as a one-step ring (`jlong.attention.ring`), whose
-custom VJP saves only the output and its float32 log-sum-exp.
+Besides them, `reference` materialises the score matrix (for tests), and
+`auto` is the first kernel that can run the call. Every flash kernel runs
+as a one-step ring (`jlong.attention.ring`), whose custom VJP saves only the
+output and its float32 log-sum-exp.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from einops import rearrange
 
-from jlong.attention.blockwise import BlockwiseStep, group_queries
-from jlong.attention.cudnn import CudnnStep
+from jlong.attention import cudnn
+from jlong.attention.blockwise import DEFAULT_BLOCK_SIZE, BlockwiseStep, group_queries
 from jlong.attention.ring import gathered_attention, ring_attention
-from jlong.attention.step import MASKED, StepKernel
+from jlong.attention.step import MASKED, CallCost, StepKernel
 from jlong.errors import JlongError
-from jlong.options import ATTENTION_IMPLS, AttentionImpl
-
-DEFAULT_MAX_DOCUMENTS = 64
 
 
-def attend(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS=None, *, impl: AttentionImpl = "auto", block_size: int = 512,
-           max_documents: int = DEFAULT_MAX_DOCUMENTS):
+class KernelQuery(NamedTuple):
+    """What decides whether a kernel can run a call."""
+
+    platform: str  # "gpu" or "cpu"
+    dtype: object
+    window: int  # the fewest tokens one step attends over: the sequence, or half a zigzag chunk
+    head_dim: int
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    name: str  # attention.impl
+    make: Callable[[AttentionKernel], StepKernel]  # the step kernel, from the attention settings
+    options: dict[str, int]  # the attention.* settings it reads, with their defaults
+    cannot_run: Callable[[KernelQuery], str | None]  # why it cannot run a call (None: it can)
+    # Prices one custom call of a compiled program, given its target, backend
+    # config and operand shapes: None for a call that is not this kernel's.
+    price: Callable[[str, dict, list], CallCost | None] | None = None
+
+
+def _cudnn_cannot_run(query: KernelQuery) -> str | None:
+    if query.platform != "gpu":
+        return "cuDNN runs on GPUs only"
+    if jnp.dtype(query.dtype) not in (jnp.bfloat16, jnp.float16):
+        return "cuDNN takes 16-bit inputs"
+    if query.window % 2:
+        return "cuDNN's training kernels refuse odd lengths"
+    if query.head_dim > 256 or query.head_dim % 8:
+        return "cuDNN needs head_dim <= 256 and a multiple of 8"
+    return None
+
+
+_KERNELS: dict[str, KernelSpec] = {spec.name: spec for spec in (
+    KernelSpec("cudnn", lambda a: cudnn.CudnnStep(a.max_documents), {"max_documents": cudnn.DEFAULT_MAX_DOCUMENTS},
+               _cudnn_cannot_run, cudnn.price_call),
+    KernelSpec("blockwise", lambda a: BlockwiseStep(a.block_size), {"block_size": DEFAULT_BLOCK_SIZE},
+               lambda query: None),
+)}
+
+
+def register(spec: KernelSpec, *, preferred: bool = False) -> KernelSpec:
+    """Makes `spec` known as attention.impl=<spec.name>; `auto` tries it first when `preferred`."""
+    global _KERNELS
+    others = {name: s for name, s in _KERNELS.items() if name != spec.name}
+    _KERNELS = {spec.name: spec, **others} if preferred else {**others, spec.name: spec}
+    return spec
+
+
+def impl_names() -> list[str]:
+    """Every attention.impl value: auto, the registered kernels, reference."""
+    return ["auto", *_KERNELS, "reference"]
+
+
+def check_impl(impl: str) -> None:
+    if impl not in impl_names():
+        raise JlongError(f"attention.impl must be one of {', '.join(impl_names())}, got {impl!r}")
+
+
+def describe(kernel: AttentionKernel) -> str:
+    """The kernel with its own settings: 'blockwise (block_size 512)'."""
+    spec = _KERNELS.get(kernel.impl)
+    own = ", ".join(f"{name} {getattr(kernel, name)}" for name in spec.options) if spec else ""
+    return f"{kernel.impl} ({own})" if own else kernel.impl
+
+
+def price_custom_call(target: str, backend_config: dict, operand_dims: list) -> CallCost | None:
+    """The cost of a custom call as the kernel it belongs to prices it (None: no registered kernel's)."""
+    for spec in _KERNELS.values():
+        if spec.price and (cost := spec.price(target, backend_config, operand_dims)) is not None:
+            return cost
+    return None
+
+
+def attend(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS=None, *, impl: str = "auto", block_size: int = DEFAULT_BLOCK_SIZE,
+           max_documents: int = cudnn.DEFAULT_MAX_DOCUMENTS):
     """Causal attention of q [B,S,H,d] over k, v [B,S,K,d]; see the module doc."""
     return AttentionKernel(impl, block_size, max_documents).local(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS)
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionKernel:
-    """The `attention.*` settings: which kernel, and its knobs."""
+    """The `attention.*` settings: which kernel, and the kernels' own settings."""
 
-    impl: AttentionImpl = "auto"
-    block_size: int = 512  # the blockwise kernel's blocks
-    max_documents: int = DEFAULT_MAX_DOCUMENTS  # cuDNN's packed documents per sequence
+    impl: str = "auto"
+    block_size: int = DEFAULT_BLOCK_SIZE  # the blockwise kernel's blocks
+    max_documents: int = cudnn.DEFAULT_MAX_DOCUMENTS  # cuDNN's packed documents per sequence
 
     def local(self, q_BSHd, k_BSKd, v_BSKd, segment_ids_BS=None):
         """Attention over the whole sequence, held on this device."""
@@ -76,29 +156,19 @@ class AttentionKernel:
         impl = choose_kernel(self.impl, platform=jax.default_backend(), dtype=q_BSHd.dtype, seq_len=window,
                              head_dim=q_BSHd.shape[-1])
         impl = reference if impl == "reference" else impl
-        if impl == "blockwise":
-            return BlockwiseStep(self.block_size)
-        if impl == "cudnn":
-            return CudnnStep(self.max_documents)
-        raise JlongError(f"attention.impl must be one of {', '.join(ATTENTION_IMPLS)}, got {impl!r}")
+        check_impl(impl)
+        return _KERNELS[impl].make(self)
 
 
-def choose_kernel(impl: AttentionImpl, *, platform: str, dtype, seq_len: int, head_dim: int) -> str:
+def choose_kernel(impl: str, *, platform: str, dtype, seq_len: int, head_dim: int) -> str:
     """The kernel `impl` stands for on `platform` ("gpu" or "cpu"): `auto` is
-    cuDNN where it applies (16-bit inputs, an even length of every window a
-    step attends over, head_dim <= 256 and a multiple of 8), blockwise
-    elsewhere. `seq_len` is the shortest window: the sequence, or half a
-    ring chunk."""
+    the first registered kernel that can run the call (cuDNN where it
+    applies, blockwise elsewhere). `seq_len` is the shortest window: the
+    sequence, or half a zigzag chunk."""
     if impl != "auto":
         return impl
-    cudnn = (
-        platform == "gpu"
-        and seq_len % 2 == 0  # cuDNN's training kernels refuse odd lengths
-        and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-        and head_dim <= 256
-        and head_dim % 8 == 0
-    )
-    return "cudnn" if cudnn else "blockwise"
+    query = KernelQuery(platform, dtype, seq_len, head_dim)
+    return next(name for name, spec in _KERNELS.items() if spec.cannot_run(query) is None)
 
 
 def _visible(q_index, k_index, q_segments, k_segments):

@@ -47,6 +47,15 @@ class Documents(NamedTuple):
     k: jax.Array
 
 
+class CallCost(NamedTuple):
+    """What one custom call of a kernel costs, as its kernel prices it for the
+    planner (`jlong.attention.kernels.KernelSpec.price`)."""
+
+    flops: float
+    backward: bool  # a backward-pass call (its own efficiency in the step cost)
+    workspace_bytes: int = 0  # device memory the call needs that the compiled program does not show
+
+
 class StepKernel(Protocol):
     def forward(self, q, k, v, docs: Documents | None, causal: bool): ...
 

@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from jlong.attention.blockwise import DEFAULT_BLOCK_SIZE
+from jlong.attention.cudnn import DEFAULT_MAX_DOCUMENTS
 from jlong.attention.methods import method_of
 from jlong.config import validation
 from jlong.config.types import (
@@ -36,7 +38,7 @@ from jlong.config.types import (
     sequence_of,
 )
 from jlong.errors import JlongError
-from jlong.options import AttentionImpl, DType, RematName
+from jlong.options import DType, RematName
 
 # The share of each GPU a run asks XLA for by default. The rest is for what
 # lives outside XLA's pool: the CUDA context, cuBLAS/cuDNN handles, NCCL's
@@ -132,12 +134,12 @@ class MeshConfig(_Section):
 
 
 class AttentionConfig(_Section):
-    impl: choice(AttentionImpl) = "auto"
+    impl: Text = "auto"  # auto, or a kernel of `jlong.attention.kernels` (cudnn, blockwise), or reference
     sp_method: Text = "ulysses"  # how attention spans the sp devices (`jlong.attention.methods`): ulysses, allgather
     # U: unset = the method's default (Ulysses: mesh.sp); "all" (or 0) = every head in one stage (plain Ulysses)
     heads_per_stage: Annotated[int | Literal["all"] | None, BeforeValidator(_heads_per_stage)] = None
-    block_size: PositiveInt = 512  # query/key block of the blockwise kernel
-    max_documents: PositiveInt = 64  # packed documents per sequence cuDNN takes (sizes its statistics)
+    block_size: PositiveInt = DEFAULT_BLOCK_SIZE  # query/key block of the blockwise kernel
+    max_documents: PositiveInt = DEFAULT_MAX_DOCUMENTS  # packed documents per sequence cuDNN takes (sizes its statistics)
 
 
 class MemoryConfig(_Section):

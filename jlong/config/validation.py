@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from jlong.attention.kernels import check_impl
 from jlong.attention.methods import method_named
 from jlong.errors import JlongError
 from jlong.families import family_named
@@ -72,6 +73,7 @@ def _check_rope_scaling(scaling: dict) -> None:
 
 
 def check_run(config: Config) -> None:
+    check_impl(config.attention.impl)
     method_named(config.attention.sp_method).check(config)  # heads, lengths and chunks over the mesh
     if config.train.profile_steps and not config.run_dir:
         raise JlongError("train.profile_steps writes its trace into run_dir: set run_dir")

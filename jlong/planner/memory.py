@@ -36,6 +36,7 @@ from jlong.config import Config, with_values
 from jlong.model.remat import remat_policy
 from jlong.parallel.placement import make_mesh
 from jlong.planner.hlo import HloModule, parse_module
+from jlong.planner.pricing import kernel_call_cost
 from jlong.planner.targets import GIB, PlanTarget, node_shape
 from jlong.program.train_program import TrainProgram
 
@@ -202,27 +203,13 @@ def plan_of(step: CompiledStep) -> MemoryPlan:
 
 
 def cudnn_workspace_bytes(module: HloModule) -> int:
-    """The largest workspace one cuDNN attention call of the program needs.
-
-    Compiled deviceless, cuDNN's graphs are never built, so their workspace
-    buffers appear as u8[0] and XLA's buffer assignment leaves them out.
-    Counted from cuDNN's own requirement (cudnn-frontend's SDPA backward
-    node): a float32 dQ accumulator [B, H, Sq, d] and float32 softmax sums
-    [B, H, Sq] per backward call; the forward pass needs none beyond its
-    outputs. Calls run one after another, so the largest is what the peak
-    holds at most.
-    """
-    largest = 0
-    for computation in module.computations.values():
-        for call in computation.instructions:
-            target = call.attribute("custom_call_target") or ""
-            if call.opcode != "custom-call" or "__cudnn$fmha" not in target or "Backward" not in target:
-                continue
-            shape = call.backend_config["cudnn_fmha_backend_config"]["intermediate_tensor_shape"]["dimensions"]
-            B, H, Sq, _ = (int(v) for v in shape)
-            head_dim = computation.operand_arrays(call)[0].dims[-1]
-            largest = max(largest, B * H * Sq * (head_dim + 1) * 4)
-    return largest
+    """The largest workspace one attention kernel call of the program needs
+    beyond what the compiled program shows, as its kernel prices it (cuDNN's,
+    which deviceless compilation leaves out: `jlong.attention.cudnn.price_call`).
+    Calls run one after another, so the largest is what the peak holds at most."""
+    costs = (kernel_call_cost(call, computation) for computation in module.computations.values()
+             for call in computation.instructions)
+    return max((cost.workspace_bytes for cost in costs if cost is not None), default=0)
 
 
 def state_bytes(config: Config, target: PlanTarget = PlanTarget(), devices=None) -> int:
@@ -307,7 +294,7 @@ def format_plan(result: MemoryPlan, config: Config) -> str:
         f"seq_len {t.seq_len:,} x batch {t.batch_size} on mesh data={m.data} fsdp={m.fsdp} ring={m.ring} sp={m.sp}; "
         f"{t.compute_dtype} compute, {t.param_dtype} parameters",
         f"remat {mem.remat}{_groups(mem.layers_per_checkpoint)}{', optimizer in host memory' if mem.optimizer_offload else ''}, mlp_tile {mem.mlp_tile or 'off'}, loss_tile {mem.loss_tile or 'off'}, "
-        f"attention heads per stage {heads} of {config.model.num_attention_heads}",
+        f"attention {config.attention.sp_method} in stages of {heads} of {config.model.num_attention_heads} heads",
     ]
     unit, size = ("GiB", GIB) if result.device_total >= GIB else ("MiB", 2**20)
     lines.append(f"per device                 {unit}")

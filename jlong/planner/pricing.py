@@ -8,6 +8,8 @@ import collections
 import dataclasses
 import math
 
+from jlong.attention.kernels import price_custom_call
+from jlong.attention.step import CallCost
 from jlong.errors import JlongError
 from jlong.planner.hlo import Computation, HloModule, Instruction
 from jlong.planner.targets import GpuModel
@@ -116,8 +118,8 @@ class Pricer:
         hbm = None
         if op == "custom-call":
             target = (inst.attribute("custom_call_target") or "").strip('"')
-            if target.startswith("__cudnn$fmha"):
-                return "compute", self._attention(inst, computation, target, tally)
+            if (cost := kernel_call_cost(inst, computation)) is not None:
+                return "compute", self._attention(inst, computation, cost, tally)
             if "cublas" not in target:  # its FLOPs are unknown: counted at its memory traffic, and reported
                 hbm = self._hbm_bytes(inst, computation)
                 tally.unpriced[target][0] += 1
@@ -132,13 +134,9 @@ class Pricer:
         tally.busy_s["matmul" if is_matmul else "other kernels"] += seconds
         return "compute", seconds
 
-    def _attention(self, inst: Instruction, computation: Computation, target: str, tally: Tally) -> float:
-        config = inst.backend_config.get("cudnn_fmha_backend_config", {})
-        B, H, Sq, Skv = (int(v) for v in config["intermediate_tensor_shape"]["dimensions"])
-        head_dim = computation.operand_arrays(inst)[0].dims[-1]
-        visible = _visible_fraction(config.get("mask_type", "NO_MASK"), Sq, Skv)
-        backward = "Backward" in target
-        flops = (10 if backward else 4) * B * H * Sq * Skv * head_dim * visible
+    def _attention(self, inst: Instruction, computation: Computation, cost: CallCost, tally: Tally) -> float:
+        """An attention kernel's call, at the FLOPs its kernel prices it at."""
+        flops, backward = cost.flops, cost.backward
         tally.flops["attention"] += flops
         hbm = sum(a.bytes for a in computation.operand_arrays(inst)) + inst.bytes
         tally.hbm_bytes += hbm
@@ -280,9 +278,9 @@ def _elementwise_flops(inst: Instruction) -> float:
     return float(sum(a.elements for a in inst.arrays))
 
 
-def _visible_fraction(mask_type: str, q_len: int, kv_len: int) -> float:
-    """The share of the [Sq, Skv] scores a mask leaves: a causal mask keeps
-    the lower triangle with its diagonal."""
-    if "CAUSAL" in mask_type and q_len == kv_len:
-        return (q_len + 1) / (2 * q_len)
-    return 1.0
+def kernel_call_cost(inst: Instruction, computation: Computation) -> CallCost | None:
+    """A custom call's cost as its attention kernel prices it (None: no kernel's call)."""
+    if inst.opcode != "custom-call":
+        return None
+    target = (inst.attribute("custom_call_target") or "").strip('"')
+    return price_custom_call(target, inst.backend_config, [a.dims for a in computation.operand_arrays(inst)])

@@ -8,10 +8,13 @@ from pathlib import Path
 
 import jax
 
+from jlong.attention.kernels import describe as describe_kernel
 from jlong.config import Config
 from jlong.config.stages import StageRun, stage_runs
 from jlong.data.documents import PackedDocuments, describe as describe_documents
 from jlong.data.sources import Batches, TokenFile
+from jlong.model.transformer import ForwardOptions
+from jlong.ops.shards import OneDevice
 from jlong.planner.memory import compile_train_step, format_plan, plan_of
 from jlong.planner.step_cost import step_cost
 from jlong.planner.targets import GIB, GPUS, PlanTarget
@@ -38,8 +41,9 @@ def describe(config: Config, until_step: int | None) -> str:
         f"devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}) in "
         f"{jax.process_count()} process(es)",
         f"mesh: data {mesh.data} x fsdp {mesh.fsdp} x ring {mesh.ring} x sp {mesh.sp}; "
-        f"{config.shard_tokens:,} tokens of each sequence per device, attention heads in stages of "
-        f"{config.heads_per_stage}",
+        f"{config.shard_tokens:,} tokens of each sequence per device",
+        f"attention: {config.attention.sp_method} in stages of {config.heads_per_stage} heads, kernel "
+        f"{describe_kernel(ForwardOptions.for_training(config, OneDevice(), devices[0].platform).attention)}",
         f"data: {_data(config, batches)}",
         f"steps: {done + 1}-{last} of train.steps={train.steps}, {train.batch_size} x {train.seq_len:,} tokens each"
         if done < last else f"steps: none left (checkpointed at step {done} of {last})",
