@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         import_jax_quietly()
         return args.handler(args) or 0
     except JlongError as err:
-        print(f"jlong: error: {err}", file=sys.stderr)
+        print(f"jlong: error: {err.for_command_line()}", file=sys.stderr)
         return EXIT_USAGE
     except RunFailure as err:
         print(f"jlong: error: {err}", file=sys.stderr)
@@ -332,10 +332,7 @@ def _plan_one(config, target, efficiency, forward_only: bool):
 def _efficiency(args):
     from jlong.planner.pricing import Efficiency
 
-    try:
-        return Efficiency().with_overrides(args.efficiency)
-    except JlongError as err:  # the library names the setting; the command line, its flag
-        raise JlongError(f"--{err}") from None
+    return Efficiency().with_overrides(args.efficiency)
 
 
 def _maxlen(args) -> int:

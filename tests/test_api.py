@@ -91,3 +91,14 @@ def test_plan_on_h100_in_a_fresh_process_that_imported_jax_first_prints_the_comm
 def test_a_config_that_is_neither_is_refused():
     with pytest.raises(jlong.JlongError, match="a config is a jlong.Config or the path of a YAML file, got int"):
         jlong.plan(42)
+
+
+@pytest.mark.fast
+def test_argument_errors_name_the_argument_in_python_and_the_flag_on_the_command_line(tmp_path):
+    with pytest.raises(jlong.JlongError, match=r"^unknown target 'h300' \(did you mean") as python:
+        jlong.plan(small_long(), target="h300")
+    assert python.value.for_command_line().startswith("unknown --target 'h300'")
+    config = tmp_path / "small.yaml"
+    config.write_text("{}\n")
+    printed = run_cli("plan", config, *SMALL_LONG, "--target", "h300")
+    assert printed.stderr.strip().startswith("jlong: error: unknown --target 'h300'")

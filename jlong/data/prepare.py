@@ -56,7 +56,8 @@ def prepare(
     if not output.endswith(".npy"):
         raise JlongError(f"output {output!r} must end in .npy")
     if max_tokens is not None and max_tokens < 1:
-        raise JlongError(f"--max-tokens must be positive, got {max_tokens} (leave it out to take the whole corpus)")
+        raise JlongError(f"max_tokens must be positive, got {max_tokens} (leave it out to take the whole corpus)",
+                         "max_tokens")
     encoder = Encoder.load(tokenizer_path, eos_id)
     if vocab_size is not None and encoder.vocab_size > vocab_size:
         raise JlongError(f"the tokenizer's vocabulary ({encoder.vocab_size:,}) exceeds --vocab-size {vocab_size:,} "

@@ -86,7 +86,7 @@ def search_axes(entries: list[str]) -> list[tuple[str, list[str]]]:
         key, sep, values = entry.partition("=")
         choices = [v for v in values.split(",") if v]
         if not sep or not key or not choices:
-            raise JlongError(f"--search {entry!r} must look like section.key=value1,value2,...")
+            raise JlongError(f"search {entry!r} must look like section.key=value1,value2,...", "search")
         axes.append((key, choices))
     return axes
 
@@ -190,12 +190,12 @@ def _check_budget_covers_states(config: Config, target: PlanTarget) -> None:
     each device fits no length: say so instead of searching."""
     budget_gib = target.device_budget_gib(config.train.gpu_memory_fraction)
     if not budget_gib > 0:
-        raise JlongError(f"--budget-gib must be positive, got {budget_gib:g}")
+        raise JlongError(f"budget_gib must be positive, got {budget_gib:g}", "budget_gib")
     fixed = state_bytes(config, target)
     if fixed > budget_gib * GIB:
         offload = "" if config.memory.optimizer_offload else "set memory.optimizer_offload=true, "
         raise JlongError(
-            f"--budget-gib {budget_gib:g} is below the {fixed / GIB:.2f} GiB per device that parameters, "
+            f"budget_gib {budget_gib:g} is below the {fixed / GIB:.2f} GiB per device that parameters, "
             f"gradients and optimizer state need before any activation; {offload}raise the budget or spread "
-            "the model over more devices (mesh.fsdp)"
+            "the model over more devices (mesh.fsdp)", "budget_gib"
         )

@@ -34,15 +34,16 @@ class Efficiency:
         for entry in entries:
             key, sep, text = entry.partition("=")
             if not sep or key not in names:
-                raise JlongError(f"efficiency {entry!r} must be KEY=VALUE with KEY one of {', '.join(names)}")
+                raise JlongError(f"efficiency {entry!r} must be KEY=VALUE with KEY one of {', '.join(names)}",
+                                 "efficiency")
             try:
                 value = float(text)
             except ValueError:
-                raise JlongError(f"efficiency {key} must be a number, got {text!r}") from None
+                raise JlongError(f"efficiency {key} must be a number, got {text!r}", "efficiency") from None
             limit_ok = value >= 0 if key == "launch_us" else 0 < value <= 1
             if not limit_ok:
                 bound = "non-negative" if key == "launch_us" else "in (0, 1]"
-                raise JlongError(f"efficiency {key} must be {bound}, got {text}")
+                raise JlongError(f"efficiency {key} must be {bound}, got {text}", "efficiency")
             values[key] = value
         return dataclasses.replace(self, **values)
 

@@ -141,7 +141,7 @@ def estimate(module: HloModule, *, gpu: GpuModel, efficiency: Efficiency, node_o
     )
 
 
-CPU_NOTE = ("no step cost on the cpu target: it is read from the XLA:GPU program (plan with --target h100, "
+CPU_NOTE = ("no step cost on the cpu target: it is read from the XLA:GPU program (plan for the h100 target, "
             "which needs pip install 'jlong[gpu-plan]')")
 
 

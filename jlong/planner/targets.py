@@ -170,10 +170,10 @@ def resolve_target(name: str | None) -> str:
     if name not in TARGETS:
         close = difflib.get_close_matches(name, TARGETS, n=1, cutoff=0.5)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise JlongError(f"unknown --target {name!r}{hint}; choose one of {', '.join(TARGETS)}")
+        raise JlongError(f"unknown target {name!r}{hint}; choose one of {', '.join(TARGETS)}", "target")
     if name in GPUS and not cuda_plugin_installed():
-        raise JlongError(f"--target {name} compiles with XLA:GPU, which needs the CUDA plugin: {GPU_PLAN_INSTALL}; "
-                         "or plan with --target cpu")
+        raise JlongError(f"target {name} compiles with XLA:GPU, which needs the CUDA plugin: {GPU_PLAN_INSTALL}; "
+                         "or plan with target cpu", "target")
     return name
 
 
@@ -187,13 +187,13 @@ def default_budget_gib(target: str, gpu_memory_fraction: float) -> float:
 def node_shape(device_count: int, gpus_per_node: int) -> tuple[int, int]:
     """(nodes, devices per node) of a mesh: whole nodes, or part of one."""
     if gpus_per_node <= 0:
-        raise JlongError(f"--gpus-per-node must be positive, got {gpus_per_node}")
+        raise JlongError(f"gpus_per_node must be positive, got {gpus_per_node}", "gpus_per_node")
     if device_count <= gpus_per_node:
         return 1, device_count
     if device_count % gpus_per_node:
         raise JlongError(
-            f"the mesh's {device_count} devices do not fill whole nodes of --gpus-per-node {gpus_per_node}; "
-            f"make the mesh a multiple of {gpus_per_node}"
+            f"the mesh's {device_count} devices do not fill whole nodes of gpus_per_node {gpus_per_node}; "
+            f"make the mesh a multiple of {gpus_per_node}", "gpus_per_node"
         )
     return device_count // gpus_per_node, gpus_per_node
 
@@ -239,7 +239,7 @@ def _topology(target: str, nodes: int, per_node: int) -> tuple:
     with quiet_native_stderr():
         cudnn = installed_cudnn_version()
         if cudnn is None:
-            raise JlongError(f"--target {target} needs cuDNN for the CUDA plugin to load: {GPU_PLAN_INSTALL}")
+            raise JlongError(f"target {target} needs cuDNN for the CUDA plugin to load: {GPU_PLAN_INSTALL}", "target")
         if cudnn < MIN_CUDNN_FOR_DEVICELESS_ATTENTION:
             raise JlongError(f"cuDNN {'.'.join(map(str, cudnn))} is installed; XLA compiles for GPUs without one "
                              f"only from cuDNN 9.8: {GPU_PLAN_INSTALL}")
@@ -249,8 +249,8 @@ def _topology(target: str, nodes: int, per_node: int) -> tuple:
                 target_config=target_config_text(GPUS[target], cudnn),
             )
         except Exception as err:  # a plugin that does not match jaxlib, or none registered
-            raise JlongError(f"the CUDA plugin cannot compile for --target {target} "
-                             f"({str(err).splitlines()[0][:160]}): {GPU_PLAN_INSTALL}") from None
+            raise JlongError(f"the CUDA plugin cannot compile for target {target} "
+                             f"({str(err).splitlines()[0][:160]}): {GPU_PLAN_INSTALL}", "target") from None
     return tuple(topology.devices)
 
 
@@ -279,7 +279,7 @@ class PlanTarget:
     def describe_budget(self, gpu_memory_fraction: float) -> str:
         """Where the device budget comes from, for reports."""
         if self.budget_gib is not None:
-            return f"{self.budget_gib:.2f} GiB per device (--budget-gib)"
+            return f"{self.budget_gib:.2f} GiB per device (as given)"
         gpu = GPUS.get(self.name, GPUS["h100"])
         return (f"{default_budget_gib(self.name, gpu_memory_fraction):.2f} GiB per device = "
                 f"train.gpu_memory_fraction {gpu_memory_fraction:g} x {gpu.memory_bytes / GIB:.1f} GiB "

@@ -225,8 +225,8 @@ def checked_last_step(config: Config, until_step: int | None) -> int:
     if until_step is None:
         return config.train.steps
     if until_step < 1:
-        raise JlongError(f"--until-step must be a step of the run (1 to train.steps={config.train.steps}), "
-                         f"got {until_step}")
+        raise JlongError(f"until_step must be a step of the run (1 to train.steps={config.train.steps}), "
+                         f"got {until_step}", "until_step")
     return min(config.train.steps, until_step)
 
 

@@ -38,7 +38,8 @@ def initialize_distributed(coordinator: str | None, num_processes: int | None, p
     # RPCs would only be left pending in the coordinator at exit.
     jax.config.update("jax_enable_preemption_service", False)
     if coordinator is None and "SLURM_PROCID" not in os.environ:
-        raise JlongError("multi-process training needs --coordinator host:port (or JAX_COORDINATOR_ADDRESS)")
+        raise JlongError("multi-process training needs coordinator host:port (or JAX_COORDINATOR_ADDRESS)",
+                         "coordinator")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=count, process_id=process_id)
 
 
