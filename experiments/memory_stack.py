@@ -21,7 +21,7 @@ from common import GIB, add_target_argument, markdown_table, planning_target, pr
 use_cpu_devices(8)
 
 from jlong.config import ModelConfig, load_config  # noqa: E402
-from jlong.planner.probe import loss_temp_bytes, mlp_temp_bytes  # noqa: E402
+from block_probe import loss_temp_bytes, mlp_temp_bytes  # noqa: E402
 from jlong.planner.memory import plan  # noqa: E402
 from jlong.planner.targets import PlanTarget  # noqa: E402
 

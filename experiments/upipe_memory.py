@@ -21,7 +21,7 @@ from common import use_cpu_devices
 use_cpu_devices(8)
 
 from jlong.config import ModelConfig  # noqa: E402
-from jlong.planner.probe import attention_temp_bytes  # noqa: E402
+from block_probe import attention_temp_bytes  # noqa: E402
 
 
 def main() -> None:

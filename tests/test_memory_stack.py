@@ -5,16 +5,16 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import SMALL_MODEL, assert_same_result, loss_and_grads
+from helpers import SMALL_MODEL, assert_same_result, load_experiment, loss_and_grads
 
 from jlong.config import ModelConfig, load_config
 from jlong.errors import JlongError
-from jlong.planner.probe import loss_temp_bytes, mlp_temp_bytes
 from jlong.options import REMAT_NAMES
 from jlong.parallel.placement import make_mesh
 from jlong.planner.memory import plan, shard_bytes
 from jlong.program.train_program import TrainProgram
 
+block_probe = load_experiment("block_probe")  # per-block temporaries, compiled
 SHARDED = ["mesh.fsdp=2", "mesh.sp=4"]  # each device holds 16 of the 64 tokens
 PLAIN = ["attention.heads_per_stage=0"]  # Ulysses with every head in one stage
 ALL_KNOBS = ["memory.remat=save_inputs", "memory.mlp_tile=4", "memory.loss_tile=4", "attention.heads_per_stage=4"]
@@ -77,15 +77,15 @@ LONG_SEQ, SP = 32768, 8
 
 @pytest.mark.fast
 def test_tiled_loss_needs_at_most_a_quarter_of_the_untiled_temporaries():
-    untiled = loss_temp_bytes(LLAMA_SHAPED, LONG_SEQ, SP, tile=0)
-    tiled = loss_temp_bytes(LLAMA_SHAPED, LONG_SEQ, SP, tile=256)
+    untiled = block_probe.loss_temp_bytes(LLAMA_SHAPED, LONG_SEQ, SP, tile=0)
+    tiled = block_probe.loss_temp_bytes(LLAMA_SHAPED, LONG_SEQ, SP, tile=256)
     assert tiled <= 0.25 * untiled, (tiled, untiled)
 
 
 @pytest.mark.fast
 def test_tiled_mlp_needs_at_most_half_of_the_untiled_temporaries():
-    untiled = mlp_temp_bytes(LLAMA_SHAPED, LONG_SEQ, SP, tile=0)
-    tiled = mlp_temp_bytes(LLAMA_SHAPED, LONG_SEQ, SP, tile=256)
+    untiled = block_probe.mlp_temp_bytes(LLAMA_SHAPED, LONG_SEQ, SP, tile=0)
+    tiled = block_probe.mlp_temp_bytes(LLAMA_SHAPED, LONG_SEQ, SP, tile=256)
     assert tiled <= 0.5 * untiled, (tiled, untiled)
 
 

@@ -1,7 +1,8 @@
 """Compiled per-device temporary bytes of single blocks' forward + backward
 (attention, MLP, loss) on a sequence-parallel mesh, from XLA's memory
-analysis: nothing is allocated. Experiments and tests use these to show what
-each memory technique saves, one block at a time.
+analysis: nothing is allocated. The experiments (upipe_memory, memory_stack)
+and tests/test_memory_stack.py use these to show what each memory technique
+saves, one block at a time.
 
 Weights are replicated (as they are at compute time, after FSDP gathers
 them) and x [1, S, D] is split over sp. `devices` (default: jax's) may be
