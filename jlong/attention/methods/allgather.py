@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-from jlong.attention.methods.base import SequenceParallelMethod, check_blocks_divide_chunks, sum_over_head_stages
+from jlong.attention.methods.base import SequenceParallelMethod, sum_over_head_stages
 from jlong.attention.methods.ulysses import StagePlan
 from jlong.attention.projection import project_out
 from jlong.errors import JlongError
@@ -53,22 +53,12 @@ class AllGather(SequenceParallelMethod):
             raise JlongError(f"attention.sp_method=allgather spreads the sequence over mesh.sp alone, but mesh.ring "
                              f"is {config.mesh.ring}: set mesh.ring=1 (fold it into mesh.sp), or use "
                              "attention.sp_method=ulysses with the ring")
-        H, U = config.model.num_attention_heads, self.heads_per_stage(config)
-        if H % U:
-            workable = [u for u in range(1, H + 1) if H % u == 0]
-            raise JlongError(f"attention.heads_per_stage ({U}) must divide the {H} heads (it is the all-gather "
-                             f"method's stage size); values that work: {', '.join(map(str, workable))} (or all)")
+        H = config.model.num_attention_heads
+        self.check_stage_size(config, 1, f"divide the {H} heads (it is the all-gather method's stage size)")
         super().check(config)
-        if config.mesh.sp > 1:
-            check_blocks_divide_chunks(config, 2 * config.mesh.sp, "train.seq_len / (2 x mesh.sp) with "
-                                       "attention.sp_method=allgather")
 
     def layout(self, config: Config) -> SequenceLayout:
         return SequenceLayout(config.mesh.sp)
-
-    def shortest_window(self, config: Config) -> int:
-        sp = config.mesh.sp
-        return config.train.seq_len if sp == 1 else config.train.seq_len // (2 * sp)
 
     def attention(self, params, x_BSD, positions_BS, segment_ids_BS, *, projection, heads, kernel, shards,
                   unroll_stages=False, add_to_input=True):
@@ -92,14 +82,10 @@ def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, axis, size
     gather = functools.partial(_gather_sequence, axis=axis)
     k_segment_ids_BS = gather(segment_ids_Bs)
     U = plan.heads_per_stage
-    width, first_kv, slots = plan.kv_window
-    first_kv, slots = jnp.asarray(first_kv), jnp.asarray(slots)
+    project = plan.stage_projection(projection, params, positions_Bs)
 
     def stage_output(x_input_BsD, sink_BsD, stage):
-        q_BsUd, k_Bswd, v_Bswd, sink_BsD = projection.qkv(
-            params, x_input_BsD, positions_Bs, (stage * U, U), (first_kv[stage], width), sink_BsD
-        )
-        k_Bsrd, v_Bsrd = (jnp.take(t, slots[stage], axis=2) for t in (k_Bswd, v_Bswd))
+        q_BsUd, k_Bsrd, v_Bsrd, sink_BsD = project(x_input_BsD, sink_BsD, stage)
         if axis is None:
             o_BsUd = kernel.local(q_BsUd, k_Bsrd, v_Bsrd, segment_ids_Bs)
         else:

@@ -54,16 +54,34 @@ class SequenceParallelMethod:
         raise NotImplementedError
 
     def check(self, config: Config) -> None:
-        """Raises a one-line `JlongError` for a config this method cannot run."""
+        """Raises a one-line `JlongError` for a config this method cannot run:
+        here, a length that is not a multiple of the granule, or a zigzag
+        chunk that the blockwise kernel's blocks do not divide."""
         check_seq_len(config, *self.granule(config))
+        if (ranks := self.layout(config).ranks) > 1:
+            chunk, block = config.train.seq_len // (2 * ranks), config.attention.block_size
+            if chunk % min(block, chunk):
+                raise JlongError(f"attention.block_size ({block}) must divide the {chunk} tokens of each zigzag "
+                                 f"chunk (train.seq_len / (2 x {ranks}) with attention.sp_method={self.name})")
+
+    def check_stage_size(self, config: Config, step: int, requirement: str) -> None:
+        """U must be a multiple of `step` that divides the heads (`requirement` says so for the error)."""
+        H, U = config.model.num_attention_heads, self.heads_per_stage(config)
+        if U % step or H % U:
+            workable = [u for u in range(step, H + 1, step) if H % u == 0]
+            raise JlongError(f"attention.heads_per_stage ({U}) must {requirement}; values that work: "
+                             f"{', '.join(map(str, workable))} (or all)")
 
     def layout(self, config: Config) -> SequenceLayout:
         """How the batch is laid out along the sequence for this method."""
         raise NotImplementedError
 
     def shortest_window(self, config: Config) -> int:
-        """The fewest tokens one kernel call attends over (the kernel's choice depends on it)."""
-        raise NotImplementedError
+        """The fewest tokens one kernel call attends over (the kernel's choice
+        depends on it): the sequence, or in a zigzag layout half a chunk
+        (`jlong.attention.ring`)."""
+        ranks = self.layout(config).ranks
+        return config.train.seq_len if ranks == 1 else config.train.seq_len // (2 * ranks)
 
     def attention(self, params, x_BSD, positions_BS, segment_ids_BS, *, projection, heads, kernel, shards,
                   unroll_stages=False, add_to_input=True):
@@ -80,14 +98,6 @@ def check_seq_len(config: Config, granule: int, what: str) -> None:
         lower = seq_len // granule * granule
         raise JlongError(f"train.seq_len ({seq_len}) must be a multiple of {what}; "
                          f"nearest valid: {lower or granule} or {lower + granule}")
-
-
-def check_blocks_divide_chunks(config: Config, chunks: int, why: str) -> None:
-    """The blockwise kernel walks each of the sequence's `chunks` zigzag chunks in whole blocks."""
-    chunk, block = config.train.seq_len // chunks, config.attention.block_size
-    if chunk % min(block, chunk):
-        raise JlongError(f"attention.block_size ({block}) must divide the {chunk} tokens of each zigzag chunk "
-                         f"({why})")
 
 
 def sum_over_head_stages(stage_output, x_BsD, num_stages: int, *, unroll: bool, add_to_input: bool):

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jlong.attention.kernels import AttentionKernel
-from jlong.attention.methods.base import SequenceParallelMethod, check_blocks_divide_chunks, sum_over_head_stages
+from jlong.attention.methods.base import SequenceParallelMethod, sum_over_head_stages
 from jlong.attention.projection import QKVProjection, project_out
 from jlong.ops.shards import HIDDEN, REPLICATED, TOKENS, OneDevice, Shards
 from jlong.errors import JlongError
@@ -105,6 +105,23 @@ class StagePlan:
         first = np.minimum(slots.min(1), self.num_kv_heads - width)
         return width, first, slots - first[:, None]
 
+    def stage_projection(self, projection: QKVProjection, params, positions_Bs, place_kv=lambda t: t):
+        """(x, sink, stage) -> (q [B, s, U, d] of the stage's query heads, k and v
+        repeated into the stage's kv slots and each passed through `place_kv`,
+        sink) for one device's tokens."""
+        U = self.heads_per_stage
+        width, first_kv, slots = self.kv_window
+        first_kv, slots = jnp.asarray(first_kv), jnp.asarray(slots)
+
+        def project(x_BsD, sink_BsD, stage):
+            q_BsUd, k_Bswd, v_Bswd, sink_BsD = projection.qkv(
+                params, x_BsD, positions_Bs, (stage * U, U), (first_kv[stage], width), sink_BsD
+            )
+            k, v = (place_kv(jnp.take(t, slots[stage], axis=2)) for t in (k_Bswd, v_Bswd))
+            return q_BsUd, k, v, sink_BsD
+
+        return project
+
 
 def staged_attention(params, x_BSD, positions_BS, segment_ids_BS, *, projection: QKVProjection, heads,
                      kernel: AttentionKernel, shards: Shards = OneDevice(), unroll_stages=False,
@@ -153,14 +170,10 @@ def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, r
     to_heads = functools.partial(_exchange, axis=sp_axis, split=2, concat=1)
     to_sequence = functools.partial(_exchange, axis=sp_axis, split=1, concat=2)
     U = plan.heads_per_stage
-    width, first_kv, slots = plan.kv_window
-    first_kv, slots = jnp.asarray(first_kv), jnp.asarray(slots)
+    project = plan.stage_projection(projection, params, positions_Bs, place_kv=to_heads)
 
     def stage_output(x_input_BsD, sink_BsD, stage):
-        q_BsUd, k_Bswd, v_Bswd, sink_BsD = projection.qkv(
-            params, x_input_BsD, positions_Bs, (stage * U, U), (first_kv[stage], width), sink_BsD
-        )
-        k_BSrd, v_BSrd = (to_heads(jnp.take(t, slots[stage], axis=2)) for t in (k_Bswd, v_Bswd))
+        q_BsUd, k_BSrd, v_BSrd, sink_BsD = project(x_input_BsD, sink_BsD, stage)
         o_BSud = attend(to_heads(q_BsUd), k_BSrd, v_BSrd, segment_ids_BS)
         return project_out(params, to_sequence(o_BSud), stage * U, U), sink_BsD
 
@@ -203,23 +216,11 @@ class Ulysses(SequenceParallelMethod):
             workable = [c for c in range(1, H + 1) if H % c == 0]
             raise JlongError(f"model.num_attention_heads ({H}) is not divisible by mesh.sp ({sp}); "
                              f"sp degrees that work: {', '.join(map(str, workable))}")
-        U = self.heads_per_stage(config)
-        if U % sp or H % U:
-            workable = [u for u in range(sp, H + 1, sp) if H % u == 0]
-            raise JlongError(f"attention.heads_per_stage ({U}) must be a multiple of mesh.sp ({sp}) that divides "
-                             f"the {H} heads; values that work: {', '.join(map(str, workable))} (or all)")
+        self.check_stage_size(config, sp, f"be a multiple of mesh.sp ({sp}) that divides the {H} heads")
         super().check(config)
-        if config.mesh.ring > 1:
-            check_blocks_divide_chunks(config, 2 * config.mesh.ring, "train.seq_len / (2 x mesh.ring) with ring "
-                                       "attention")
 
     def layout(self, config: Config) -> SequenceLayout:
         return SequenceLayout(config.mesh.ring)
-
-    def shortest_window(self, config: Config) -> int:
-        """The sequence, or on a ring half a device's chunk (`jlong.attention.ring`)."""
-        ring = config.mesh.ring
-        return config.train.seq_len if ring == 1 else config.train.seq_len // (2 * ring)
 
     def attention(self, params, x_BSD, positions_BS, segment_ids_BS, *, projection, heads, kernel, shards,
                   unroll_stages=False, add_to_input=True):
