@@ -24,14 +24,8 @@ import json
 import sys
 import time
 
-from common import GIB, RESULTS, add_target_argument, markdown_table, planning_target, provenance, use_cpu_devices, write_result
-
-use_cpu_devices(8)
-
-from jlong.config import load_config  # noqa: E402
-from jlong.planner.maxlen import longest_seq_len  # noqa: E402
-from jlong.planner.memory import plan  # noqa: E402
-from jlong.planner.targets import PlanTarget  # noqa: E402
+import jlong
+from common import GIB, RESULTS, add_target_argument, longest, markdown_table, plan, planning_target, provenance, write_result
 
 COMMON = ["train.compute_dtype=bfloat16", "train.param_dtype=float32", "attention.impl=auto",
           "attention.block_size=1024", "data.source=synthetic"]
@@ -61,16 +55,16 @@ def rows_for(model: str) -> list[tuple[str, list[str]]]:
     return stack
 
 
-def run_model(model: str, lengths: list[int], target: PlanTarget, cpu_proxy: PlanTarget | None) -> list[dict]:
+def run_model(model: str, lengths: list[int], target, cpu_proxy) -> list[dict]:
     results = []
     for name, overrides in rows_for(model):
         def config_at(n):
-            return load_config(None, [f"model.preset={model}", *COMMON, *overrides, f"train.seq_len={n}"])
+            return jlong.load_config(None, [f"model.preset={model}", *COMMON, *overrides, f"train.seq_len={n}"])
 
         started = time.perf_counter()
-        plans = {n: plan(config_at(n), target) for n in lengths}
-        proxy = {n: plan(config_at(n), cpu_proxy) for n in lengths} if cpu_proxy else {}
-        found = longest_seq_len(config_at(lengths[0]), target)
+        plans = {n: plan(config_at(n), target).memory for n in lengths}
+        proxy = {n: plan(config_at(n), cpu_proxy).memory for n in lengths} if cpu_proxy else {}
+        found = longest(config_at(lengths[0]), target)
         results.append({"name": name, "plans": plans, "proxy": proxy, "maxlen": found.seq_len,
                         "bound_by": found.bound_by})
         gib = ", ".join(f"{n / MILLION:g}M: {p.device_total / GIB:,.1f} GiB" for n, p in plans.items())
@@ -144,9 +138,9 @@ def main() -> None:
     args.out_name = args.out_name or "ablation-" + "-".join(args.models)
 
     target = planning_target(args.target, budget_gib=args.budget_gib, host_budget_gib=args.host_budget_gib)
-    config = load_config(None, [f"model.preset={args.models[0]}"])
+    config = jlong.load_config(None, [f"model.preset={args.models[0]}"])
     budget_gib = target.device_budget_gib(config.train.gpu_memory_fraction)
-    cpu_proxy = None if args.no_cpu_proxy or target.name == "cpu" else PlanTarget(
+    cpu_proxy = None if args.no_cpu_proxy or target.name == "cpu" else planning_target(
         "cpu", budget_gib=budget_gib, host_budget_gib=args.host_budget_gib)
     started = time.perf_counter()
     all_results = {model: run_model(model, args.lengths, target, cpu_proxy) for model in args.models}

@@ -1,21 +1,15 @@
-"""Shared by the experiment scripts: CPU devices, model presets, result tables."""
+"""Shared by the experiment scripts: plans through jlong's API for a script's target, result tables."""
 
 from __future__ import annotations
 
-import os
 import platform
 from pathlib import Path
+
+import jlong
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 RESULTS = ROOT / "experiments" / "results"
 GIB = 2**30
-
-
-def use_cpu_devices(count: int = 8) -> None:
-    """Must run before jax is imported."""
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:
@@ -56,12 +50,37 @@ def add_target_argument(parser, default: str = "h100") -> None:
 
 
 def planning_target(name: str, **budgets):
-    """The PlanTarget of `--target`, checked, with jax started for planning."""
-    from jlong.planner.targets import PlanTarget, resolve_target, start_planning_backend
+    """The PlanTarget of `--target`, checked: what every plan of a script
+    compiles for and is held to. jax starts with 8 CPU devices, so a script
+    can plan for the cpu target too (ablation's CPU proxy, block probes)."""
+    from jlong.planner.targets import PlanTarget, resolve_target
 
     target = PlanTarget(resolve_target(name), **budgets)
-    start_planning_backend(cpu_devices=8)
+    start_cpu_devices(8)
     return target
+
+
+def plan(config, target) -> jlong.Plan:
+    """`jlong.plan` of a config (or YAML path) for the script's target and budgets."""
+    return jlong.plan(config, target=target.name, budget_gib=target.budget_gib,
+                      host_budget_gib=target.host_budget_gib, gpus_per_node=target.gpus_per_node)
+
+
+def longest(config, target):
+    """`jlong.maxlen` of one config for the script's target and budgets: its
+    `jlong.planner.maxlen.MaxLen` (longest length, plan there, probes, binding budget)."""
+    [result] = jlong.maxlen(config, target=target.name, budget_gib=target.budget_gib,
+                            host_budget_gib=target.host_budget_gib, gpus_per_node=target.gpus_per_node)
+    if result.refusal:
+        raise result.refusal
+    return result.found
+
+
+def start_cpu_devices(count: int = 8) -> None:
+    """jax on `count` virtual CPU devices, for the scripts that compile single blocks (block_probe)."""
+    from jlong.planner.targets import start_planning_backend
+
+    start_planning_backend(cpu_devices=count)
 
 
 def estimate_assumptions(target_name: str) -> str:

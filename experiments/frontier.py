@@ -14,12 +14,8 @@ import argparse
 import sys
 import time
 
-from common import GIB, ROOT, add_target_argument, markdown_table, planning_target, provenance, use_cpu_devices, write_result
-
-use_cpu_devices(8)
-
-from jlong.config import load_config  # noqa: E402
-from jlong.planner.memory import plan  # noqa: E402
+import jlong
+from common import GIB, ROOT, add_target_argument, markdown_table, plan, planning_target, provenance, write_result
 
 CONFIGS = [
     "configs/llama3-8b-2m.yaml", "configs/llama3-8b-5m.yaml", "configs/llama3-8b-8m.yaml", "configs/qwen3-32b-3m.yaml",
@@ -28,9 +24,9 @@ CONFIGS = [
 
 
 def row(path: str, overrides: list[str], target) -> list:
-    config = load_config(ROOT / path, overrides)
+    config = jlong.load_config(ROOT / path, overrides)
     began = time.perf_counter()
-    result = plan(config, target)
+    result = plan(config, target).memory
     seconds = time.perf_counter() - began
     m = config.memory
     knobs = f"{m.remat}, k={m.layers_per_checkpoint}, optimizer {'host' if m.optimizer_offload else 'device'}"

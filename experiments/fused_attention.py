@@ -18,14 +18,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import GIB, ROOT, add_target_argument, planning_target, use_cpu_devices
-from common import estimate_assumptions, markdown_table, provenance, write_result
-
-use_cpu_devices(8)
-
-from jlong.config import load_config  # noqa: E402
-from jlong.planner.memory import compile_train_step, plan_of  # noqa: E402
-from jlong.planner.step_cost import step_cost  # noqa: E402
+import jlong
+from common import GIB, ROOT, add_target_argument, estimate_assumptions, markdown_table, plan, planning_target, provenance, write_result
 
 PROGRAMS = [
     ("Llama3-8B, one node", "configs/llama3-8b-5m.yaml", ["train.seq_len=131072"]),
@@ -46,9 +40,9 @@ def main(argv: list[str] | None = None) -> int:
                "tokens/s per node (estimate)", "device GiB (cuDNN workspace)", "host GiB per node", "fits"]
     rows = []
     for label, path, overrides in PROGRAMS:
-        config = load_config(ROOT / path, overrides)
-        step = compile_train_step(config, target)
-        memory, cost = plan_of(step), step_cost(step)
+        config = jlong.load_config(ROOT / path, overrides)
+        planned = plan(config, target)
+        memory, cost = planned.memory, planned.cost
         nodes = max(1, config.mesh.size // target.gpus_per_node)
         rows.append([label, f"{config.train.seq_len:,}",
                      f"{cost.flops_by_kind.get('attention', 0) / cost.executed_flops:.0%}", f"{cost.kernels:.2g}",

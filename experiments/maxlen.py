@@ -11,18 +11,13 @@ Writes experiments/results/maxlen.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
 
-from common import GIB, ROOT, add_target_argument, markdown_table, planning_target, provenance, use_cpu_devices, write_result
-
-use_cpu_devices(8)
-
-import dataclasses  # noqa: E402
-
-from jlong.config import load_config  # noqa: E402
-from jlong.planner.maxlen import longest_seq_len  # noqa: E402
+import jlong
+from common import GIB, ROOT, add_target_argument, longest, markdown_table, planning_target, provenance, write_result
 
 CONFIGS = ROOT / "configs"
 UNBOUNDED_HOST_GIB = 1e9
@@ -38,18 +33,18 @@ def main() -> None:
     target = planning_target(args.target)
     rows = []
     for name, overrides in VARIANTS:
-        config = load_config(args.config, overrides)
+        config = jlong.load_config(args.config, overrides)
         for host_limit, limited in ((target.host_budget_gib, True), (UNBOUNDED_HOST_GIB, False)):
             searched = dataclasses.replace(target, host_budget_gib=host_limit)
             started = time.perf_counter()
-            found = longest_seq_len(config, searched)
+            found = longest(config, searched)
             seconds = time.perf_counter() - started
             budgets = "device and host" if limited else "device only"
             best = found.plan
             rows.append([name, budgets, f"{found.seq_len:,}", f"{best.device_total / GIB:.2f}",
                          f"{best.host_per_node / GIB:,.0f}", found.bound_by, len(found.probes), f"{seconds:.0f}"])
             print(" | ".join(map(str, rows[-1])), flush=True)
-    budget = target.device_budget_gib(load_config(args.config).train.gpu_memory_fraction)
+    budget = target.device_budget_gib(jlong.load_config(args.config).train.gpu_memory_fraction)
     text = "\n\n".join([
         "# Longest context on one node",
         provenance("python experiments/maxlen.py " + " ".join(sys.argv[1:]), target.compiler()),

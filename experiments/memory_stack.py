@@ -16,19 +16,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import GIB, add_target_argument, markdown_table, planning_target, provenance, use_cpu_devices, write_result
-
-use_cpu_devices(8)
-
-from jlong.config import ModelConfig, load_config  # noqa: E402
-from block_probe import loss_temp_bytes, mlp_temp_bytes  # noqa: E402
-from jlong.planner.memory import plan  # noqa: E402
-from jlong.planner.targets import PlanTarget  # noqa: E402
+import jlong
+from block_probe import loss_temp_bytes, mlp_temp_bytes
+from common import GIB, add_target_argument, markdown_table, plan, planning_target, provenance, write_result
 
 MIB = 2**20
 
 
-def block_rows(model: ModelConfig, seq: int, target: PlanTarget) -> list[list]:
+def block_rows(model: jlong.ModelConfig, seq: int, target) -> list[list]:
     rows, devices = [], target.devices(8)
     for name, probe in (("loss (output projection + cross-entropy)", loss_temp_bytes), ("MLP (norm + SwiGLU)", mlp_temp_bytes)):
         untiled = probe(model, seq, 8, 0, devices=devices)
@@ -50,12 +45,12 @@ STEP_ROWS = [
 ]
 
 
-def step_rows(seq: int, target: PlanTarget) -> list[list]:
+def step_rows(seq: int, target) -> list[list]:
     base = ["model.preset=llama3-8b", "mesh.sp=8", "train.batch_size=1", f"train.seq_len={seq}",
             "attention.impl=auto", "attention.block_size=1024"]
     rows = []
     for name, overrides in STEP_ROWS:
-        result = plan(load_config(None, [*base, *overrides]), target)
+        result = plan(jlong.load_config(None, [*base, *overrides]), target).memory
         on_device = 0 if result.host_offload else result.saved_layer_inputs
         rows.append([name, *(f"{value / GIB:.2f}" for value in (
             result.temporaries, on_device, result.device_total, result.host_offload))])
@@ -71,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
 
     target = planning_target(args.target)
-    model = load_config(None, ["model.preset=llama3.2-1b"]).model
+    model = jlong.load_config(None, ["model.preset=llama3.2-1b"]).model
     blocks = block_rows(model, args.seq, target)
     steps = step_rows(args.step_seq, target)
     text = "\n\n".join([

@@ -22,17 +22,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import GIB, add_target_argument, markdown_table, planning_target, provenance, publish, use_cpu_devices
+import jlong
+from common import GIB, add_target_argument, markdown_table, plan, planning_target, provenance, publish
 
 _DUMP = tempfile.mkdtemp(prefix="jlong-xla-dump-")
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + f" --xla_dump_to={_DUMP} --xla_dump_hlo_module_re=.*step.* --xla_dump_hlo_pass_re=^$"
-)
-use_cpu_devices(8)
-
-from jlong.config import load_config  # noqa: E402
-from jlong.planner.memory import plan  # noqa: E402
+)  # read when jax starts its backends, in the first plan
 
 _VALUE = re.compile(r" value: <\d+ ([^\s{]+)(\{[\d,]*\})?(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\): (\S+)")
 _LIVE_RANGE = re.compile(r"\s+(\S+):(\d+)-(\d+)$")
@@ -88,7 +85,7 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     target = planning_target(args.target)
-    result = plan(load_config(args.config, args.overrides), target)
+    result = plan(jlong.load_config(args.config, args.overrides), target).memory
     dump = Path(_DUMP)
     assignment = next(dump.glob("**/*step*buffer-assignment.txt")).read_text()
     ranges = live_ranges(next(dump.glob("**/*step*live-range.txt")).read_text())

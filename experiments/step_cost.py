@@ -14,23 +14,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+import jlong
 from common import (
     GIB,
     ROOT,
     add_target_argument,
     estimate_assumptions,
     markdown_table,
+    plan,
     planning_target,
     provenance,
-    use_cpu_devices,
     write_result,
 )
-
-use_cpu_devices(8)
-
-from jlong.config import load_config  # noqa: E402
-from jlong.planner.memory import compile_train_step, plan_of  # noqa: E402
-from jlong.planner.step_cost import step_cost  # noqa: E402
 
 DEFAULT_STACK = "configs/llama3-8b-5m.yaml"
 LENGTHS = [2**17 * 2**k for k in range(7)]  # 131,072 ... 8,388,608
@@ -48,9 +43,8 @@ PUBLISHED = {
 
 
 def measure(path: str, overrides: list[str], target) -> tuple:
-    config = load_config(ROOT / path, overrides)
-    step = compile_train_step(config, target)
-    return config, plan_of(step), step_cost(step)
+    planned = plan(jlong.load_config(ROOT / path, overrides), target)
+    return planned.config, planned.memory, planned.cost
 
 
 def row(label: str, config, memory, cost) -> list:

@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import argparse
 
-from common import use_cpu_devices
-
-use_cpu_devices(8)
-
-from jlong.config import ModelConfig  # noqa: E402
-from block_probe import attention_temp_bytes  # noqa: E402
+import jlong
+from block_probe import attention_temp_bytes
+from common import start_cpu_devices
 
 
 def main() -> None:
@@ -32,7 +29,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--sp", type=int, default=8)
     args = parser.parse_args()
-    model = ModelConfig(
+    start_cpu_devices(args.sp)
+    model = jlong.ModelConfig(
         vocab_size=256, hidden_size=args.heads * args.head_dim, intermediate_size=256, num_hidden_layers=1,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
     )
