@@ -135,7 +135,7 @@ def train(config: ConfigLike, overrides: Sequence[str] = (), *, until_step: int 
 
 
 def evaluate(config: ConfigLike, checkpoint: str | Path, overrides: Sequence[str] = ()) -> dict:
-    """`jlong eval`: the loss by position on eval.path and passkey retrieval
+    """`jlong eval`: the loss by position on eval.path (or eval.mix) and passkey retrieval
     of a checkpoint (a jlong checkpoint directory or a Hugging Face one), on
     the config's mesh; the dict `eval.json` holds."""
     from jlong.eval.evaluate import at_checkpoint, eval_inputs, evaluate as evaluate_checkpoint

@@ -10,6 +10,7 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 
 from jlong.errors import JlongError, RunFailure
 from jlong.jax_startup import import_jax_quietly, start_backends
@@ -75,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser(
         "eval", help="loss by position and passkey retrieval of a checkpoint, forward pass only",
         description="Runs the model's forward pass on the config's mesh and attention layout at train.seq_len: the "
-        "held-out loss of eval.path by position (power-of-two buckets) and passkey retrieval accuracy per (length, "
-        "depth). Writes eval.json, position_loss.png and passkey.png to --out (default: run_dir/eval/step-N).",
+        "held-out loss of eval.path (or of eval.mix, by source too) by position (power-of-two buckets) and passkey "
+        "retrieval accuracy per (length, depth). Writes eval.json, position_loss.png and passkey.png to --out (default: run_dir/eval/step-N).",
     )
     _config_arguments(evaluate)
     evaluate.add_argument("--checkpoint", required=True, help="a jlong checkpoint directory (its newest step) or a "
@@ -134,13 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     convert.set_defaults(handler=_convert)
 
     prepare = commands.add_parser(
-        "prepare", help="a corpus -> a .npy of token ids and its document index",
+        "prepare", help="a corpus -> a .npy of token ids (or a directory of shards) with document indices",
         description="Tokenizes text files, JSON Lines (.jsonl), Parquet (.parquet) and 'datasets' directories "
-        "(save_to_disk) in one streaming pass, each document followed by the end-of-document id, and writes OUT.npy "
-        "with OUT.documents.npy (document offsets), OUT.documents.json (length summary) and OUT.documents.png "
-        "(length histogram).",
+        "(save_to_disk) in one streaming pass, in batches on every core, each document followed by the "
+        "end-of-document id, and writes OUT.npy with OUT.documents.npy (document offsets), OUT.documents.json "
+        "(length summary) and OUT.documents.png (length histogram). With --shard-tokens or --shard-per-input, OUT "
+        "is a directory of shards part-NNNNN.npy (each with its index), numbered after any already there; "
+        "data.path reads the directory as one corpus.",
     )
-    prepare.add_argument("output", help="the .npy file to write")
+    prepare.add_argument("output", help="the .npy file to write, or the shard directory")
     prepare.add_argument("inputs", nargs="+", help="files or directories")
     prepare.add_argument("--glob", default="*", help="file pattern inside directories (default: all)")
     prepare.add_argument("--text-field", default="text", help="the text's field or column in JSON Lines, Parquet "
@@ -151,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "eos_token)")
     prepare.add_argument("--max-tokens", type=int, help="stop after this many tokens (default: the whole corpus)")
     prepare.add_argument("--vocab-size", type=int, help="the model's vocabulary: refuse a tokenizer with more ids")
+    prepare.add_argument("--shard-tokens", type=int, help="start a new shard once one holds this many tokens "
+                         "(documents stay whole)")
+    prepare.add_argument("--shard-per-input", action="store_true", help="one shard per input file or dataset")
+    prepare.add_argument("--workers", type=int, help="threads of the tokenizer's batch encoding (default: every core)")
     prepare.set_defaults(handler=_prepare)
     return parser
 
@@ -182,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         if args.command == "train":  # before jax starts: a stop signal during start-up is kept, not fatal
             stop_requests = args.stop_requests = StopRequests.installed()
-        import_jax_quietly()
+        if args.command != "prepare":  # prepare never needs jax
+            import_jax_quietly()
         return args.handler(args) or 0
     except JlongError as err:
         print(f"jlong: error: {err.for_command_line()}", file=sys.stderr)
@@ -466,13 +474,17 @@ def _prepare(args) -> int:
 
     summary = prepare(
         args.output, args.inputs, pattern=args.glob, text_field=args.text_field, tokenizer_path=args.tokenizer,
-        eos_id=args.eos_id, max_tokens=args.max_tokens, vocab_size=args.vocab_size,
+        eos_id=args.eos_id, max_tokens=args.max_tokens, vocab_size=args.vocab_size, shard_tokens=args.shard_tokens,
+        shard_per_input=args.shard_per_input, workers=args.workers,
     )
     length = summary["length"]
+    shards = summary.get("shards")
+    where = (f"{args.output}: {len(shards)} shards ({Path(shards[0]).name} to {Path(shards[-1]).name})"
+             if shards else args.output)
     print(
-        f"wrote {args.output}: {summary['tokens']:,} tokens in {summary['documents']:,} documents from "
+        f"wrote {where}: {summary['tokens']:,} tokens in {summary['documents']:,} documents from "
         f"{summary['sources']} sources (vocab {summary['vocab_size']}, end-of-document id {summary['eos_id']}); "
         f"document length median {length['median']:,.0f}, p90 {length['p90']:,.0f}, max {length['max']:,} tokens; "
-        f"index and histogram beside it (.documents.npy/.json/.png)"
+        f"index and histogram beside {'each shard' if shards else 'it'} (.documents.npy/.json/.png)"
     )
     return 0

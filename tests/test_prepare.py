@@ -111,6 +111,11 @@ def _bad_inputs(tmp_path):
         "an empty corpus": ([empty], [], "no files matching '*'"),
         "a tokenizer over the model's vocabulary": ([missing_field], ["--text-field", "body", "--vocab-size", "100"],
                                                    "the tokenizer's vocabulary (256) exceeds --vocab-size 100"),
+        "shards named as a file": ([missing_field], ["--text-field", "body", "--shard-per-input"],
+                                   "is a shard directory when sharding: give a directory"),
+        "a shard size of zero": ([missing_field], ["--text-field", "body", "--shard-tokens", "0"],
+                                 "--shard-tokens must be positive, got 0"),
+        "no workers": ([missing_field], ["--text-field", "body", "--workers", "0"], "--workers must be at least 1"),
     }
 
 
@@ -120,3 +125,51 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path):
         result = run_cli("prepare", out, *inputs, *options)
         assert_one_line_error(result, message)
         assert not (tmp_path / "out").exists(), f"{name}: the directory made for the output is left"
+
+
+def test_batched_encoding_gives_the_ids_of_one_document_at_a_time(tmp_path, monkeypatch):
+    """Batches small enough that the corpus spans many, each encoded while the next is read."""
+    from jlong.data import prepare as preparing
+    from jlong.data.encoder import Encoder
+
+    monkeypatch.setattr(preparing, "BATCH_DOCUMENTS", 7)
+    rng = np.random.default_rng(3)
+    words = ["def", "return", "hello", "world", "é", "ü", "tokens", " ", "\n", "x" * 9, "0.5", "(", ")"]
+    texts = ["".join(rng.choice(words, n)) for n in rng.integers(1, 60, 100)]
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    _, directory = _tokenizer(tmp_path)
+    for options in ({}, {"tokenizer_path": str(directory)}):
+        encoder = Encoder.load(options.get("tokenizer_path"), None)
+        one_at_a_time = [i for t in texts for i in [*encoder.encode(t), encoder.eos_id]]
+        out = tmp_path / f"batched{len(options)}.npy"
+        prepare(str(out), [str(corpus)], workers=2, **options)
+        written = np.load(out)
+        assert written.dtype == encoder.dtype and written.tolist() == one_at_a_time
+        cut = prepare(str(tmp_path / f"cut{len(options)}.npy"), [str(corpus)], max_tokens=1000, **options)
+        assert np.load(tmp_path / f"cut{len(options)}.npy").tolist() == one_at_a_time[:1000]
+        assert cut["tokens"] == 1000
+
+
+def test_prepare_never_writes_over_a_corpus(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"text": "abcd"}) + "\n")
+    out = tmp_path / "c.npy"
+    prepare(str(out), [str(corpus)])
+    before = out.read_bytes()
+    result = run_cli("prepare", out, corpus)
+    assert_one_line_error(result, f"output '{out}' exists: prepare never writes over a corpus")
+    assert out.read_bytes() == before
+
+
+def test_prepare_does_not_start_jax(tmp_path):
+    import subprocess
+    import sys
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"text": "abcd"}) + "\n")
+    probe = ("import sys; from jlong.cli import main; code = main(sys.argv[1:]); "
+             "assert 'jax' not in sys.modules, 'prepare imported jax'; sys.exit(code)")
+    done = subprocess.run([sys.executable, "-c", probe, "prepare", str(tmp_path / "c.npy"), str(corpus)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

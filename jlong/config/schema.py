@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from jlong.attention.blockwise import DEFAULT_BLOCK_SIZE
 from jlong.attention.cudnn import DEFAULT_MAX_DOCUMENTS
@@ -30,6 +31,7 @@ from jlong.config.types import (
     Number,
     PositiveInt,
     PositiveNumber,
+    Paths,
     Text,
     as_integer,
     as_number,
@@ -179,20 +181,73 @@ class TrainConfig(_Section):
     check_host_memory: Flag = True
 
 
+Sampling = choice(Literal["windows", "documents"])
+
+
+class CorpusEntry(_Section):
+    """One weighted token corpus of a mixture (`eval.mix`; `data.mix` adds sampling settings)."""
+
+    path: Paths  # a token file, a directory of shards, or a list of them
+    weight: PositiveNumber = 1.0  # its share: weight / the sum of the weights
+    name: optional(Text) = None  # in metrics (tokens_by_source, loss by source); default: the path's stem
+    eos_id: optional(Integer) = None  # its own end-of-document id (default: data.eos_id)
+
+    @property
+    def label(self) -> str:
+        first = self.path if isinstance(self.path, str) else self.path[0]
+        return self.name or Path(first).name.removesuffix(".npy") or first
+
+
+class MixSource(CorpusEntry):
+    """One source of `data.mix`; unset settings are data's own."""
+
+    sampling: optional(Sampling) = None
+    long_document_weight: optional(PositiveNumber) = None
+    shuffle: optional(Flag) = None
+
+
+def mix_entries(entries, entry_type: type[CorpusEntry], key: str) -> list:
+    """A mixture's entries, checked: a bad entry, or two with one name, is one line naming it."""
+    parsed = []
+    for i, entry in enumerate(entries or ()):
+        try:
+            parsed.append(entry_type(**entry))
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            message = first["msg"].removeprefix("Value error, ")
+            if first["type"] == "extra_forbidden":
+                message = f"is not a setting of a mixture's entry ({', '.join(entry_type.model_fields)})"
+            elif first["type"] == "missing":
+                message = "is required"
+            raise JlongError(f"{key}[{i}].{where} {message}") from None
+    names = [entry.label for entry in parsed]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise JlongError(f"{key} names {', '.join(map(repr, twice))} more than once: give the entries distinct "
+                         "names (name: ...)")
+    return parsed
+
+
 class DataConfig(_Section):
     source: choice(Literal["synthetic", "tokens"]) = "synthetic"
-    path: optional(Text) = None
+    path: optional(Paths) = None  # a token file, a directory of shards (`jlong prepare --shard-tokens`), or a list
+    # a weighted mixture of token corpora in place of path: a list of MixSource entries
+    mix: optional(sequence_of(Mapping)) = None
     shuffle: Flag = False
     eos_id: optional(Integer) = None  # set: packed documents split at this token
     # windows: contiguous windows of the token file; documents: sequences packed from whole documents
-    sampling: choice(Literal["windows", "documents"]) = "windows"
+    sampling: Sampling = "windows"
     # documents: how many times as often as the others a document of at least train.seq_len tokens is drawn
     long_document_weight: PositiveNumber = 1.0
 
     @model_validator(mode="after")
     def _check(self):
-        if self.source == "tokens" and not self.path:
-            raise JlongError("data.source=tokens needs data.path, a 1-D integer .npy of token ids")
+        if self.mix is not None:
+            self._check_mix()
+        elif self.source == "tokens" and not self.path:
+            raise JlongError("data.source=tokens needs data.path (a 1-D integer .npy of token ids, or a directory "
+                             "of shards) or data.mix")
         if self.sampling == "documents" and (self.source != "tokens" or self.eos_id is None):
             raise JlongError("data.sampling=documents packs documents of a token file: it needs data.source=tokens "
                              "and data.eos_id (the end-of-document id 'jlong prepare' printed)")
@@ -200,14 +255,59 @@ class DataConfig(_Section):
             raise JlongError(f"data.long_document_weight ({self.long_document_weight:g}) must be at least 1")
         return self
 
+    def _check_mix(self) -> None:
+        if self.path:
+            raise JlongError("data.mix replaces data.path: set one of them (data.path=null to train on the mix)")
+        if self.source != "tokens":
+            raise JlongError("data.mix mixes token corpora: set data.source=tokens")
+        if not self.mix:
+            raise JlongError("data.mix is empty: give at least one {path: ..., weight: ...} entry")
+        for i, source in enumerate(self.mix_sources):
+            if (source.sampling or self.sampling) == "documents" and self.eos_id is None:
+                raise JlongError(f"data.mix[{i}] samples documents: set data.eos_id (it turns on document masking; "
+                                 "each entry may name its own eos_id)")
+            if source.eos_id is not None and self.eos_id is None:
+                raise JlongError(f"data.mix[{i}].eos_id needs data.eos_id set too (it turns on document masking "
+                                 "for the whole run)")
+            if source.long_document_weight is not None and source.long_document_weight < 1:
+                raise JlongError(f"data.mix[{i}].long_document_weight ({source.long_document_weight:g}) must be "
+                                 "at least 1")
+
+    @property
+    def mix_sources(self) -> list[MixSource]:
+        """data.mix's entries, checked."""
+        return mix_entries(self.mix, MixSource, "data.mix")
+
 
 class EvalConfig(_Section):
-    path: optional(Text) = None  # held-out tokens (a .npy like data.path) for the loss by position
-    sequences: PositiveInt = 8  # train.seq_len windows of eval.path to score
+    path: optional(Paths) = None  # held-out tokens (a .npy or shards, like data.path) for the loss by position
+    # held-out corpora in place of path, each scored on its own: a list of {path, weight, name, eos_id}
+    mix: optional(sequence_of(Mapping)) = None
+    sequences: PositiveInt = 8  # train.seq_len windows of held-out tokens to score (a mix: split by weight)
     passkey_trials: NonNegativeInt = 4  # per (length, depth) cell; 0 = no passkey retrieval
     passkey_lengths: optional(sequence_of(PositiveInt)) = None  # default: seq_len/8, /4, /2 and seq_len
     passkey_depths: sequence_of(Annotated[float, BeforeValidator(_share)]) = (0.0, 0.25, 0.5, 0.75, 1.0)
     tokenizer: optional(Text) = None  # a Hugging Face tokenizer.json or directory for the passkey's text
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.mix is not None:
+            if self.path:
+                raise JlongError("eval.mix replaces eval.path: set one of them")
+            if not self.mix:
+                raise JlongError("eval.mix is empty: give at least one {path: ..., weight: ...} entry")
+            mix_entries(self.mix, CorpusEntry, "eval.mix")
+        return self
+
+    @property
+    def held_out(self) -> bool:
+        """Whether held-out tokens are named (eval.path or eval.mix)."""
+        return bool(self.path or self.mix)
+
+    @property
+    def mix_sources(self) -> list[CorpusEntry]:
+        """eval.mix's entries, checked."""
+        return mix_entries(self.mix, CorpusEntry, "eval.mix")
 
 
 class CheckpointConfig(_Section):

@@ -29,7 +29,7 @@ from jlong.errors import JlongError
 # the weights or the optimizer's state their shapes, nor the run's identity.
 _STAGE_SETTINGS = {
     "train.seq_len", "train.batch_size", "train.lr", "model.rope_theta", "model.rope_scaling",
-    "data.path", "data.sampling", "data.long_document_weight", "data.shuffle",
+    "data.path", "data.mix", "data.sampling", "data.long_document_weight", "data.shuffle",
 }
 _STAGE_SECTIONS = ("mesh.", "attention.", "memory.", "eval.")
 _NOT_STAGE_SETTINGS = {"memory.optimizer_offload"}  # it lays the optimizer's state out differently

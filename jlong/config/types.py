@@ -58,6 +58,14 @@ def _text(value: Any) -> str:
     return value
 
 
+def _paths(value: Any) -> str | tuple[str, ...]:
+    if isinstance(value, (list, tuple)) and value and all(isinstance(item, str) for item in value):
+        return tuple(value)
+    if not isinstance(value, str):
+        raise ValueError(f"must be a path or a list of paths, got {value!r}")
+    return value
+
+
 def _mapping(value: Any) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"must be a mapping, got {value!r}")
@@ -84,6 +92,7 @@ PositiveNumber = Annotated[float, BeforeValidator(as_number), AfterValidator(_po
 NonNegativeNumber = Annotated[float, BeforeValidator(as_number), AfterValidator(_non_negative)]
 Flag = Annotated[bool, BeforeValidator(_flag)]
 Text = Annotated[str, BeforeValidator(_text)]
+Paths = Annotated[str | tuple[str, ...], BeforeValidator(_paths)]  # a token file or shard directory, or a list
 Mapping = Annotated[dict, BeforeValidator(_mapping)]
 
 

@@ -123,15 +123,24 @@ def _check_layer_groups(config: Config) -> None:
 
 
 def _check_eos_id(config: Config) -> None:
-    eos_id, vocab = config.data.eos_id, config.model.vocab_size
-    if eos_id is not None and not 0 <= eos_id < vocab:
-        raise JlongError(f"data.eos_id ({eos_id}) is outside the model's vocabulary (ids 0-{vocab - 1}); "
-                         "give the end-of-document id 'jlong prepare' printed")
+    vocab = config.model.vocab_size
+    named = [("data.eos_id", config.data.eos_id)]
+    for section in ("data", "eval"):
+        entries = getattr(config, section).mix_sources
+        named += [(f"{section}.mix[{i}].eos_id", entry.eos_id) for i, entry in enumerate(entries)]
+    for key, eos_id in named:
+        if eos_id is not None and not 0 <= eos_id < vocab:
+            raise JlongError(f"{key} ({eos_id}) is outside the model's vocabulary (ids 0-{vocab - 1}); "
+                             "give the end-of-document id 'jlong prepare' printed")
 
 
 def _check_eval(config: Config) -> None:
-    if config.train.eval_every and not config.eval.path:
-        raise JlongError("train.eval_every scores held-out tokens: set eval.path (a .npy made by 'jlong prepare')")
+    if config.train.eval_every and not config.eval.held_out:
+        raise JlongError("train.eval_every scores held-out tokens: set eval.path (a .npy made by 'jlong prepare') "
+                         "or eval.mix")
+    named_eos = [i for i, entry in enumerate(config.eval.mix_sources) if entry.eos_id is not None]
+    if named_eos and config.data.eos_id is None:
+        raise JlongError(f"eval.mix[{named_eos[0]}].eos_id needs data.eos_id set too (it turns on document masking)")
     if config.train.eval_every and not config.run_dir:
         raise JlongError("train.eval_every logs into run_dir/metrics.jsonl: set run_dir")
     if set(config.train.log_to) - {"jsonl"} and not config.run_dir:

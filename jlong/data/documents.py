@@ -25,23 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jlong.config import Config
-from jlong.data.prepare import index_paths
+from jlong.data.corpus import TokenCorpus
 from jlong.errors import JlongError
-
-
-def document_starts(tokens: np.ndarray, eos_id: int, path: str) -> np.ndarray:
-    """Each document's first offset: from the index `jlong prepare` wrote, or found from the end ids."""
-    index = index_paths(path)["npy"]
-    if index.is_file():
-        starts = np.load(index)
-        if starts.ndim != 1 or (len(starts) and (starts[0] != 0 or starts[-1] >= len(tokens))):
-            raise JlongError(f"{str(index)!r} does not index {path!r}; remove it, or prepare the data again")
-        return starts
-    chunk = 1 << 24
-    ends = [np.flatnonzero(np.asarray(tokens[i : i + chunk]) == eos_id) + i for i in range(0, len(tokens), chunk)]
-    after_ends = np.concatenate([[0], *(e + 1 for e in ends)])
-    return after_ends[after_ends < len(tokens)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,17 +42,18 @@ class Epoch:
 class PackedDocuments:
     """The [B, S + 1] token rows of each step, packed from whole documents."""
 
-    def __init__(self, config: Config, tokens: np.ndarray):
-        S, self.batch_size, self.seed = config.train.seq_len, config.train.batch_size, config.train.seed
+    def __init__(self, tokens: TokenCorpus, *, seq_len: int, batch_size: int, seed: int, eos_id: int,
+                 long_document_weight: float = 1.0):
+        S, self.batch_size, self.seed = seq_len, batch_size, seed
         self.tokens, self.width = tokens, S + 1
-        starts = document_starts(tokens, config.data.eos_id, config.data.path)
+        starts = tokens.document_starts(eos_id)
         lengths = np.diff(np.append(starts, len(tokens)))
         pieces = -(-lengths // self.width)  # ceil
         doc = np.repeat(np.arange(len(starts)), pieces)
         within = np.arange(len(doc)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
         self.piece_starts = starts[doc] + within * self.width
         self.piece_lengths = np.minimum(self.width, lengths[doc] - within * self.width)
-        weight = config.data.long_document_weight
+        weight = long_document_weight
         long = lengths[doc] >= S
         draws = np.random.default_rng([self.seed, 0x10_4D0C]).random(len(doc))
         repeats = np.where(long, np.floor(weight) + (draws < weight - np.floor(weight)), 1).astype(np.int64)
@@ -75,7 +61,7 @@ class PackedDocuments:
         full = self.piece_lengths[self.drawn] == self.width
         self.per_epoch = int(full.sum()) + int(self.piece_lengths[self.drawn[~full]].sum()) // self.width
         if not self.per_epoch:
-            raise JlongError(f"data.path {config.data.path!r} holds {len(tokens)} tokens, fewer than one sequence of "
+            raise JlongError(f"{tokens.named} holds {len(tokens)} tokens, fewer than one sequence of "
                              f"train.seq_len + 1 = {self.width}")
         self.long_documents = int((lengths >= S).sum())
 

@@ -1,18 +1,25 @@
-"""`jlong prepare`: a corpus -> a 1-D .npy of token ids, with its document index.
+"""`jlong prepare`: a corpus -> token files of ids, each with its document index.
 
 Documents come from text files, JSON Lines, Parquet or a `datasets`
 directory (`jlong.data.readers`); each is tokenized and followed by the
-end-of-document id. Tokenizes with a Hugging Face tokenizer (a tokenizer.json,
-or a directory holding one) when given, otherwise byte by byte (ids 0-255,
-with 0 (NUL, absent from text) as end-of-document).
+end-of-document id (`jlong.data.encoder`: a Hugging Face tokenizer, or
+bytes with 0 as the end id). Documents are read in batches and each batch is
+encoded by the tokenizer's own batch encoding on every core while the next
+batch is read, so prepare runs at the tokenizer's speed.
 
-One streaming pass writes the ids to a temporary file, so a corpus larger
-than memory works. Beside OUT.npy it writes OUT.documents.npy (each
-document's first offset, int64), OUT.documents.json (counts, length
-percentiles and a power-of-two histogram) and OUT.documents.png (that
-histogram, log axis). Everything is written under temporary names and
-renamed when complete, the token file last: an interrupted or refused run
-leaves nothing that looks finished.
+Output is one token file, OUT.npy, or with `shard_tokens` / `shard_per_input`
+a directory of shards (`part-00000.npy`, ... numbered after any already
+there, so adding to a corpus is preparing one more shard), which
+`data.path` reads as one corpus (`jlong.data.corpus`). Documents are never
+split between shards. Beside each token file: NAME.documents.npy (each
+document's first offset, int64), NAME.documents.json (counts, vocabulary,
+end id, length percentiles and a power-of-two histogram) and
+NAME.documents.png (that histogram).
+
+Ids stream to a temporary file, so a corpus larger than memory works.
+Everything is written under temporary names and renamed when complete, the
+token file last; a run that fails removes what it wrote, so an interrupted
+or refused run leaves nothing that looks finished.
 """
 
 from __future__ import annotations
@@ -21,24 +28,22 @@ import contextlib
 import json
 import os
 import shutil
-from array import array
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from jlong.data.corpus import SHARD_NAME, index_paths
+from jlong.data.encoder import Encoder
 from jlong.data.readers import documents, sources
 from jlong.errors import JlongError
 from jlong.plots import pyplot
 
-BYTE_EOS_ID = 0
-
-
-def index_paths(tokens_path: str | Path) -> dict[str, Path]:
-    """Where the document index, its summary and its histogram of a token file are."""
-    path = Path(tokens_path)
-    stem = path.name.removesuffix(".npy")
-    return {kind: path.with_name(f"{stem}.documents.{kind}") for kind in ("npy", "json", "png")}
+BATCH_CHARACTERS = 1 << 22  # text per batch handed to the tokenizer: enough to keep every core busy
+BATCH_DOCUMENTS = 4096
 
 
 def prepare(
@@ -51,67 +56,190 @@ def prepare(
     eos_id: int | None = None,
     max_tokens: int | None = None,
     vocab_size: int | None = None,
+    shard_tokens: int | None = None,
+    shard_per_input: bool = False,
+    workers: int | None = None,
 ) -> dict:
-    """Writes the token file and its index; returns the summary (documents, tokens, vocab, eos id, lengths)."""
-    if not output.endswith(".npy"):
-        raise JlongError(f"output {output!r} must end in .npy")
+    """Writes the token file (or shards) and index; returns the summary
+    (documents, tokens, vocab, eos id, lengths; `shards`: the files written)."""
+    if shard_tokens is not None and shard_tokens < 1:
+        raise JlongError(f"shard_tokens must be positive, got {shard_tokens}", "shard_tokens")
+    sharded = shard_tokens is not None or shard_per_input
+    if sharded and output.endswith(".npy"):
+        raise JlongError(f"output {output!r} is a shard directory when sharding: give a directory, not a .npy file")
+    if not sharded and not output.endswith(".npy"):
+        raise JlongError(f"output {output!r} must end in .npy (or shard the corpus into a directory with "
+                         "shard_tokens or shard_per_input)")
+    if not sharded and Path(output).exists():
+        raise JlongError(f"output {output!r} exists: prepare never writes over a corpus; remove it first, or name "
+                         "another file (to add to a corpus, prepare shards into its directory)")
     if max_tokens is not None and max_tokens < 1:
         raise JlongError(f"max_tokens must be positive, got {max_tokens} (leave it out to take the whole corpus)",
                          "max_tokens")
-    encoder = Encoder.load(tokenizer_path, eos_id)
+    encoder = Encoder.load(tokenizer_path, eos_id, workers=workers)
     if vocab_size is not None and encoder.vocab_size > vocab_size:
         raise JlongError(f"the tokenizer's vocabulary ({encoder.vocab_size:,}) exceeds --vocab-size {vocab_size:,} "
                          "(the model's): its ids would fall outside the embedding")
     found = sources(inputs, pattern)
     out = Path(output)
-    created = [d for d in (out.parent, *out.parent.parents) if not d.exists()]  # removed again on failure
-    out.parent.mkdir(parents=True, exist_ok=True)
-    finals = {"tokens": out, **index_paths(out)}
-    temporaries = {kind: path.with_name(path.name + ".tmp") for kind, path in finals.items()}
-    temporaries["raw"] = out.with_name(out.name + ".tmp.bin")
-    finished = False
+    directory = out if sharded else out.parent
+    if sharded and out.exists() and not out.is_dir():
+        raise JlongError(f"output {output!r} exists and is not a directory")
+    created = [d for d in (directory, *directory.parents) if not d.exists()]  # removed again on failure
+    directory.mkdir(parents=True, exist_ok=True)
+    shards = _ShardNames(out) if sharded else iter([out])
+    writer, written, finished = None, [], False
     try:
-        starts, total = _write_ids(temporaries["raw"], found, text_field, encoder, max_tokens)
-        if not total:
-            raise JlongError(f"the corpus under {', '.join(inputs)} holds no documents")
-        _raw_to_npy(temporaries["raw"], temporaries["tokens"], encoder.dtype, total)
-        lengths = np.diff(np.append(np.asarray(starts, np.int64), total))
-        summary = {"documents": len(lengths), "tokens": total, "vocab_size": encoder.vocab_size,
-                   "eos_id": encoder.eos_id, "sources": len(found), **length_summary(lengths)}
-        with temporaries["npy"].open("wb") as f:
-            np.save(f, np.asarray(starts, np.int64))
-        temporaries["json"].write_text(json.dumps(summary, indent=1) + "\n")
-        plot_lengths(summary, temporaries["png"], title=out.name)
-        for kind in ("npy", "json", "png", "tokens"):  # the token file last: its presence means complete
-            os.replace(temporaries[kind], finals[kind])
-        finished = True
-        return summary
-    finally:
-        for path in temporaries.values():
-            path.unlink(missing_ok=True)
-        if not finished:
-            for directory in created:  # deepest first; only what this call made, and only when empty
-                with contextlib.suppress(OSError):
-                    directory.rmdir()
-
-
-def _write_ids(raw: Path, found: list[Path], text_field: str, encoder: Encoder, max_tokens: int | None):
-    """Streams every document's ids (and its end id) into `raw`; (document starts, total tokens)."""
-    starts, total = array("q"), 0
-    with raw.open("wb") as f, tqdm(desc="prepare", unit="doc", delay=1.0) as progress:  # quiet when quick
-        for source in found:
-            for text in documents(source, text_field):
-                ids = encoder.encode(text) + [encoder.eos_id]
-                if max_tokens:
-                    ids = ids[: max_tokens - total]
-                starts.append(total)
-                np.asarray(ids, encoder.dtype).tofile(f)
-                total += len(ids)
-                progress.update(1)
-                progress.set_postfix(tokens=f"{total:,}", refresh=False)
+        with tqdm(desc="prepare", unit="tok", unit_scale=True, delay=1.0) as progress:  # quiet when quick
+            total = 0
+            for source, flat, lengths in _encoded(_text_batches(found, text_field), encoder):
+                if max_tokens and total + len(flat) >= max_tokens:
+                    flat, lengths = _cut(flat, lengths, max_tokens - total)
+                if writer is not None and shard_per_input and source != writer.first_source:
+                    written.append(writer.finish())
+                    writer = None
+                for part, part_lengths in _split(flat, lengths, writer.tokens if writer else 0, shard_tokens):
+                    if part is None:  # the shard is full: the next piece starts a new one
+                        written.append(writer.finish())
+                        writer = None
+                        continue
+                    writer = writer or _TokenFileWriter(next(shards), encoder, source)
+                    writer.add(part, part_lengths, source)
+                total += len(flat)
+                progress.update(len(flat))
                 if max_tokens and total >= max_tokens:
-                    return starts, total
-    return starts, total
+                    break
+            if writer is not None:
+                written.append(writer.finish())
+        if not written:
+            raise JlongError(f"the corpus under {', '.join(inputs)} holds no documents")
+        finished = True
+        summary = summarize(np.concatenate([w.lengths for w in written]), encoder, len(found))
+        return {**summary, "shards": [str(w.path) for w in written]} if sharded else summary
+    finally:
+        if writer is not None:
+            writer.discard()
+        if not finished:
+            for done in written:
+                done.remove()
+            for path in created:  # deepest first; only what this call made, and only when empty
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+
+
+def _text_batches(found: list[Path], text_field: str) -> Iterator[tuple[int, list[str]]]:
+    """(source number, texts) in reading order, a batch at a time; a batch never spans two sources."""
+    for number, source in enumerate(found):
+        batch, characters = [], 0
+        for text in documents(source, text_field):
+            batch.append(text)
+            characters += len(text)
+            if characters >= BATCH_CHARACTERS or len(batch) >= BATCH_DOCUMENTS:
+                yield number, batch
+                batch, characters = [], 0
+        if batch:
+            yield number, batch
+
+
+def _encoded(batches, encoder: Encoder) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """(source, ids, lengths) per batch: one batch is encoded (the tokenizer
+    releases the GIL and uses every core) while the next is read."""
+    with ThreadPoolExecutor(1) as pool:
+        pending = deque()
+        for source, texts in batches:
+            pending.append((source, pool.submit(encoder.encode_batch, texts)))
+            if len(pending) > 1:
+                done, future = pending.popleft()
+                yield done, *future.result()
+        while pending:
+            done, future = pending.popleft()
+            yield done, *future.result()
+
+
+def _cut(flat: np.ndarray, lengths: np.ndarray, keep: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first `keep` ids and the documents they start (the last one cut short)."""
+    starts = np.cumsum(lengths) - lengths
+    kept = int(np.searchsorted(starts, keep, side="left"))
+    lengths = lengths[:kept].copy()
+    lengths[-1] = min(lengths[-1], keep - starts[kept - 1])
+    return flat[:keep], lengths
+
+
+def _split(flat, lengths, filled: int, shard_tokens: int | None):
+    """(ids, lengths) pieces of whole documents, with (None, None) between
+    pieces where the shard (holding `filled` tokens) reaches `shard_tokens`."""
+    if shard_tokens is None:
+        yield flat, lengths
+        return
+    offset, first = 0, 0
+    while first < len(lengths):
+        if filled >= shard_tokens:
+            yield None, None
+            filled = 0
+        ends = np.cumsum(lengths[first:])
+        take = max(1, int(np.searchsorted(ends - lengths[first:], shard_tokens - filled, side="left")))
+        size = int(ends[take - 1])
+        yield flat[offset : offset + size], lengths[first : first + take]
+        offset, first, filled = offset + size, first + take, filled + size
+
+
+class _ShardNames:
+    """part-NNNNN.npy in a directory, numbered after the shards already there."""
+
+    def __init__(self, directory: Path):
+        numbers = [int(m.group(1)) for p in directory.glob("part-*.npy") if (m := SHARD_NAME.fullmatch(p.name))]
+        self.directory, self.next = directory, max(numbers, default=-1) + 1
+
+    def __next__(self) -> Path:
+        path = self.directory / f"part-{self.next:05d}.npy"
+        self.next += 1
+        return path
+
+
+class _TokenFileWriter:
+    """One token file and its index, written under temporary names until `finish`."""
+
+    def __init__(self, path: Path, encoder: Encoder, first_source: int):
+        self.path, self.encoder, self.first_source = path, encoder, first_source
+        self.finals = {"tokens": path, **index_paths(path)}
+        self.temporaries = {kind: p.with_name(p.name + ".tmp") for kind, p in self.finals.items()}
+        self.temporaries["raw"] = path.with_name(path.name + ".tmp.bin")
+        self.raw = self.temporaries["raw"].open("wb")
+        self.tokens, self.sources, self.parts = 0, {first_source}, []
+
+    def add(self, flat: np.ndarray, lengths: np.ndarray, source: int) -> None:
+        flat.tofile(self.raw)
+        self.tokens += len(flat)
+        self.parts.append(lengths)
+        self.sources.add(source)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.concatenate(self.parts) if self.parts else np.zeros(0, np.int64)
+
+    def finish(self) -> _TokenFileWriter:
+        self.raw.close()
+        lengths, temporaries = self.lengths, self.temporaries
+        _raw_to_npy(temporaries["raw"], temporaries["tokens"], self.encoder.dtype, self.tokens)
+        with temporaries["npy"].open("wb") as f:
+            np.save(f, np.cumsum(lengths) - lengths)
+        summary = summarize(lengths, self.encoder, len(self.sources))
+        temporaries["json"].write_text(json.dumps(summary, indent=1) + "\n")
+        plot_lengths(summary, temporaries["png"], title=self.path.name)
+        for kind in ("npy", "json", "png", "tokens"):  # the token file last: its presence means complete
+            os.replace(temporaries[kind], self.finals[kind])
+        temporaries["raw"].unlink()
+        return self
+
+    def discard(self) -> None:
+        self.raw.close()
+        for path in self.temporaries.values():
+            path.unlink(missing_ok=True)
+
+    def remove(self) -> None:
+        """Removes a finished file again (a later part of the same run failed)."""
+        for path in self.finals.values():
+            path.unlink(missing_ok=True)
 
 
 def _raw_to_npy(raw: Path, npy: Path, dtype: np.dtype, count: int) -> None:
@@ -120,6 +248,11 @@ def _raw_to_npy(raw: Path, npy: Path, dtype: np.dtype, count: int) -> None:
         np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
                                                    "fortran_order": False, "shape": (count,)})
         shutil.copyfileobj(ids, out, length=1 << 24)
+
+
+def summarize(lengths: np.ndarray, encoder: Encoder, sources: int) -> dict:
+    return {"documents": len(lengths), "tokens": int(lengths.sum()), "vocab_size": encoder.vocab_size,
+            "eos_id": encoder.eos_id, "sources": sources, **length_summary(lengths)}
 
 
 def length_summary(lengths: np.ndarray) -> dict:
@@ -147,45 +280,3 @@ def plot_lengths(summary: dict, png: Path, *, title: str) -> None:
     figure.tight_layout()
     figure.savefig(png, dpi=100, format="png")  # under prepare's own temporary name
     pyplot().close(figure)
-
-
-class Encoder:
-    """Text -> token ids, the end-of-document id, the vocabulary size and the ids' storage type."""
-
-    def __init__(self, encode, vocab_size: int, eos_id: int):
-        self.encode, self.vocab_size, self.eos_id = encode, vocab_size, eos_id
-        self.dtype = np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32)
-
-    @classmethod
-    def load(cls, tokenizer_path: str | None, eos_id: int | None) -> Encoder:
-        if tokenizer_path is None:
-            return cls(lambda text: list(text.encode("utf-8")), 256, BYTE_EOS_ID if eos_id is None else eos_id)
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise JlongError("--tokenizer needs the 'tokenizers' package: pip install tokenizers") from None
-        path = Path(tokenizer_path)
-        file = path / "tokenizer.json" if path.is_dir() else path
-        if not file.is_file():
-            raise JlongError(f"tokenizer {tokenizer_path!r} is neither a tokenizer.json nor a directory holding one")
-        try:
-            tokenizer = Tokenizer.from_file(str(file))
-        except Exception as err:  # the tokenizers library raises its own exception type for a bad file
-            raise JlongError(f"cannot load the tokenizer {str(file)!r} ({err})") from None
-        if eos_id is None:
-            eos_id = _configured_eos_id(path, tokenizer)
-        if not 0 <= eos_id < tokenizer.get_vocab_size():
-            raise JlongError(f"--eos-id {eos_id} is outside the tokenizer's vocabulary ({tokenizer.get_vocab_size()})")
-        return cls(lambda text: tokenizer.encode(text, add_special_tokens=False).ids, tokenizer.get_vocab_size(),
-                   eos_id)
-
-
-def _configured_eos_id(path: Path, tokenizer) -> int:
-    """The end-of-sequence id a tokenizer directory's tokenizer_config.json names."""
-    config = path / "tokenizer_config.json"
-    if path.is_dir() and config.is_file():
-        token = json.loads(config.read_text()).get("eos_token")
-        token = token.get("content") if isinstance(token, dict) else token
-        if isinstance(token, str) and tokenizer.token_to_id(token) is not None:
-            return tokenizer.token_to_id(token)
-    raise JlongError("give the end-of-document id with --eos-id (the tokenizer does not name an eos_token)")

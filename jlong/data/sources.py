@@ -10,45 +10,43 @@ only on the step (and the seed), resuming needs no data-loader state.
 sample indices wrap modulo the number of whole samples, and step t takes
 samples (t-1)*B ... t*B-1. With shuffle, each pass over the samples follows
 its own seeded permutation. `data.sampling: documents` packs sequences from
-whole documents instead (`jlong.data.documents`).
+whole documents instead (`jlong.data.documents`). `data.path` may name shards
+(`jlong.data.corpus`), read as one corpus; `data.mix` draws each batch from
+several corpora by weight (`jlong.data.mixture`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from jlong.config import Config
+from jlong.data.corpus import TokenCorpus
+from jlong.data.documents import PackedDocuments
+from jlong.data.mixture import MixedSource, Mixture
 from jlong.errors import JlongError
 
 
 class TokenFile:
-    """A 1-D integer .npy of token ids, memory-mapped (a 10 GB file costs no RAM)."""
+    """Windows of a token corpus (`jlong.data.corpus`: one .npy, or shards),
+    memory-mapped (a 10 GB file costs no RAM)."""
 
-    def __init__(self, path: str | Path, *, seq_len: int, batch_size: int, vocab_size: int, shuffle: bool = False,
-                 seed: int = 0, setting: str = "data.path"):
-        """`setting`: the config key that named the file, for the messages."""
-        path = Path(path)
-        named = f"{setting} {str(path)!r}"
-        if not path.is_file():
-            raise JlongError(f"{named} does not exist; make one with 'jlong prepare'")
-        try:
-            tokens = np.load(path, mmap_mode="r")
-        except (ValueError, OSError) as err:
-            raise JlongError(f"{named} is not a readable .npy file ({err})") from None
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise JlongError(f"{named} must hold a 1-D integer array of token ids, got shape {tokens.shape} of "
-                             f"{tokens.dtype}")
+    def __init__(self, path: str | Path | Sequence[str], *, seq_len: int, batch_size: int, vocab_size: int,
+                 shuffle: bool = False, seed: int = 0, setting: str = "data.path"):
+        """`setting`: the config key that named the files, for the messages."""
+        tokens = TokenCorpus(path, setting)
         self.num_samples = (len(tokens) - 1) // seq_len
         if self.num_samples < 1:
             raise JlongError(
-                f"{named} holds {len(tokens)} tokens, fewer than one sample of train.seq_len + 1 = {seq_len + 1}; "
-                "use more data or a shorter train.seq_len"
+                f"{tokens.named} holds {len(tokens)} tokens, fewer than one sample of train.seq_len + 1 = "
+                f"{seq_len + 1}; use more data or a shorter train.seq_len"
             )
-        largest = _max_id(tokens)
-        if largest >= vocab_size or tokens.min() < 0:
-            raise JlongError(f"{named} holds token id {largest}, outside the model's vocabulary of {vocab_size}")
+        smallest, largest = tokens.id_range()
+        if largest >= vocab_size or smallest < 0:
+            raise JlongError(f"{tokens.named} holds token id {largest if largest >= vocab_size else smallest}, "
+                             f"outside the model's vocabulary of {vocab_size}")
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
         self.shuffle, self.seed = shuffle, seed
 
@@ -64,14 +62,14 @@ class TokenFile:
         start = sample * self.seq_len
         return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int32)
 
+    def row(self, i: int) -> np.ndarray:
+        """The `i`-th sequence drawn (0-based, over all steps)."""
+        return self.window(self.sample_index(i))
+
     def sequences(self, step: int) -> np.ndarray:
         """[B, S + 1] token windows of step `step` (1-based)."""
         first = (step - 1) * self.batch_size
-        return np.stack([self.window(self.sample_index(i)) for i in range(first, first + self.batch_size)])
-
-
-def _max_id(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
-    return max(int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk))
+        return np.stack([self.row(i) for i in range(first, first + self.batch_size)])
 
 
 class SyntheticTokens:
@@ -105,16 +103,34 @@ def batch_layout(config: Config) -> dict[str, tuple[tuple[int, int], np.dtype]]:
 
 
 def make_source(config: Config):
-    """What `sequences(step)` reads from: the token file (windows, or packed whole
-    documents: `jlong.data.documents`) or the synthetic sequences."""
-    if config.data.source == "synthetic":
+    """What `sequences(step)` reads from: the token corpus (windows, or packed
+    whole documents: `jlong.data.documents`), a weighted mixture of corpora
+    (`jlong.data.mixture`) or the synthetic sequences."""
+    data = config.data
+    if data.source == "synthetic":
         return SyntheticTokens(config)
-    tokens = TokenFile(config.data.path, seq_len=config.train.seq_len, batch_size=config.train.batch_size,
-                       vocab_size=config.model.vocab_size, shuffle=config.data.shuffle, seed=config.train.seed)
-    if config.data.sampling == "documents":
-        from jlong.data.documents import PackedDocuments
+    if data.mix is None:
+        return _sampler(config, data.path, "data.path", sampling=data.sampling, shuffle=data.shuffle,
+                        eos_id=data.eos_id, long_document_weight=data.long_document_weight)
+    sources = []
+    for i, entry in enumerate(data.mix_sources):
+        eos_id = data.eos_id if entry.eos_id is None else entry.eos_id
+        sampler = _sampler(config, entry.path, f"data.mix[{i}].path", sampling=entry.sampling or data.sampling,
+                           shuffle=data.shuffle if entry.shuffle is None else entry.shuffle, eos_id=eos_id,
+                           long_document_weight=entry.long_document_weight or data.long_document_weight)
+        sources.append(MixedSource(entry.label, sampler, entry.weight, eos_id))
+    return Mixture(sources, seq_len=config.train.seq_len, batch_size=config.train.batch_size, seed=config.train.seed)
 
-        return PackedDocuments(config, tokens.tokens)
+
+def _sampler(config: Config, path, setting: str, *, sampling: str, shuffle: bool, eos_id: int | None,
+             long_document_weight: float):
+    """The rows of one token corpus: its windows, or whole documents packed."""
+    train = config.train
+    tokens = TokenFile(path, seq_len=train.seq_len, batch_size=train.batch_size, vocab_size=config.model.vocab_size,
+                       shuffle=shuffle, seed=train.seed, setting=setting)
+    if sampling == "documents":
+        return PackedDocuments(tokens.tokens, seq_len=train.seq_len, batch_size=train.batch_size, seed=train.seed,
+                               eos_id=eos_id, long_document_weight=long_document_weight)
     return tokens
 
 
@@ -131,9 +147,17 @@ class Batches:
         sequences = self.source.sequences(step)
         arrays = {"inputs": sequences[:, :-1], "targets": sequences[:, 1:]}
         if self.eos_id is not None:
-            arrays.update(document_structure(arrays["inputs"], self.eos_id))
+            mixed = isinstance(self.source, Mixture)
+            eos_id = self.source.eos_ids(step)[:, None] if mixed else self.eos_id  # each row's source's own
+            arrays.update(document_structure(arrays["inputs"], eos_id))
             _check_document_count(arrays["segment_ids"], self.max_documents, step)
         return {key: arrays[key] for key in self.layout}
+
+    def drawn(self, step: int) -> dict:
+        """What step `step` drew from each source of a mixture, for its metrics line (nothing otherwise)."""
+        if isinstance(self.source, Mixture):
+            return {"tokens_by_source": self.source.tokens_by_source(step)}
+        return {}
 
 
 def _check_document_count(segment_ids_BS: np.ndarray, max_documents: int, step: int) -> None:
@@ -148,8 +172,9 @@ def _check_document_count(segment_ids_BS: np.ndarray, max_documents: int, step: 
         )
 
 
-def document_structure(inputs_BS: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
-    """Segment ids and in-document positions: a document starts after each eos."""
+def document_structure(inputs_BS: np.ndarray, eos_id) -> dict[str, np.ndarray]:
+    """Segment ids and in-document positions: a document starts after each eos
+    (`eos_id`: one id, or [B, 1] ids, one per row)."""
     B, S = inputs_BS.shape
     starts = np.zeros((B, S), bool)
     starts[:, 0] = True

@@ -4,6 +4,7 @@ retrieval (`jlong.eval.positions`, `jlong.eval.passkey`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -12,7 +13,7 @@ from jax.experimental import multihost_utils
 from jlong.checkpoint import Checkpoints, saved_steps, weights_kind
 from jlong.config import Config
 from jlong.config.stages import config_at_step
-from jlong.data.prepare import Encoder
+from jlong.data.encoder import Encoder
 from jlong.data.sources import TokenFile, batch_layout, document_structure
 from jlong.errors import JlongError
 from jlong.eval import passkey
@@ -30,47 +31,90 @@ class Evaluator:
         self.keys = batch_layout(self.config)
         self.compiled = None
 
-    def scores(self, params: dict, rows: np.ndarray) -> np.ndarray:
-        """[N, S, 2]: each target token's cross-entropy and argmax hit, in sequence order."""
+    def scores(self, params: dict, rows: np.ndarray, eos_ids: np.ndarray | None = None) -> np.ndarray:
+        """[N, S, 2]: each target token's cross-entropy and argmax hit, in sequence order
+        (`eos_ids`: [N, 1] each row's end-of-document id; default data.eos_id)."""
         if self.compiled is None:
             self.compiled = self.program.lower_eval().compile()
         B, count = self.config.train.batch_size, len(rows)
-        padded = np.concatenate([rows, np.repeat(rows[-1:], -count % B, axis=0)])  # whole batches
+        eos_ids = np.full((count, 1), -1 if self.config.data.eos_id is None else self.config.data.eos_id) \
+            if eos_ids is None else eos_ids
+        fill = -count % B  # whole batches: the last row again
+        rows, eos_ids = (np.concatenate([a, np.repeat(a[-1:], fill, axis=0)]) for a in (rows, eos_ids))
         out = []
-        for first in range(0, len(padded), B):
-            batch = self._batch(padded[first : first + B])
+        for first in range(0, len(rows), B):
+            batch = self._batch(rows[first : first + B], eos_ids[first : first + B])
             scored = self.compiled(params, self.program.place_batch(batch))
             out.append(self.layout.restore(np.asarray(multihost_utils.process_allgather(scored, tiled=True))))
         return np.concatenate(out)[:count]
 
-    def _batch(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+    def _batch(self, rows: np.ndarray, eos_ids: np.ndarray) -> dict[str, np.ndarray]:
         arrays = {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
-        arrays.update(positions_of(arrays["inputs"], self.config.data.eos_id))
+        arrays.update(positions_of(arrays["inputs"], eos_ids if self.config.data.eos_id is not None else None))
         return {key: arrays[key] for key in self.keys}
 
 
-def positions_of(inputs: np.ndarray, eos_id: int | None) -> dict[str, np.ndarray]:
-    """Where each input token sits in what attention sees (and the segments, when packed)."""
+def positions_of(inputs: np.ndarray, eos_id) -> dict[str, np.ndarray]:
+    """Where each input token sits in what attention sees (and the segments, when packed;
+    `eos_id`: one id, [B, 1] ids, or None)."""
     if eos_id is not None:
         return document_structure(inputs, eos_id)
     return {"positions": np.broadcast_to(np.arange(inputs.shape[1], dtype=np.int32), inputs.shape)}
 
 
-def held_out_rows(config: Config) -> np.ndarray:
-    """The first eval.sequences windows of eval.path (fewer if it holds fewer)."""
-    if not config.eval.path:
-        raise JlongError("the loss by position needs held-out tokens: set eval.path (a .npy made by 'jlong prepare')")
-    source = TokenFile(config.eval.path, seq_len=config.train.seq_len, batch_size=1,
-                       vocab_size=config.model.vocab_size, setting="eval.path")
-    return np.stack([source.window(i) for i in range(min(config.eval.sequences, source.num_samples))])
+@dataclasses.dataclass(frozen=True)
+class HeldOut:
+    """Held-out rows to score, and where each came from."""
+
+    rows: np.ndarray  # [N, S + 1] ids
+    source: np.ndarray  # [N] each row's index into names
+    names: tuple[str, ...]  # eval.mix's entries (one, unnamed, for eval.path)
+    eos_ids: np.ndarray  # [N, 1] each row's end-of-document id (-1: none)
 
 
-def position_losses(evaluator: Evaluator, params: dict, rows: np.ndarray) -> dict:
-    """The whole loss of the rows and its buckets by position."""
-    losses = evaluator.scores(params, rows)[..., 0]
-    positions = positions_of(rows[:, :-1], evaluator.config.data.eos_id)["positions"]
-    return {"loss": float(losses.astype(np.float64).mean()), "tokens": int(losses.size),
-            "loss_by_position": loss_by_position(losses, positions, evaluator.config.train.seq_len)}
+def held_out_rows(config: Config) -> HeldOut:
+    """The first eval.sequences windows of eval.path (fewer if it holds fewer),
+    or of eval.mix's corpora, split between them by weight (at least one each)."""
+    if not config.eval.held_out:
+        raise JlongError("the loss by position needs held-out tokens: set eval.path (a .npy made by 'jlong prepare') "
+                         "or eval.mix")
+    default_eos = -1 if config.data.eos_id is None else config.data.eos_id
+    if config.eval.path:
+        rows = _windows(config, config.eval.path, "eval.path", config.eval.sequences)
+        return HeldOut(rows, np.zeros(len(rows), np.int64), ("eval.path",), np.full((len(rows), 1), default_eos))
+    entries = config.eval.mix_sources
+    counts = sequences_per_source([e.weight for e in entries], config.eval.sequences)
+    parts = [_windows(config, e.path, f"eval.mix[{i}].path", n) for i, (e, n) in enumerate(zip(entries, counts))]
+    eos = [default_eos if e.eos_id is None else e.eos_id for e in entries]
+    sources = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
+    return HeldOut(np.concatenate(parts), sources, tuple(e.label for e in entries), np.array(eos)[sources, None])
+
+
+def _windows(config: Config, path, setting: str, count: int) -> np.ndarray:
+    source = TokenFile(path, seq_len=config.train.seq_len, batch_size=1, vocab_size=config.model.vocab_size,
+                       setting=setting)
+    return np.stack([source.window(i) for i in range(min(count, source.num_samples))])
+
+
+def sequences_per_source(weights: list[float], total: int) -> list[int]:
+    """`total` rows split in proportion to `weights` (largest remainders), at least one each."""
+    shares = np.asarray(weights, np.float64) / sum(weights) * total
+    counts = np.floor(shares).astype(np.int64)
+    for i in np.argsort(-(shares - counts), kind="stable")[: total - int(counts.sum())]:
+        counts[i] += 1
+    return [max(1, int(n)) for n in counts]
+
+
+def position_losses(evaluator: Evaluator, params: dict, held: HeldOut) -> dict:
+    """The whole loss of the rows, its buckets by position, and (for eval.mix) each source's loss."""
+    losses = evaluator.scores(params, held.rows, held.eos_ids)[..., 0].astype(np.float64)
+    eos_ids = held.eos_ids if evaluator.config.data.eos_id is not None else None
+    positions = positions_of(held.rows[:, :-1], eos_ids)["positions"]
+    result = {"loss": float(losses.mean()), "tokens": int(losses.size),
+              "loss_by_position": loss_by_position(losses, positions, evaluator.config.train.seq_len)}
+    if evaluator.config.eval.mix:
+        result["loss_by_source"] = {name: float(losses[held.source == i].mean()) for i, name in enumerate(held.names)}
+    return result
 
 
 def passkey_trials(config: Config) -> list:
@@ -137,22 +181,22 @@ def load_params(program: TrainProgram, checkpoint: str) -> tuple[dict, int | str
 
 
 def eval_inputs(config: Config) -> tuple[np.ndarray | None, list]:
-    """The held-out rows (None without eval.path) and the passkey trials, read and checked."""
-    if not config.eval.path and not config.eval.passkey_trials:
-        raise JlongError("nothing to evaluate: set eval.path, or eval.passkey_trials above 0")
-    return (held_out_rows(config) if config.eval.path else None), passkey_trials(config)
+    """The held-out rows (None without eval.path or eval.mix) and the passkey trials, read and checked."""
+    if not config.eval.held_out and not config.eval.passkey_trials:
+        raise JlongError("nothing to evaluate: set eval.path or eval.mix, or eval.passkey_trials above 0")
+    return (held_out_rows(config) if config.eval.held_out else None), passkey_trials(config)
 
 
 def evaluate(config: Config, checkpoint: str, mesh, inputs: tuple | None = None) -> dict:
-    """The loss by position on eval.path and the passkey cells, of a checkpoint on `mesh`
+    """The loss by position on the held-out tokens and the passkey cells, of a checkpoint on `mesh`
     (`inputs`: what `eval_inputs` gave, when the caller checked them first)."""
-    rows, made = inputs or eval_inputs(config)
+    held, made = inputs or eval_inputs(config)
     program = TrainProgram(config, mesh)
     params, step = load_params(program, checkpoint)
     evaluator = Evaluator(program)
     result = {"checkpoint": str(checkpoint), "step": step, "seq_len": config.train.seq_len}
-    if rows is not None:
-        result.update(position_losses(evaluator, params, rows))
+    if held is not None:
+        result.update(position_losses(evaluator, params, held))
     result["passkey"] = passkey_accuracy(evaluator, params, made)
     return result
 

@@ -40,6 +40,9 @@ def summary(result: dict) -> str:
                      f"{result['tokens']:,} tokens; by position:")
         lines += [f"  [{b['start']:>9,}, {b['end']:>9,})  loss {b['loss']:.4f}  ({b['tokens']:,} tokens)"
                   for b in result["loss_by_position"]]
+        if "loss_by_source" in result:
+            sources = result["loss_by_source"].items()
+            lines.append("by source: " + ", ".join(f"{name} {loss:.4f}" for name, loss in sources))
     if result["passkey"]:
         lines.append("passkey accuracy (rows: depth; columns: length):")
         lengths, depths, cell = passkey_grid(result["passkey"])

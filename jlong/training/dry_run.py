@@ -12,6 +12,7 @@ from jlong.attention.kernels import describe as describe_kernel
 from jlong.config import Config
 from jlong.config.stages import StageRun, stage_runs
 from jlong.data.documents import PackedDocuments, describe as describe_documents
+from jlong.data.mixture import Mixture
 from jlong.data.sources import Batches, TokenFile
 from jlong.model.transformer import ForwardOptions
 from jlong.ops.shards import OneDevice
@@ -22,7 +23,7 @@ from jlong.training.checkpoint_owner import check_owner
 from jlong.training.initial_weights import check_init_from
 from jlong.training.loop import checked_last_step
 from jlong.training.metric_sinks import check_available
-from jlong.training.report import LOSS_PLOT
+from jlong.training.report import LOSS_PLOT, realised_mix
 from jlong.training.run_dir import RunDir
 
 
@@ -44,7 +45,7 @@ def describe(config: Config, until_step: int | None) -> str:
         f"{config.shard_tokens:,} tokens of each sequence per device",
         f"attention: {config.attention.sp_method} in stages of {config.heads_per_stage} heads, kernel "
         f"{describe_kernel(ForwardOptions.for_training(config, OneDevice(), devices[0].platform).attention)}",
-        f"data: {_data(config, batches)}",
+        f"data: {_data(config, batches, range(done + 1, max(last, done + 1) + 1))}",
         f"steps: {done + 1}-{last} of train.steps={train.steps}, {train.batch_size} x {train.seq_len:,} tokens each"
         if done < last else f"steps: none left (checkpointed at step {done} of {last})",
         f"outputs: {_outputs(config, done)}",
@@ -86,18 +87,28 @@ def stage_plans(stages: list[StageRun], target: PlanTarget, devices) -> list[str
     return lines
 
 
-def _data(config: Config, batches: Batches) -> str:
-    if isinstance(batches.source, PackedDocuments):
-        return describe_documents(batches.source, config.data.path)
-    if isinstance(batches.source, TokenFile):
-        source = batches.source
-        tokens = len(source.tokens)
-        steps_per_pass = source.num_samples / config.train.batch_size
-        order = "shuffled" if config.data.shuffle else "in order"
-        packed = f", documents split at id {config.data.eos_id}" if config.data.eos_id is not None else ""
-        return (f"{config.data.path}: {tokens:,} tokens, {source.num_samples:,} sequences ({order}{packed}); "
-                f"one pass is {steps_per_pass:,.1f} steps")
+def _data(config: Config, batches: Batches, steps: range) -> str:
+    if isinstance(batches.source, Mixture):
+        mixture = batches.source
+        parts = [f"{source.name}: {_rows(config, source.sampler, source.name)}, weight {source.weight:g}"
+                 for source in mixture.sources]
+        drawn = realised_mix([mixture.tokens_by_source(step) for step in steps])
+        return (f"a mixture of {len(parts)} sources ({'; '.join(parts)}); steps {steps.start}-{steps.stop - 1} "
+                f"draw {drawn}")
+    if isinstance(batches.source, (PackedDocuments, TokenFile)):
+        return _rows(config, batches.source, config.data.path)
     return "synthetic (learnable random sequences; set data.source=tokens and data.path for real data)"
+
+
+def _rows(config: Config, source, named) -> str:
+    """One token corpus: its documents, or its windows."""
+    if isinstance(source, PackedDocuments):
+        return describe_documents(source, named)
+    steps_per_pass = source.num_samples / config.train.batch_size
+    order = "shuffled" if source.shuffle else "in order"
+    packed = f", documents split at id {config.data.eos_id}" if config.data.eos_id is not None else ""
+    return (f"{named}: {len(source.tokens):,} tokens, {source.num_samples:,} sequences ({order}{packed}); "
+            f"one pass is {steps_per_pass:,.1f} steps")
 
 
 def _outputs(config: Config, done: int) -> str:

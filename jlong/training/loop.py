@@ -174,7 +174,7 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
                 stops.step_started(step, recorder.expected_step_seconds())
                 loss, grad_norm, seconds = _update(run, batches, step)
                 _check_finite(step, loss, grad_norm, checkpoints)
-                measured = evaluation.at(step, run.program, run.params)
+                measured = {**batches.drawn(step), **evaluation.at(step, run.program, run.params)}
                 recorder.record(step, loss, grad_norm, seconds, {"stage": stage.number, **measured} if staged
                                 else measured, stage.config)
                 every = config.checkpoint.every
@@ -231,7 +231,7 @@ def checked_last_step(config: Config, until_step: int | None) -> int:
 
 
 class PeriodicEvaluation:
-    """train.eval_every: the loss by position on eval.path, with the run's
+    """train.eval_every: the loss by position on eval.path (or eval.mix), with the run's
     parameters and forward pass, every that many steps; and, in a run in
     stages, at each stage's last step, the loss by position and passkey
     retrieval at the stage's length. The held-out file and the passkey
@@ -241,7 +241,7 @@ class PeriodicEvaluation:
         from jlong.eval.evaluate import held_out_rows, passkey_trials
 
         self.every, self.evaluator = config.train.eval_every, None
-        self.stage_last = stage_last if config.eval.path else None
+        self.stage_last = stage_last if config.eval.held_out else None
         self.rows = held_out_rows(config) if self.every or self.stage_last else None
         self.trials = passkey_trials(config) if self.stage_last else []
 
@@ -255,6 +255,8 @@ class PeriodicEvaluation:
         self.evaluator = self.evaluator or Evaluator(program)
         result = position_losses(self.evaluator, params, self.rows)
         metrics = {"eval_loss": result["loss"], "eval_loss_by_position": result["loss_by_position"]}
+        if "loss_by_source" in result:
+            metrics["eval_loss_by_source"] = result["loss_by_source"]
         if stage_ends and self.trials:
             metrics["eval_passkey"] = passkey_accuracy(self.evaluator, params, self.trials)
         return metrics

@@ -3,8 +3,9 @@ TensorBoard event files (tensorboardX, no TensorFlow) in run_dir/tensorboard,
 and Weights & Biases (offline with WANDB_MODE=offline). Each gets the values
 metrics.jsonl holds, under the same names: `train/<key>` for a step's
 numbers (`train/stage` marks a staged run's boundaries), `eval/loss`,
-`eval/loss_by_position/<start>-<end>` and `eval/passkey/<length>-<depth>`
-for an evaluation's."""
+`eval/loss_by_position/<start>-<end>`, `eval/loss_by_source/<name>` and
+`eval/passkey/<length>-<depth>` for an evaluation's, and
+`data/tokens_by_source/<name>` for what a mixture's step drew."""
 
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ def scalars(record: dict) -> dict[str, float]:
             values.update({f"eval/loss_by_position/{b['start']}-{b['end']}": b["loss"] for b in value})
         elif key == "eval_loss":
             values["eval/loss"] = value
+        elif key == "eval_loss_by_source":
+            values.update({f"eval/loss_by_source/{name}": loss for name, loss in value.items()})
+        elif key == "tokens_by_source":
+            values.update({f"data/tokens_by_source/{name}": tokens for name, tokens in value.items()})
         elif key == "eval_passkey":
             values.update({f"eval/passkey/{c['length']}-{c['depth']:g}": c["accuracy"] for c in value})
         elif isinstance(value, (int, float)):

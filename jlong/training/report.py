@@ -23,10 +23,16 @@ def summary(config: Config, records: list[dict], seconds: float, checkpoint_step
         f"(median {tokens_per_s:,.0f} tokens/s)",
         f"  loss         {first['loss']:.4f} at step {first['step']} -> {last['loss']:.4f} at step {last['step']}",
     ]
+    mixed = [r["tokens_by_source"] for r in records if "tokens_by_source" in r]
+    if mixed:
+        lines.append(f"  data mix     {realised_mix(mixed)}")
     evaluated = [r for r in records if "eval_loss" in r]
     if evaluated:
         lines.append(f"  eval loss    {evaluated[0]['eval_loss']:.4f} at step {evaluated[0]['step']} -> "
-                     f"{evaluated[-1]['eval_loss']:.4f} at step {evaluated[-1]['step']} (held-out, eval.path)")
+                     f"{evaluated[-1]['eval_loss']:.4f} at step {evaluated[-1]['step']} (held-out)")
+        by_source = evaluated[-1].get("eval_loss_by_source")
+        if by_source:
+            lines.append("  by source    " + ", ".join(f"{name} {loss:.4f}" for name, loss in by_source.items()))
     if config.run_dir:
         run_dir = Path(config.run_dir)
         lines += [f"  metrics      {run_dir / 'metrics.jsonl'}", f"  loss curve   {run_dir / LOSS_PLOT}",
@@ -38,6 +44,17 @@ def summary(config: Config, records: list[dict], seconds: float, checkpoint_step
     else:
         lines.append("  checkpoints  none (set checkpoint.dir to keep them and resume)")
     return "\n".join(lines)
+
+
+def realised_mix(drawn: list[dict[str, int]]) -> str:
+    """'long 74.8% (1,531,904 tokens), short 25.2% (...)': the share of the
+    target tokens each source gave, over the steps whose draws are listed."""
+    totals: dict[str, int] = {}
+    for step in drawn:
+        for name, tokens in step.items():
+            totals[name] = totals.get(name, 0) + tokens
+    everything = sum(totals.values()) or 1
+    return ", ".join(f"{name} {tokens / everything:.1%} ({tokens:,} tokens)" for name, tokens in totals.items())
 
 
 def nothing_to_do(config: Config, step: int, until_step: int | None) -> str:

@@ -1,0 +1,162 @@
+"""A corpus of token ids: one token file, a directory of shards, or a list of
+either, read as the shards' ids end to end.
+
+A directory holds every token file `jlong prepare` wrote there (`*.npy`
+other than the `.documents.npy` indices), in file-name order. Each shard is
+memory-mapped where it lies, never copied; a slice that crosses shards
+joins the pieces of just that slice. Document indices (`NAME.documents.npy`)
+are merged with each shard's offset, so a corpus in shards trains exactly
+as the same ids in one file. Shards whose summaries (`NAME.documents.json`)
+name other vocabularies or end ids, a prepare-numbered shard missing from
+its sequence, and a shard whose index is there without its token file are
+refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from jlong.errors import JlongError
+
+INDEX_SUFFIX = ".documents.npy"
+SHARD_NAME = re.compile(r"part-(\d+)\.npy")  # the shards `jlong prepare` numbers
+
+
+def index_paths(tokens_path: str | Path) -> dict[str, Path]:
+    """Where the document index, its summary and its histogram of a token file are."""
+    path = Path(tokens_path)
+    stem = path.name.removesuffix(".npy")
+    return {kind: path.with_name(f"{stem}.documents.{kind}") for kind in ("npy", "json", "png")}
+
+
+def token_files(paths: str | Sequence[str], setting: str) -> list[Path]:
+    """The token files `paths` name: files as given, directories' shards in name order."""
+    found = []
+    for item in [paths] if isinstance(paths, (str, Path)) else paths:
+        path = Path(item)
+        if path.is_dir():
+            found.extend(_shards_in(path, setting))
+        elif path.is_file():
+            found.append(path)
+        else:
+            raise JlongError(f"{setting} {str(path)!r} does not exist; make one with 'jlong prepare'")
+    return found
+
+
+def _shards_in(directory: Path, setting: str) -> list[Path]:
+    shards = sorted(p for p in directory.glob("*.npy") if not p.name.endswith(INDEX_SUFFIX) and p.is_file())
+    for index in sorted(directory.glob("*" + INDEX_SUFFIX)):
+        shard = index.with_name(index.name.removesuffix(INDEX_SUFFIX) + ".npy")
+        if not shard.is_file():
+            raise JlongError(f"{setting} {str(directory)!r} is missing the shard {shard.name} (its index "
+                             f"{index.name} is there): restore it, or remove its .documents.* files to leave it out")
+    numbers = [int(m.group(1)) for p in shards if (m := SHARD_NAME.fullmatch(p.name))]
+    for before, after in zip(numbers, numbers[1:]):
+        if after != before + 1:
+            raise JlongError(f"{setting} {str(directory)!r} is missing the shard part-{before + 1:05d}.npy between "
+                             f"part-{before:05d}.npy and part-{after:05d}.npy: restore it, or renumber the shards "
+                             "that follow to leave it out")
+    if not shards:
+        raise JlongError(f"{setting} {str(directory)!r} holds no token files; make some with 'jlong prepare'")
+    return shards
+
+
+class TokenCorpus:
+    """The ids of one or more token files end to end: `len`, slices, `dtype`."""
+
+    def __init__(self, paths: str | Sequence[str], setting: str = "data.path"):
+        """`setting`: the config key that named the files, for the messages."""
+        self.setting = setting
+        self.files = token_files(paths, setting)
+        self.arrays = [self._open(path) for path in self.files]
+        self.offsets = np.concatenate([[0], np.cumsum([len(a) for a in self.arrays])]).astype(np.int64)
+        self.dtype = np.result_type(*(a.dtype for a in self.arrays))
+        self.named = (f"{setting} {str(self.files[0])!r}" if isinstance(paths, (str, Path)) and len(self.files) == 1
+                      else f"{setting} {_shown(paths)} ({len(self.files)} token files)")
+        self._check_summaries()
+
+    def _open(self, path: Path) -> np.ndarray:
+        named = f"{self.setting} {str(path)!r}"
+        try:
+            tokens = np.load(path, mmap_mode="r")
+        except (ValueError, OSError) as err:
+            raise JlongError(f"{named} is not a readable .npy file ({err})") from None
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise JlongError(f"{named} must hold a 1-D integer array of token ids, got shape {tokens.shape} of "
+                             f"{tokens.dtype}")
+        return tokens
+
+    def _check_summaries(self) -> None:
+        """Shards prepared with other vocabularies or end ids do not make one corpus."""
+        seen = {}
+        for path in self.files:
+            summary = index_paths(path)["json"]
+            if not summary.is_file():
+                continue
+            try:
+                facts = json.loads(summary.read_text())
+            except (OSError, ValueError):
+                continue  # a damaged summary is only a summary: the ids are checked when read
+            for key in ("vocab_size", "eos_id"):
+                if key in facts and seen.setdefault(key, (facts[key], path))[0] != facts[key]:
+                    first, where = seen[key]
+                    raise JlongError(f"{self.setting} mixes token files prepared with different {key}s: "
+                                     f"{where.name} has {first}, {path.name} has {facts[key]}; prepare them with "
+                                     "one tokenizer and end id")
+        self.prepared_with = {key: value for key, (value, _) in seen.items()}
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, span: slice) -> np.ndarray:
+        start, stop, step = span.indices(len(self))
+        if step != 1:
+            raise IndexError("a token corpus is read in contiguous slices")
+        if len(self.arrays) == 1:
+            return self.arrays[0][start:stop]
+        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        pieces = []
+        while start < stop:
+            begin = int(self.offsets[first])
+            end = min(stop, int(self.offsets[first + 1]))
+            pieces.append(self.arrays[first][start - begin : end - begin])
+            start, first = end, first + 1
+        return np.concatenate(pieces) if len(pieces) != 1 else pieces[0]
+
+    def id_range(self, chunk: int = 1 << 24) -> tuple[int, int]:
+        """(smallest, largest) id, read a chunk at a time."""
+        lows, highs = [], []
+        for tokens in self.arrays:
+            for i in range(0, len(tokens), chunk):
+                part = tokens[i : i + chunk]
+                lows.append(int(part.min()))
+                highs.append(int(part.max()))
+        return min(lows, default=0), max(highs, default=0)
+
+    def document_starts(self, eos_id: int) -> np.ndarray:
+        """Each document's first offset: from the indices `jlong prepare` wrote, or found from the end ids."""
+        return np.concatenate([_starts_of(path, tokens, eos_id) + offset
+                               for path, tokens, offset in zip(self.files, self.arrays, self.offsets)])
+
+
+def _starts_of(path: Path, tokens: np.ndarray, eos_id: int) -> np.ndarray:
+    index = index_paths(path)["npy"]
+    if index.is_file():
+        starts = np.load(index)
+        if starts.ndim != 1 or (len(starts) and (starts[0] != 0 or starts[-1] >= len(tokens))):
+            raise JlongError(f"{str(index)!r} does not index {str(path)!r}; remove it, or prepare the data again")
+        return starts.astype(np.int64)
+    chunk = 1 << 24
+    ends = [np.flatnonzero(np.asarray(tokens[i : i + chunk]) == eos_id) + i for i in range(0, len(tokens), chunk)]
+    after_ends = np.concatenate([[0], *(e + 1 for e in ends)]).astype(np.int64)
+    return after_ends[after_ends < len(tokens)]
+
+
+def _shown(paths) -> str:
+    items = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    return repr(str(items[0])) if len(items) == 1 else "[" + ", ".join(repr(str(p)) for p in items) + "]"
