@@ -59,7 +59,7 @@ def loss_and_grads(config, devices):
     """Loss and gradients of step 1's batch from seed-0 parameters, as numpy."""
     program = TrainProgram(config, make_mesh(config.mesh, devices))
     params = program.init_params(seed=0)
-    batch = program.place_batch(Batches(config).batch(1))
+    batch = program.place_batch(Batches.from_config(config).batch(1))
     loss, grads = jax.jit(jax.value_and_grad(program.loss))(params, batch)
     return float(loss), jax.tree.map(np.asarray, grads)
 

@@ -17,7 +17,7 @@ def test_token_windows_follow_the_contract(tmp_path):
     S, B = 30, 4
     config = load_config(None, ["model.preset=llama3.2-1b", "data.source=tokens", f"data.path={tmp_path / 't.npy'}",
                                 f"train.seq_len={S}", f"train.batch_size={B}"])
-    batches = Batches(config)
+    batches = Batches.from_config(config)
     samples = (len(tokens) - 1) // S  # 33 whole samples
     for step in (1, 2, 9, 10):
         batch = batches.batch(step)
@@ -31,7 +31,7 @@ def test_shuffle_visits_every_sample_once_per_pass(tmp_path):
     np.save(tmp_path / "t.npy", np.arange(401, dtype=np.int32))
     config = load_config(None, ["model.preset=llama3.2-1b", "data.source=tokens", f"data.path={tmp_path / 't.npy'}",
                                 "train.seq_len=10", "train.batch_size=4", "data.shuffle=true"])
-    batches = Batches(config)
+    batches = Batches.from_config(config)
     firsts = np.concatenate([batches.batch(step)["inputs"][:, 0] for step in range(1, 11)])
     assert sorted(firsts) == list(range(0, 400, 10))
     assert list(firsts) != sorted(firsts)
@@ -49,9 +49,10 @@ def test_a_batch_over_the_document_cap_is_a_one_line_error(tmp_path):
     np.save(tmp_path / "t.npy", np.tile(np.r_[np.ones(9, np.int32), 0], 9))
     config = ["model.preset=llama3.2-1b", "data.source=tokens", f"data.path={tmp_path / 't.npy'}",
               "train.seq_len=89", "train.batch_size=1", "data.eos_id=0"]
-    assert Batches(load_config(None, [*config, "attention.max_documents=9"])).batch(1)["segment_ids"].max() == 8
+    nine = Batches.from_config(load_config(None, [*config, "attention.max_documents=9"]))
+    assert nine.batch(1)["segment_ids"].max() == 8
     with pytest.raises(JlongError) as error:
-        Batches(load_config(None, [*config, "attention.max_documents=8"])).batch(1)
+        Batches.from_config(load_config(None, [*config, "attention.max_documents=8"])).batch(1)
     assert "step 1's batch has a sequence of 9 documents, over attention.max_documents (8)" in str(error.value)
     assert "\n" not in str(error.value)
 
@@ -70,7 +71,7 @@ def test_prepare_writes_bytes_with_document_ends(tmp_path):
 
 def test_synthetic_batches_are_seeded():
     config = load_config(None, ["model.preset=llama3.2-1b", "train.seq_len=16", "train.batch_size=2"])
-    a, b = Batches(config).batch(3), Batches(config).batch(3)
+    a, b = Batches.from_config(config).batch(3), Batches.from_config(config).batch(3)
     np.testing.assert_array_equal(a["inputs"], b["inputs"])
     np.testing.assert_array_equal(a["inputs"][:, 1:], a["targets"][:, :-1])
 

@@ -41,7 +41,7 @@ def _rows(source: PackedDocuments, count: int) -> list[bytes]:
 
 @pytest.mark.fast
 def test_sequences_are_whole_documents_packed_and_each_piece_drawn_once_a_pass(corpus):
-    source = Batches(_config(corpus)).source
+    source = Batches.from_config(_config(corpus)).source
     tokens = np.load(corpus)
     rows = [source.row(i) for i in range(source.per_epoch)]
     assert all(len(r) == S + 1 for r in rows)
@@ -58,8 +58,8 @@ def test_sequences_are_whole_documents_packed_and_each_piece_drawn_once_a_pass(c
 
 @pytest.mark.fast
 def test_long_documents_are_drawn_as_often_as_their_weight(corpus):
-    plain = Batches(_config(corpus)).source
-    tripled = Batches(_config(corpus, "data.long_document_weight=3")).source
+    plain = Batches.from_config(_config(corpus)).source
+    tripled = Batches.from_config(_config(corpus, "data.long_document_weight=3")).source
     tokens = np.load(corpus)
     window = tokens[plain.piece_starts[-1] - 4 * (S + 1) : plain.piece_starts[-1] - 3 * (S + 1)]  # of the 333
     assert len(window) == S + 1
@@ -70,7 +70,7 @@ def test_long_documents_are_drawn_as_often_as_their_weight(corpus):
 @pytest.mark.fast
 def test_a_step_reads_the_same_batch_whenever_it_is_read(corpus):
     config = _config(corpus, "train.batch_size=4")
-    first, again = Batches(config), Batches(config)
+    first, again = Batches.from_config(config), Batches.from_config(config)
     passes = 3 * first.source.per_epoch // 4 + 1  # steps into the third pass
     for step in (passes, 1, 2, passes - 1):  # out of order, as a resumed run reads them
         a, b = first.batch(step), again.batch(step)

@@ -34,7 +34,7 @@ def _first_loss_on_one_device(config) -> float:
     one = load_config(None, ["mesh.fsdp=1", "mesh.ring=1", "mesh.sp=1"], base=config_to_dict(config))
     program = TrainProgram(one, make_mesh(one.mesh, jax.devices()[:1]))
     params = load_initial_weights(program, check_init_from(one))
-    return float(jax.jit(program.loss)(params, program.place_batch(Batches(one).batch(1))))
+    return float(jax.jit(program.loss)(params, program.place_batch(Batches.from_config(one).batch(1))))
 
 
 def test_a_run_continues_another_runs_weights_at_a_longer_length_on_another_mesh(shorter_run, tmp_path, capsys):

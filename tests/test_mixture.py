@@ -51,7 +51,7 @@ def _source_of(row: np.ndarray) -> str:
 @pytest.mark.fast
 def test_each_step_draws_the_weights_share_and_the_remainder_by_the_seed(sources):
     config = _mix(sources, ("long", {"weight": 3}), ("short", {"weight": 1}), overrides=["train.batch_size=5"])
-    batches = Batches(config)
+    batches = Batches.from_config(config)
     mixture = batches.source
     assert isinstance(mixture, Mixture)
     steps = range(1, 2001)
@@ -65,7 +65,7 @@ def test_each_step_draws_the_weights_share_and_the_remainder_by_the_seed(sources
     for step in (1, 2, 3, 17):  # each row really is from the source the counts name
         rows = batches.batch(step)["inputs"]
         assert [_source_of(r) for r in rows] == ["long"] * int(drawn[step - 1, 0]) + ["short"] * int(drawn[step - 1, 1])
-    reseeded = Batches(_mix(sources, ("long", {"weight": 3}), ("short", {"weight": 1}),
+    reseeded = Batches.from_config(_mix(sources, ("long", {"weight": 3}), ("short", {"weight": 1}),
                             overrides=["train.batch_size=5", "train.seed=7"])).source
     assert [tuple(reseeded.counts(s)) for s in steps[:40]] != [tuple(c) for c in drawn[:40]]
 
@@ -74,7 +74,7 @@ def test_each_step_draws_the_weights_share_and_the_remainder_by_the_seed(sources
 def test_a_step_reads_the_same_batch_whenever_it_is_read(sources):
     config = _mix(sources, ("long", {"weight": 2, "sampling": "documents"}), ("short", {"shuffle": True}),
                   overrides=["train.batch_size=3"])
-    first, again = Batches(config), Batches(config)
+    first, again = Batches.from_config(config), Batches.from_config(config)
     for step in (40, 1, 2, 39, 200):  # out of order, as a resumed run reads them
         a, b = first.batch(step), again.batch(step)
         assert all(np.array_equal(a[key], b[key]) for key in a)
@@ -87,7 +87,7 @@ def test_a_step_reads_the_same_batch_whenever_it_is_read(sources):
 @pytest.mark.fast
 def test_each_source_keeps_its_own_end_of_document_id(sources):
     config = _mix(sources, ("short", {}), ("stream", {"eos_id": 9}), overrides=["train.batch_size=2"])
-    batch = Batches(config).batch(1)
+    batch = Batches.from_config(config).batch(1)
     short, stream = batch["inputs"]
     assert (short == 0).any() and not (short == 9).any()
     ends = np.flatnonzero(stream == 9)

@@ -101,7 +101,8 @@ def _config(path, *overrides):
 @pytest.mark.parametrize("sampling", ["windows", "documents"])
 def test_batches_from_shards_are_the_batches_from_one_file(corpora, sampling):
     settings = [f"data.sampling={sampling}", "data.shuffle=true", "train.batch_size=4"]
-    one, sharded = Batches(_config(corpora["whole"], *settings)), Batches(_config(corpora["by_size"], *settings))
+    one = Batches.from_config(_config(corpora["whole"], *settings))
+    sharded = Batches.from_config(_config(corpora["by_size"], *settings))
     for step in (1, 2, 7, 30):  # into later passes: shuffling spans the shards
         a, b = one.batch(step), sharded.batch(step)
         assert all(np.array_equal(a[key], b[key]) for key in a)

@@ -53,7 +53,7 @@ def test_a_staged_run_trains_as_its_stages_would_by_hand(uninterrupted):
             opt_state = program.init_opt_state(params)
         params = jax.device_put(params, program.rest_shardings)
         opt_state = jax.device_put(opt_state, program.opt_shardings)
-        step_fn, batches = program.compile(), Batches(stage.config)
+        step_fn, batches = program.compile(), Batches.from_config(stage.config)
         for step in range(stage.first, stage.last + 1):
             params, opt_state, metrics = step_fn(params, opt_state, program.place_batch(batches.batch(step)))
             by_hand.append(float(np.asarray(metrics["loss"].addressable_data(0))))

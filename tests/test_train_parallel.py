@@ -50,7 +50,7 @@ def test_packed_documents_under_sequence_parallelism(mesh):
 def test_the_step_is_built_for_the_batches_the_data_gives(packed):
     config = small_config(*packed, "mesh.fsdp=2", "mesh.sp=4")
     program = TrainProgram(config, make_mesh(config.mesh))
-    batch = Batches(config).batch(1)
+    batch = Batches.from_config(config).batch(1)
     assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
         k: (v.shape, v.dtype) for k, v in program.abstract_batch.items()
     }

@@ -8,6 +8,7 @@ gives the same ids as encoding one text at a time.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -73,7 +74,7 @@ class Encoder:
         for each in ids:
             each.append(self.eos_id)
         lengths = np.fromiter(map(len, ids), np.int64, len(ids))
-        flat = np.fromiter((i for each in ids for i in each), self.dtype, int(lengths.sum()))
+        flat = np.fromiter(itertools.chain.from_iterable(ids), self.dtype, int(lengths.sum()))
         return flat, lengths
 
 

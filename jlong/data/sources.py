@@ -76,10 +76,8 @@ class SyntheticTokens:
     """Seeded, learnable sequences: each follows a fixed random permutation of
     the vocabulary from a random first token, so the loss can fall to zero."""
 
-    def __init__(self, config: Config):
-        self.vocab = config.model.vocab_size
-        self.seq_len, self.batch_size = config.train.seq_len, config.train.batch_size
-        self.seed = config.train.seed
+    def __init__(self, *, vocab_size: int, seq_len: int, batch_size: int, seed: int):
+        self.vocab, self.seq_len, self.batch_size, self.seed = vocab_size, seq_len, batch_size, seed
         self.successor = np.random.default_rng(self.seed).permutation(self.vocab).astype(np.int32)
 
     def sequences(self, step: int) -> np.ndarray:
@@ -108,7 +106,8 @@ def make_source(config: Config):
     (`jlong.data.mixture`) or the synthetic sequences."""
     data = config.data
     if data.source == "synthetic":
-        return SyntheticTokens(config)
+        return SyntheticTokens(vocab_size=config.model.vocab_size, seq_len=config.train.seq_len,
+                               batch_size=config.train.batch_size, seed=config.train.seed)
     if data.mix is None:
         return _sampler(config, data.path, "data.path", sampling=data.sampling, shuffle=data.shuffle,
                         eos_id=data.eos_id, long_document_weight=data.long_document_weight)
@@ -137,11 +136,14 @@ def _sampler(config: Config, path, setting: str, *, sampling: str, shuffle: bool
 class Batches:
     """The global batch of each step, with document structure when packed."""
 
-    def __init__(self, config: Config):
-        self.source = make_source(config)
-        self.eos_id = config.data.eos_id
-        self.max_documents = config.attention.max_documents
-        self.layout = batch_layout(config)
+    def __init__(self, source, *, layout: dict, eos_id: int | None, max_documents: int):
+        """`source`: what `sequences(step)` reads from (`make_source`); `layout`: `batch_layout`'s."""
+        self.source, self.layout, self.eos_id, self.max_documents = source, layout, eos_id, max_documents
+
+    @classmethod
+    def from_config(cls, config: Config) -> Batches:
+        return cls(make_source(config), layout=batch_layout(config), eos_id=config.data.eos_id,
+                   max_documents=config.attention.max_documents)
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         sequences = self.source.sequences(step)

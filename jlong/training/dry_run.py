@@ -31,7 +31,7 @@ def describe(config: Config, until_step: int | None) -> str:
     """What `jlong train` would do with `config` on the devices this process sees."""
     last = checked_last_step(config, until_step)  # the checks of a real run, first
     check_available(config.train.log_to)
-    batches = Batches(config)
+    batches = Batches.from_config(config)
     if config.run_dir:
         RunDir(config)
     done = check_owner(config).newest if config.checkpoint.dir else 0
@@ -72,7 +72,7 @@ def stage_plans(stages: list[StageRun], target: PlanTarget, devices) -> list[str
     lines, recipe_s = [], 0.0
     for stage in stages:
         if len(stages) > 1:
-            Batches(stage.config)  # each stage's data, checked
+            Batches.from_config(stage.config)  # each stage's data, checked
             lines.append(f"stage {stage.number} of {len(stages)}: steps {stage.first}-{stage.last} at seq_len "
                          f"{stage.config.train.seq_len:,}")
         step = compile_train_step(stage.config, target, devices)

@@ -134,7 +134,8 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
     stages = stage_runs(config)
     # Each stage's data and held-out tokens, and the run directory, are checked before anything is built.
     staged = len(stages) > 1
-    inputs = {run.number: (Batches(run.config), PeriodicEvaluation(run.config, run.last if staged else None))
+    inputs = {run.number: (Batches.from_config(run.config),
+                           PeriodicEvaluation(run.config, run.last if staged else None))
               for run in stages}
     run_dir = RunDir(config) if config.run_dir and jax.process_index() == 0 else None
     resumable = 0
