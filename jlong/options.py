@@ -10,3 +10,11 @@ DType = Literal["float32", "bfloat16", "float16"]
 RematName = Literal["none", "full", "save_inputs", "offload_inputs", "save_attention", "offload_attention"]
 
 REMAT_NAMES: tuple[str, ...] = typing.get_args(RematName)
+
+
+class RematSegment(typing.NamedTuple):
+    """Consecutive decoder layers under one `memory.remat` policy."""
+
+    remat: RematName
+    layers: int
+    layers_per_checkpoint: int = 1

@@ -2,12 +2,15 @@
 AdamW state in host memory) and `memory.layers_per_checkpoint` train exactly
 as the plain run does, resume exactly (on another mesh too), and move the bytes they should."""
 
+import re
+
 import jax
 import pytest
 from helpers import MESH, SMALL_MODEL, run_config
 
 from jlong.config import load_config
-from jlong.planner.memory import plan
+from jlong.errors import JlongError
+from jlong.planner.memory import format_plan, plan
 from jlong.training.loop import train
 
 FOUR_LAYERS = ["model.num_hidden_layers=4", "train.steps=5"]
@@ -18,6 +21,11 @@ VARIANTS = {
     "all, with UPipe and tiles": ["memory.optimizer_offload=true", "memory.remat=offload_inputs",
                                   "memory.layers_per_checkpoint=2", "attention.heads_per_stage=4",
                                   "memory.mlp_tile=4", "memory.loss_tile=4"],
+    "attention kept, offloaded, then groups of offloaded inputs": [
+        "memory.remat_runs={save_attention: 1, offload_attention: 1}", "memory.remat=offload_inputs",
+        "memory.layers_per_checkpoint=2", "attention.heads_per_stage=4"],
+    "attention kept for the first layer, recomputed for the rest": [
+        "memory.remat_runs={save_attention: 1}", "memory.remat=full"],
     "all, on a ring of 2 x sp 4": ["mesh.fsdp=1", "mesh.ring=2", "memory.optimizer_offload=true",
                                    "memory.remat=offload_inputs", "memory.layers_per_checkpoint=2",
                                    "attention.heads_per_stage=4", "memory.mlp_tile=4", "memory.loss_tile=4"],
@@ -67,3 +75,31 @@ def test_layer_groups_keep_one_input_per_group():
     result = plan(config, devices=jax.devices())
     one_input = 4 * 16 * 64 * 4  # sequences per fsdp rank x tokens per sp rank x hidden x float32
     assert result.saved_layer_inputs == result.host_offload == 2 * one_input
+
+
+def test_layers_in_runs_plan_each_runs_bytes():
+    """2 layers offloading their inputs, attention outputs and log-sum-exps, then 2 in one group of offloaded inputs."""
+    config = load_config(None, [*SMALL_MODEL, *MESH, "model.num_hidden_layers=4",
+                                "memory.remat_runs={offload_attention: 2}", "memory.remat=offload_inputs",
+                                "memory.layers_per_checkpoint=2"])
+    result = plan(config, devices=jax.devices())
+    tokens = 4 * 16  # sequences per fsdp rank x tokens per sp rank
+    one_input, one_attention = tokens * 64 * 4, tokens * 8 * (8 * 4 + 4)  # float32; 8 heads of 8, lse in float32
+    assert result.saved_layer_inputs == 3 * one_input
+    assert result.host_offload == 3 * one_input + 2 * one_attention
+    assert "offload_attention for layers 0-1, offload_inputs (one input per 2 layers) for layers 2-3" in \
+        format_plan(result, config)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("overrides, message", [
+    (["memory.remat_runs={save_attention: 1, offload_attention: 3}"],
+     "memory.remat_runs covers 4 of the 4 layers: leave some to memory.remat"),
+    (["memory.remat_runs={offload_attention: 1}", "memory.remat=offload_inputs", "memory.layers_per_checkpoint=2"],
+     "memory.layers_per_checkpoint (2) must divide the 3 layers after memory.remat_runs'; values that work: 1, 3"),
+    (["memory.remat_runs={offload: 1}"], "memory.remat_runs names 'offload', which is not a memory.remat policy"),
+    (["memory.remat_runs={full: 0}"], "memory.remat_runs gives full 0 layers; each run needs at least 1"),
+])
+def test_layer_runs_that_do_not_divide_are_one_line(overrides, message):
+    with pytest.raises(JlongError, match=re.escape(message)):
+        load_config(None, [*SMALL_MODEL, "model.num_hidden_layers=4", *overrides])

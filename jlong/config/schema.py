@@ -40,7 +40,7 @@ from jlong.config.types import (
     sequence_of,
 )
 from jlong.errors import JlongError
-from jlong.options import DType, RematName
+from jlong.options import REMAT_NAMES, DType, RematName, RematSegment
 
 # The share of each GPU a run asks XLA for by default. The rest is for what
 # lives outside XLA's pool: the CUDA context, cuBLAS/cuDNN handles, NCCL's
@@ -56,6 +56,20 @@ def _heads_per_stage(value: Any) -> int | Literal["all"] | None:
     if count < 0:
         raise ValueError(f"must not be negative, got {count}")
     return count or "all"
+
+
+def _remat_runs(value: Any) -> dict[str, int]:
+    """{policy: layers}: memory.remat's names, each with a positive count of layers."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"must be a mapping of memory.remat policies to layer counts, got {value!r}")
+    for name, layers in value.items():
+        if name not in REMAT_NAMES:
+            raise ValueError(f"names {name!r}, which is not a memory.remat policy ({', '.join(REMAT_NAMES)})")
+        if as_integer(layers) < 1:
+            raise ValueError(f"gives {name} {layers} layers; each run needs at least 1")
+    return {name: as_integer(layers) for name, layers in value.items()}
 
 
 def _share(value: Any) -> float:
@@ -147,6 +161,10 @@ class AttentionConfig(_Section):
 class MemoryConfig(_Section):
     remat: choice(RematName) = "none"
     layers_per_checkpoint: PositiveInt = 1  # with save_inputs / offload_inputs: one kept input per this many layers
+    # The first layers in runs under policies of their own, in order, {policy: layers, ...}: for example
+    # {save_attention: 1, offload_attention: 7} keeps attention's outputs on the device for the first layer and
+    # in host memory for the next seven. The remaining layers follow remat; empty, every layer does.
+    remat_runs: Annotated[dict, BeforeValidator(_remat_runs)] = {}
     optimizer_offload: Flag = False  # master parameters and AdamW moments in host memory
     mlp_tile: NonNegativeInt = 0  # tokens per tile of each device's sequence shard, 0 = untiled
     loss_tile: NonNegativeInt = 0
@@ -344,6 +362,15 @@ class Config(_Section):
     def heads_per_stage(self) -> int:
         """U resolved: the sequence-parallel method's default unless set, every head for "all"."""
         return method_of(self).heads_per_stage(self)
+
+    @property
+    def remat_segments(self) -> tuple[RematSegment, ...]:
+        """The layers in runs under one remat policy, first to last: memory.remat_runs' (one input
+        per layer), then the rest under memory.remat."""
+        memory = self.memory
+        runs = tuple(RematSegment(remat, layers) for remat, layers in memory.remat_runs.items())
+        rest = self.model.num_hidden_layers - sum(run.layers for run in runs)
+        return (*runs, RematSegment(memory.remat, rest, memory.layers_per_checkpoint))
 
     @property
     def shard_tokens(self) -> int:

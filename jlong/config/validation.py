@@ -108,16 +108,22 @@ def _check_tiles(config: Config) -> None:
 
 
 def _check_layer_groups(config: Config) -> None:
-    k, layers, remat = config.memory.layers_per_checkpoint, config.model.num_hidden_layers, config.memory.remat
+    memory, layers = config.memory, config.model.num_hidden_layers
+    in_runs = sum(memory.remat_runs.values())
+    if in_runs >= layers:
+        raise JlongError(f"memory.remat_runs covers {in_runs} of the {layers} layers: leave some to memory.remat "
+                         "(a policy for every layer is memory.remat alone)")
+    k, rest, remat = memory.layers_per_checkpoint, layers - in_runs, memory.remat
     if k > 1 and remat not in ("save_inputs", "offload_inputs"):
         raise JlongError(
             f"memory.layers_per_checkpoint={k} groups the layer inputs that memory.remat keeps: "
             f"use it with memory.remat=save_inputs or offload_inputs (got {remat})"
         )
-    if layers % k:
-        workable = [g for g in range(1, layers + 1) if layers % g == 0]
+    if rest % k:
+        workable = [g for g in range(1, rest + 1) if rest % g == 0]
+        after = " after memory.remat_runs'" if in_runs else ""
         raise JlongError(
-            f"memory.layers_per_checkpoint ({k}) must divide the {layers} layers; "
+            f"memory.layers_per_checkpoint ({k}) must divide the {rest} layers{after}; "
             f"values that work: {', '.join(map(str, workable))}"
         )
 

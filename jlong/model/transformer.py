@@ -27,7 +27,7 @@ from jlong.families import ParamSpec, family_of
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy, token_scores
 from jlong.model.remat import remat_policy, scan_layers
 from jlong.ops.shards import HIDDEN, OneDevice, Shards
-from jlong.options import DType, RematName
+from jlong.options import DType, RematName, RematSegment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,8 @@ class ForwardOptions:
     head_stages: int = 1  # UPipe: the query heads run in this many stages of U = H / head_stages heads
     remat: RematName = "none"  # the `jlong.model.remat` policy of each layer
     layers_per_checkpoint: int = 1  # k: the policy keeps one input per k layers
+    # Runs of layers under policies of their own (`Config.remat_segments`); () = every layer under `remat`.
+    remat_segments: tuple[RematSegment, ...] = ()
     mlp_tile: int = 0  # tokens per sequence tile of the MLP on each device; 0 = untiled
     loss_tile: int = 0  # the same for the output projection and the loss
 
@@ -72,6 +74,7 @@ class ForwardOptions:
             head_stages=config.model.num_attention_heads // config.heads_per_stage,
             remat=config.memory.remat,
             layers_per_checkpoint=config.memory.layers_per_checkpoint,
+            remat_segments=config.remat_segments if len(config.remat_segments) > 1 else (),
             mlp_tile=config.memory.mlp_tile,
             loss_tile=config.memory.loss_tile,
         )
@@ -135,15 +138,26 @@ class Transformer(nnx.Module):
         family = family_of(config)
         layer_axes = {name: spec.axes for name, spec in family.layer_params(config).items()}
 
-        def one_layer(x_BSD, params):
-            # Cast, then constrain to the compute layout: under FSDP this is
-            # where each layer's weights are gathered (in the compute dtype).
-            params = {name: constrain(w.astype(dtype), layer_axes[name]) for name, w in params.items()}
-            x_BSD = family.block(params, x_BSD, positions_BS, segment_ids_BS, config, options)
-            return x_BSD, None
+        def layers_under(segment_options: ForwardOptions, x_BSD, stacked: dict):
+            def one_layer(x_BSD, params):
+                # Cast, then constrain to the compute layout: under FSDP this is
+                # where each layer's weights are gathered (in the compute dtype).
+                params = {name: constrain(w.astype(dtype), layer_axes[name]) for name, w in params.items()}
+                x_BSD = family.block(params, x_BSD, positions_BS, segment_ids_BS, config, segment_options)
+                return x_BSD, None
 
-        policy = remat_policy(options.remat)
-        x_BSD = scan_layers(one_layer, x_BSD, self.layers.arrays(), policy, options.layers_per_checkpoint)
+            policy = remat_policy(segment_options.remat)
+            return scan_layers(one_layer, x_BSD, stacked, policy, segment_options.layers_per_checkpoint)
+
+        stacked, first = self.layers.arrays(), 0
+        for segment in options.remat_segments:  # each run of layers scanned under its own policy
+            last = first + segment.layers
+            segment_options = dataclasses.replace(options, remat=segment.remat, remat_segments=(),
+                                                  layers_per_checkpoint=segment.layers_per_checkpoint)
+            x_BSD = layers_under(segment_options, x_BSD, jax.tree.map(lambda w: w[first:last], stacked))
+            first = last
+        if not options.remat_segments:
+            x_BSD = layers_under(options, x_BSD, stacked)
         return family.final_norm(x_BSD, self.final_norm.get_value(), config, options)
 
     def output_embedding(self):

@@ -169,8 +169,8 @@ def plan_of(step: CompiledStep) -> MemoryPlan:
     if step.on_cpu and step.forward_only:
         host_offload, temporaries = host_states, analysis.temp_size_in_bytes
     elif step.on_cpu:  # see the module docstring
-        policy = remat_policy(config.memory.remat)
-        offloaded = (layer_inputs if policy.offloads_layer_inputs else 0) + offloaded_attention_bytes(config)
+        offloaded_inputs = saved_layer_input_bytes(config, lambda policy: policy.offloads_layer_inputs)
+        offloaded = offloaded_inputs + offloaded_attention_bytes(config)
         host_offload = offloaded + host_states
         temporaries = analysis.temp_size_in_bytes - offloaded
     else:
@@ -260,29 +260,39 @@ def _local_tokens(config: Config) -> int:
     return train.batch_size // (mesh.data * mesh.fsdp) * config.shard_tokens
 
 
-def saved_layer_input_bytes(config: Config) -> int:
+def saved_layer_input_bytes(config: Config, where: Callable = lambda policy: policy.keeps_layer_inputs) -> int:
     """One [B, S/(ring x sp), D] layer input per `layers_per_checkpoint` layers in the
-    compute dtype, on each device, for the policies that keep layer inputs."""
-    if not remat_policy(config.memory.remat).keeps_layer_inputs:
-        return 0
-    model = config.model
+    compute dtype, on each device, for the layers whose policy keeps layer inputs
+    (`where`: whose policy passes it, for example moves them to host memory)."""
+    kept = sum(s.layers // s.layers_per_checkpoint for s in config.remat_segments if where(remat_policy(s.remat)))
     itemsize = jnp.dtype(config.train.compute_dtype).itemsize
-    kept = model.num_hidden_layers // config.memory.layers_per_checkpoint
-    return kept * _local_tokens(config) * model.hidden_size * itemsize
+    return kept * _local_tokens(config) * config.model.hidden_size * itemsize
 
 
 def offloaded_attention_bytes(config: Config) -> int:
     """Each layer's attention output (the compute dtype) and float32
-    log-sum-exp, per device, for the policy that moves them to host memory."""
-    if not remat_policy(config.memory.remat).offloads_attention:
-        return 0
+    log-sum-exp, per device, for the layers whose policy moves them to host memory."""
+    layers = sum(s.layers for s in config.remat_segments if remat_policy(s.remat).offloads_attention)
     model = config.model
     per_head = model.dim_per_head * jnp.dtype(config.train.compute_dtype).itemsize + 4
-    return model.num_hidden_layers * _local_tokens(config) * model.num_attention_heads * per_head
+    return layers * _local_tokens(config) * model.num_attention_heads * per_head
 
 
-def _groups(layers_per_checkpoint: int) -> str:
-    return f" (one input per {layers_per_checkpoint} layers)" if layers_per_checkpoint > 1 else ""
+def _remat(config: Config) -> str:
+    """'offload_inputs (one input per 2 layers)', or per run of layers: 'offload_attention for layers
+    0-9, offload_inputs for layers 10-31'."""
+    def described(segment) -> str:
+        k = segment.layers_per_checkpoint
+        return segment.remat + (f" (one input per {k} layers)" if k > 1 else "")
+
+    segments = config.remat_segments
+    if len(segments) == 1:
+        return described(segments[0])
+    parts, first = [], 0
+    for segment in segments:
+        parts.append(f"{described(segment)} for layers {first}-{first + segment.layers - 1}")
+        first += segment.layers
+    return ", ".join(parts)
 
 
 def format_plan(result: MemoryPlan, config: Config) -> str:
@@ -293,7 +303,8 @@ def format_plan(result: MemoryPlan, config: Config) -> str:
         f"target {result.target}: {result.compiler}",
         f"seq_len {t.seq_len:,} x batch {t.batch_size} on mesh data={m.data} fsdp={m.fsdp} ring={m.ring} sp={m.sp}; "
         f"{t.compute_dtype} compute, {t.param_dtype} parameters",
-        f"remat {mem.remat}{_groups(mem.layers_per_checkpoint)}{', optimizer in host memory' if mem.optimizer_offload else ''}, mlp_tile {mem.mlp_tile or 'off'}, loss_tile {mem.loss_tile or 'off'}, "
+        f"remat {_remat(config)}{', optimizer in host memory' if mem.optimizer_offload else ''}, "
+        f"mlp_tile {mem.mlp_tile or 'off'}, loss_tile {mem.loss_tile or 'off'}, "
         f"attention {config.attention.sp_method} in stages of {heads} of {config.model.num_attention_heads} heads",
     ]
     unit, size = ("GiB", GIB) if result.device_total >= GIB else ("MiB", 2**20)
