@@ -19,7 +19,7 @@ from common import GIB, ROOT, add_target_argument, markdown_table, plan, plannin
 
 CONFIGS = [
     "configs/llama3-8b-2m.yaml", "configs/llama3-8b-5m.yaml", "configs/llama3-8b-8m.yaml", "configs/qwen3-32b-3m.yaml",
-    "configs/llama3-8b-32m-4nodes.yaml",
+    "configs/llama3-8b-32m-4nodes.yaml", "configs/llama3-8b-16m-2nodes.yaml", "configs/qwen3-32b-8m-2nodes.yaml",
 ]
 
 

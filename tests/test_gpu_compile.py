@@ -118,7 +118,8 @@ def test_ring_attention_across_two_nodes_keeps_ulysses_inside_each():
 @pytest.mark.parametrize(
     "name, seq_len",
     [("llama3-8b-2m", 2 * 2**20), ("llama3-8b-5m", 5 * 2**20), ("llama3-8b-8m", 8 * 2**20),
-     ("qwen3-32b-3m", 3 * 2**20), ("llama3-8b-32m-4nodes", 32 * 2**20)],
+     ("qwen3-32b-3m", 3 * 2**20), ("llama3-8b-32m-4nodes", 32 * 2**20),
+     ("llama3-8b-16m-2nodes", 16 * 2**20), ("qwen3-32b-8m-2nodes", 8 * 2**20)],
 )
 def test_the_long_context_configs_fit_their_default_budgets_on_h100(name, seq_len):
     config = load_config(REPO / "configs" / f"{name}.yaml")
