@@ -290,7 +290,8 @@ def _remat(config: Config) -> str:
         return described(segments[0])
     parts, first = [], 0
     for segment in segments:
-        parts.append(f"{described(segment)} for layers {first}-{first + segment.layers - 1}")
+        last = first + segment.layers - 1
+        parts.append(f"{described(segment)} for " + (f"layers {first}-{last}" if last > first else f"layer {first}"))
         first += segment.layers
     return ", ".join(parts)
 
