@@ -37,8 +37,7 @@ class Evaluator:
         if self.compiled is None:
             self.compiled = self.program.lower_eval().compile()
         B, count = self.config.train.batch_size, len(rows)
-        eos_ids = np.full((count, 1), -1 if self.config.data.eos_id is None else self.config.data.eos_id) \
-            if eos_ids is None else eos_ids
+        eos_ids = np.full((count, 1), _run_eos_id(self.config)) if eos_ids is None else eos_ids
         fill = -count % B  # whole batches: the last row again
         rows, eos_ids = (np.concatenate([a, np.repeat(a[-1:], fill, axis=0)]) for a in (rows, eos_ids))
         out = []
@@ -78,7 +77,7 @@ def held_out_rows(config: Config) -> HeldOut:
     if not config.eval.held_out:
         raise JlongError("the loss by position needs held-out tokens: set eval.path (a .npy made by 'jlong prepare') "
                          "or eval.mix")
-    default_eos = -1 if config.data.eos_id is None else config.data.eos_id
+    default_eos = _run_eos_id(config)
     if config.eval.path:
         rows = _windows(config, config.eval.path, "eval.path", config.eval.sequences)
         return HeldOut(rows, np.zeros(len(rows), np.int64), ("eval.path",), np.full((len(rows), 1), default_eos))
@@ -88,6 +87,11 @@ def held_out_rows(config: Config) -> HeldOut:
     eos = [default_eos if e.eos_id is None else e.eos_id for e in entries]
     sources = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
     return HeldOut(np.concatenate(parts), sources, tuple(e.label for e in entries), np.array(eos)[sources, None])
+
+
+def _run_eos_id(config: Config) -> int:
+    """data.eos_id, or -1 (matching no id) without one."""
+    return -1 if config.data.eos_id is None else config.data.eos_id
 
 
 def _windows(config: Config, path, setting: str, count: int) -> np.ndarray:
