@@ -10,6 +10,9 @@ import jlong
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 RESULTS = ROOT / "experiments" / "results"
 GIB = 2**30
+# The default stack on configs/llama3-8b-5m.yaml, whose memory settings are the planner's (memory.remat=auto,
+# attention.heads_per_stage=auto): every layer's input in host memory, attention recomputed, U = sp.
+DEFAULT_STACK = ["memory.remat=offload_inputs", "memory.remat_runs={}", "attention.heads_per_stage=null"]
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:

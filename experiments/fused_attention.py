@@ -19,13 +19,26 @@ import argparse
 import sys
 
 import jlong
-from common import GIB, ROOT, add_target_argument, estimate_assumptions, markdown_table, plan, planning_target, provenance, write_result
+from common import (
+    DEFAULT_STACK,
+    GIB,
+    ROOT,
+    add_target_argument,
+    estimate_assumptions,
+    markdown_table,
+    plan,
+    planning_target,
+    provenance,
+    write_result,
+)
 
 PROGRAMS = [
-    ("Llama3-8B, one node", "configs/llama3-8b-5m.yaml", ["train.seq_len=131072"]),
-    ("Llama3-8B, one node, packed", "configs/llama3-8b-5m.yaml", ["train.seq_len=131072", "data.eos_id=0"]),
-    ("Llama3-8B, one node", "configs/llama3-8b-5m.yaml", ["train.seq_len=1048576"]),
-    ("Llama3-8B, one node, packed", "configs/llama3-8b-5m.yaml", ["train.seq_len=1048576", "data.eos_id=0"]),
+    ("Llama3-8B, one node", "configs/llama3-8b-5m.yaml", [*DEFAULT_STACK, "train.seq_len=131072"]),
+    ("Llama3-8B, one node, packed", "configs/llama3-8b-5m.yaml",
+     [*DEFAULT_STACK, "train.seq_len=131072", "data.eos_id=0"]),
+    ("Llama3-8B, one node", "configs/llama3-8b-5m.yaml", [*DEFAULT_STACK, "train.seq_len=1048576"]),
+    ("Llama3-8B, one node, packed", "configs/llama3-8b-5m.yaml",
+     [*DEFAULT_STACK, "train.seq_len=1048576", "data.eos_id=0"]),
     ("Llama3-8B, 4 nodes, ring 4 x sp 8", "configs/llama3-8b-32m-4nodes.yaml", []),
     ("Llama3-8B, 4 nodes, ring 4 x sp 8, packed", "configs/llama3-8b-32m-4nodes.yaml", ["data.eos_id=0"]),
 ]

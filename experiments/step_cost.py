@@ -16,6 +16,7 @@ import sys
 
 import jlong
 from common import (
+    DEFAULT_STACK,
     GIB,
     ROOT,
     add_target_argument,
@@ -27,7 +28,7 @@ from common import (
     write_result,
 )
 
-DEFAULT_STACK = "configs/llama3-8b-5m.yaml"
+DEFAULT_CONFIG = "configs/llama3-8b-5m.yaml"
 LENGTHS = [2**17 * 2**k for k in range(7)]  # 131,072 ... 8,388,608
 CONFIGS = ["configs/llama3-8b-2m.yaml", "configs/llama3-8b-5m.yaml", "configs/llama3-8b-8m.yaml",
            "configs/qwen3-32b-3m.yaml", "configs/llama3-8b-32m-4nodes.yaml"]
@@ -67,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     by_length, published_rows = [], []
     for seq_len in LENGTHS:
         for remat in ("offload_inputs", "offload_attention"):
-            config, memory, cost = measure(DEFAULT_STACK, [f"train.seq_len={seq_len}", f"memory.remat={remat}"],
-                                           target)
+            config, memory, cost = measure(DEFAULT_CONFIG, [*DEFAULT_STACK, f"train.seq_len={seq_len}",
+                                                            f"memory.remat={remat}"], target)
             by_length.append(row("default stack", config, memory, cost))
             print(" | ".join(by_length[-1]), flush=True)
             if remat == "offload_inputs":

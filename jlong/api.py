@@ -25,8 +25,9 @@ from jlong.config import Config, load_config
 from jlong.errors import JlongError
 from jlong.jax_startup import start_backends
 from jlong.planner.maxlen import SettingLength, longest_by_setting
-from jlong.planner.memory import MemoryPlan, compile_train_step, plan_of
-from jlong.planner.step_cost import Efficiency, StepCost, step_cost
+from jlong.planner.memory import MemoryPlan
+from jlong.planner.memory_choice import choose
+from jlong.planner.step_cost import Efficiency, StepCost
 from jlong.planner.targets import DEFAULT_HOST_BUDGET_GIB, PlanTarget, node_shape, resolve_target, start_planning_backend
 
 ConfigLike = Config | str | Path
@@ -51,6 +52,8 @@ class Plan:
     target: str
     memory: MemoryPlan  # every byte count (per device; host also per node)
     cost: StepCost | None  # read from the compiled XLA:GPU program; None on the cpu target
+    # memory.remat=auto / attention.heads_per_stage=auto: how the planner chose `config`'s settings, a line each
+    decisions: tuple[str, ...] = ()
 
     @property
     def fits(self) -> bool:
@@ -79,7 +82,10 @@ class Plan:
         """The object `jlong plan --json` prints."""
         from jlong.planner.step_cost import cost_dict
 
-        return {**self.memory.as_dict(), "program": "train", **cost_dict(self.cost)}
+        keys = {**self.memory.as_dict(), "program": "train", **cost_dict(self.cost)}
+        if self.decisions:
+            keys["memory_choice_decisions"] = list(self.decisions)
+        return keys
 
 
 def planning_target(config: Config, target: str | None = None, *, budget_gib: float | None = None,
@@ -102,12 +108,14 @@ def plan(config: ConfigLike, overrides: Sequence[str] = (), target: str | None =
          efficiency: Efficiency | None = None) -> Plan:
     """Compiles the configured train step ahead of time for `target` (h100,
     h200, b200: XLA:GPU, deviceless; cpu: virtual CPU devices) and reports its
-    memory against the budgets and, on GPU targets, its estimated cost."""
+    memory against the budgets and, on GPU targets, its estimated cost. Auto
+    settings (memory.remat, attention.heads_per_stage) are chosen first: the
+    plan's config is the resolved one."""
     resolved = config_of(config, overrides)
     chosen = planning_target(resolved, target, budget_gib=budget_gib, host_budget_gib=host_budget_gib,
                              gpus_per_node=gpus_per_node)
-    step = compile_train_step(resolved, chosen)
-    return Plan(resolved, chosen.name, plan_of(step), step_cost(step, efficiency or Efficiency()))
+    choice = choose(resolved, chosen, efficiency=efficiency or Efficiency())
+    return Plan(choice.config, chosen.name, choice.chosen.plan, choice.chosen.cost, choice.decisions)
 
 
 def maxlen(config: ConfigLike, overrides: Sequence[str] = (), target: str | None = None, *,

@@ -7,6 +7,7 @@ compilation and without a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -290,7 +291,10 @@ def _plan(args) -> int:
     efficiency = _efficiency(args)
     target = _plan_target(config, args)
     stages = stage_runs(config)
-    planned = [(stage, *_plan_one(stage.config, target, efficiency, args.eval)) for stage in stages]
+    planned = []
+    for stage in stages:  # each stage with its auto settings chosen (jlong.planner.memory_choice)
+        resolved, *plan_parts = _plan_one(stage.config, target, efficiency, args.eval)
+        planned.append((dataclasses.replace(stage, config=resolved), *plan_parts))
     # A run in stages fits when every stage does; its report leads with the stage that needs the most.
     stage, result, cost_keys, _, _ = max(planned, key=lambda p: (not p[1].fits, p[1].device_total))
     costs = [(s.last - s.first + 1) * cost.step_time_s for s, _, _, _, cost in planned if cost is not None]
@@ -325,16 +329,24 @@ def _plan(args) -> int:
 
 
 def _plan_one(config, target, efficiency, forward_only: bool):
-    """(memory plan, step-cost JSON keys, step-cost lines, step cost) of one config's train (or eval) program."""
+    """(the config with its auto settings chosen, memory plan, JSON keys, report lines, step cost) of one
+    config's train (or eval) program."""
     from jlong.planner.memory import compile_train_step, plan_of
     from jlong.planner.cost_report import format_cost
-    from jlong.planner.step_cost import cost_dict, step_cost
+    from jlong.planner.memory_choice import choice_dict, choose, frugal
+    from jlong.planner.step_cost import cost_dict
 
-    step = compile_train_step(config, target, forward_only=forward_only)
     if forward_only:  # memory only: the step-cost model prices a training step
-        return plan_of(step), {"program": "eval"}, [], None
-    cost = step_cost(step, efficiency)
-    return plan_of(step), {"program": "train", **cost_dict(cost)}, [format_cost(cost)], cost
+        config = frugal(config)  # no backward pass: nothing to choose what to keep for
+        return config, plan_of(compile_train_step(config, target, forward_only=True)), {"program": "eval"}, [], None
+    choice = choose(config, target, efficiency=efficiency)
+    cost = choice.chosen.cost
+    lines = [f"memory choice: {line}" for line in choice.decisions]
+    if choice.decisions:
+        lines.append(f"memory choice: {choice.compiles} programs compiled in {choice.seconds:,.1f} s")
+    lines.append(format_cost(cost))
+    keys = {"program": "train", **cost_dict(cost), **choice_dict(choice)}
+    return choice.config, choice.chosen.plan, keys, lines, cost
 
 
 def _efficiency(args):

@@ -7,7 +7,8 @@ import typing
 from typing import Literal
 
 DType = Literal["float32", "bfloat16", "float16"]
-RematName = Literal["none", "full", "save_inputs", "offload_inputs", "save_attention", "offload_attention"]
+RematName = Literal["none", "full", "save_inputs", "offload_inputs", "save_attention", "offload_attention",
+                    "offload_inputs_save_attention"]
 
 REMAT_NAMES: tuple[str, ...] = typing.get_args(RematName)
 

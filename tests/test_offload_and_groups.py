@@ -24,6 +24,9 @@ VARIANTS = {
     "attention kept, offloaded, then groups of offloaded inputs": [
         "memory.remat_runs={save_attention: 1, offload_attention: 1}", "memory.remat=offload_inputs",
         "memory.layers_per_checkpoint=2", "attention.heads_per_stage=4"],
+    "the auto choice's mix: attention in host memory, on the device, then offloaded inputs": [
+        "memory.remat_runs={offload_attention: 1, offload_inputs_save_attention: 1}", "memory.remat=offload_inputs",
+        "attention.heads_per_stage=4"],
     "attention kept for the first layer, recomputed for the rest": [
         "memory.remat_runs={save_attention: 1}", "memory.remat=full"],
     "all, on a ring of 2 x sp 4": ["mesh.fsdp=1", "mesh.ring=2", "memory.optimizer_offload=true",

@@ -48,9 +48,9 @@ from jlong.options import REMAT_NAMES, DType, RematName, RematSegment
 DEFAULT_GPU_MEMORY_FRACTION = 0.94
 
 
-def _heads_per_stage(value: Any) -> int | Literal["all"] | None:
-    """U: unset (None: as many as mesh.sp), "all" (or 0), or a count of heads."""
-    if value is None or value == "all":
+def _heads_per_stage(value: Any) -> int | Literal["all", "auto"] | None:
+    """U: unset (None: as many as mesh.sp), "all" (or 0), "auto" (the planner's choice), or a count of heads."""
+    if value is None or value in ("all", "auto"):
         return value
     count = as_integer(value)
     if count < 0:
@@ -152,14 +152,16 @@ class MeshConfig(_Section):
 class AttentionConfig(_Section):
     impl: Text = "auto"  # auto, or a kernel of `jlong.attention.kernels` (cudnn, blockwise), or reference
     sp_method: Text = "ulysses"  # how attention spans the sp devices (`jlong.attention.methods`): ulysses, allgather
-    # U: unset = the method's default (Ulysses: mesh.sp); "all" (or 0) = every head in one stage (plain Ulysses)
-    heads_per_stage: Annotated[int | Literal["all"] | None, BeforeValidator(_heads_per_stage)] = None
+    # U: unset = the method's default (Ulysses: mesh.sp); "all" (or 0) = every head in one stage (plain Ulysses);
+    # "auto" = the largest stage whose plan fits, chosen with memory.remat=auto (`jlong.planner.memory_choice`)
+    heads_per_stage: Annotated[int | Literal["all", "auto"] | None, BeforeValidator(_heads_per_stage)] = None
     block_size: PositiveInt = DEFAULT_BLOCK_SIZE  # query/key block of the blockwise kernel
     max_documents: PositiveInt = DEFAULT_MAX_DOCUMENTS  # packed documents per sequence cuDNN takes (sizes its statistics)
 
 
 class MemoryConfig(_Section):
-    remat: choice(RematName) = "none"
+    # auto: the planner chooses each layer's policy (and k) to fill both budgets (`jlong.planner.memory_choice`)
+    remat: choice(Literal[RematName, "auto"]) = "none"
     layers_per_checkpoint: PositiveInt = 1  # with save_inputs / offload_inputs: one kept input per this many layers
     # The first layers in runs under policies of their own, in order, {policy: layers, ...}: for example
     # {save_attention: 1, offload_attention: 7} keeps attention's outputs on the device for the first layer and
@@ -364,10 +366,19 @@ class Config(_Section):
         return method_of(self).heads_per_stage(self)
 
     @property
+    def chooses_layout(self) -> bool:
+        """Whether the planner still has settings to choose (memory.remat or attention.heads_per_stage is
+        auto): `jlong.planner.memory_choice.choose` resolves them before a program is built."""
+        return self.memory.remat == "auto" or self.attention.heads_per_stage == "auto"
+
+    @property
     def remat_segments(self) -> tuple[RematSegment, ...]:
         """The layers in runs under one remat policy, first to last: memory.remat_runs' (one input
         per layer), then the rest under memory.remat."""
         memory = self.memory
+        if memory.remat == "auto":
+            raise JlongError("memory.remat=auto is chosen by the planner before a program is built: resolve the "
+                             "config with jlong.planner.memory_choice.choose first")
         runs = tuple(RematSegment(remat, layers) for remat, layers in memory.remat_runs.items())
         rest = self.model.num_hidden_layers - sum(run.layers for run in runs)
         return (*runs, RematSegment(memory.remat, rest, memory.layers_per_checkpoint))

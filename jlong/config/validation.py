@@ -114,7 +114,10 @@ def _check_layer_groups(config: Config) -> None:
         raise JlongError(f"memory.remat_runs covers {in_runs} of the {layers} layers: leave some to memory.remat "
                          "(a policy for every layer is memory.remat alone)")
     k, rest, remat = memory.layers_per_checkpoint, layers - in_runs, memory.remat
-    if k > 1 and remat not in ("save_inputs", "offload_inputs"):
+    if remat == "auto" and in_runs:
+        raise JlongError("memory.remat=auto chooses memory.remat_runs itself: drop memory.remat_runs, or name a "
+                         "policy in memory.remat to pin the runs you gave")
+    if k > 1 and remat not in ("save_inputs", "offload_inputs", "auto"):
         raise JlongError(
             f"memory.layers_per_checkpoint={k} groups the layer inputs that memory.remat keeps: "
             f"use it with memory.remat=save_inputs or offload_inputs (got {remat})"

@@ -19,6 +19,7 @@ from jlong.errors import JlongError
 from jlong.eval import passkey
 from jlong.eval.positions import loss_by_position
 from jlong.attention.methods import method_of
+from jlong.planner.memory_choice import frugal
 from jlong.program.train_program import TrainProgram
 
 
@@ -161,10 +162,11 @@ def checkpoint_kind(checkpoint: str) -> str:
 def at_checkpoint(config: Config, checkpoint: str, overrides: list[str] = ()) -> Config:
     """The config to evaluate `checkpoint` with: a run in stages is evaluated
     with the settings of the stage its checkpoint's step belongs to (a
-    Hugging Face checkpoint: the last stage's), `overrides` over them."""
+    Hugging Face checkpoint: the last stage's), `overrides` over them; auto
+    memory settings at their most frugal (a forward pass keeps nothing for a backward one)."""
     kind = checkpoint_kind(checkpoint)
     step = saved_steps(checkpoint)[-1] if kind == "jlong" else config.train.steps
-    return config_at_step(config, step, overrides)
+    return frugal(config_at_step(config, step, overrides))
 
 
 def load_params(program: TrainProgram, checkpoint: str) -> tuple[dict, int | str]:

@@ -19,6 +19,11 @@ and composes with the checkpointed UPipe stages inside attention:
 - `offload_attention`: as `save_attention`, with the input, the attention
   output and the log-sum-exp in pinned host memory: about twice the host
   bytes of `offload_inputs` for one attention forward pass less per layer.
+- `offload_inputs_save_attention`: the input in host memory (as
+  `offload_inputs`) and the attention output and log-sum-exp on the device
+  (as `save_attention`): the attention forward pass is skipped for the
+  device bytes of one attention output per layer, no more host bytes than
+  `offload_inputs`.
 
 `memory.layers_per_checkpoint` = k > 1 (with `save_inputs` or
 `offload_inputs`) applies the policy to groups of k layers: one input is kept
@@ -94,6 +99,17 @@ REMAT_POLICIES: dict[str, RematPolicy] = {
         RematPolicy(
             "offload_attention", _offload_inputs_and_attention,
             keeps_layer_inputs=True, offloads_layer_inputs=True, offloads_attention=True,
+        ),
+        RematPolicy(
+            "offload_inputs_save_attention",
+            _policies.save_and_offload_only_these_names(
+                names_which_can_be_saved=[ATTENTION_OUT, ATTENTION_LSE],
+                names_which_can_be_offloaded=[LAYER_INPUT],
+                offload_src="device",
+                offload_dst="pinned_host",
+            ),
+            keeps_layer_inputs=True,
+            offloads_layer_inputs=True,
         ),
     )
 }

@@ -16,8 +16,9 @@ from collections.abc import Callable
 
 from jlong.config import Config, config_to_dict, load_config, with_values
 from jlong.errors import JlongError
-from jlong.planner.memory import MemoryPlan, compile_train_step, plan, plan_of, state_bytes
-from jlong.planner.step_cost import Efficiency, StepCost, step_cost
+from jlong.planner.memory import MemoryPlan, plan, state_bytes
+from jlong.planner.memory_choice import choose, frugal
+from jlong.planner.step_cost import Efficiency, StepCost
 from jlong.planner.targets import GIB, PlanTarget
 
 RELATIVE_RESOLUTION = 0.01
@@ -43,6 +44,7 @@ def longest_seq_len(
 ) -> MaxLen:
     """Doubling, then bisection, over multiples of `config.sequence_granule`; plans
     compile for `target` (see `jlong.planner.memory.plan`)."""
+    config = frugal(config)  # auto settings come down to their most frugal at the longest length
     step = config.sequence_granule
     probes: list[tuple[int, MemoryPlan]] = []
 
@@ -173,12 +175,12 @@ def fastest_setting(
     budgets (None if none fits). A setting the config refuses is skipped."""
     fitting = []
     for setting in candidates:
-        try:
-            step = compile_train_step(with_overrides(config, setting), target)
+        try:  # auto settings chosen for each setting
+            chosen = choose(with_overrides(config, setting), target, efficiency=efficiency).chosen
         except JlongError as err:
             on_refused(setting, err)
             continue
-        result, cost = plan_of(step), step_cost(step, efficiency)
+        result, cost = chosen.plan, chosen.cost
         on_probe(setting, result, cost)
         if result.fits:
             fitting.append((setting, result, cost))

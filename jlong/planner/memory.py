@@ -265,20 +265,28 @@ def saved_layer_input_bytes(config: Config, where: Callable = lambda policy: pol
     compute dtype, on each device, for the layers whose policy keeps layer inputs
     (`where`: whose policy passes it, for example moves them to host memory)."""
     kept = sum(s.layers // s.layers_per_checkpoint for s in config.remat_segments if where(remat_policy(s.remat)))
-    itemsize = jnp.dtype(config.train.compute_dtype).itemsize
-    return kept * _local_tokens(config) * config.model.hidden_size * itemsize
+    return kept * layer_input_bytes_per_layer(config)
+
+
+def layer_input_bytes_per_layer(config: Config) -> int:
+    """One layer's input, [B, S/(ring x sp), D] in the compute dtype, per device."""
+    return _local_tokens(config) * config.model.hidden_size * jnp.dtype(config.train.compute_dtype).itemsize
+
+
+def attention_output_bytes_per_layer(config: Config) -> int:
+    """One layer's attention output (the compute dtype) and float32 log-sum-exp, per device."""
+    model = config.model
+    per_head = model.dim_per_head * jnp.dtype(config.train.compute_dtype).itemsize + 4
+    return _local_tokens(config) * model.num_attention_heads * per_head
 
 
 def offloaded_attention_bytes(config: Config) -> int:
-    """Each layer's attention output (the compute dtype) and float32
-    log-sum-exp, per device, for the layers whose policy moves them to host memory."""
+    """The attention outputs and log-sum-exps per device of the layers whose policy moves them to host memory."""
     layers = sum(s.layers for s in config.remat_segments if remat_policy(s.remat).offloads_attention)
-    model = config.model
-    per_head = model.dim_per_head * jnp.dtype(config.train.compute_dtype).itemsize + 4
-    return layers * _local_tokens(config) * model.num_attention_heads * per_head
+    return layers * attention_output_bytes_per_layer(config)
 
 
-def _remat(config: Config) -> str:
+def describe_layers(config: Config) -> str:
     """'offload_inputs (one input per 2 layers)', or per run of layers: 'offload_attention for layers
     0-9, offload_inputs for layers 10-31'."""
     def described(segment) -> str:
@@ -304,7 +312,7 @@ def format_plan(result: MemoryPlan, config: Config) -> str:
         f"target {result.target}: {result.compiler}",
         f"seq_len {t.seq_len:,} x batch {t.batch_size} on mesh data={m.data} fsdp={m.fsdp} ring={m.ring} sp={m.sp}; "
         f"{t.compute_dtype} compute, {t.param_dtype} parameters",
-        f"remat {_remat(config)}{', optimizer in host memory' if mem.optimizer_offload else ''}, "
+        f"remat {describe_layers(config)}{', optimizer in host memory' if mem.optimizer_offload else ''}, "
         f"mlp_tile {mem.mlp_tile or 'off'}, loss_tile {mem.loss_tile or 'off'}, "
         f"attention {config.attention.sp_method} in stages of {heads} of {config.model.num_attention_heads} heads",
     ]

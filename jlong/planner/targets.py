@@ -184,6 +184,13 @@ def default_budget_gib(target: str, gpu_memory_fraction: float) -> float:
     return gpu_memory_fraction * gpu.memory_bytes / GIB - POOL_RESERVE_GIB
 
 
+def known_gpu(device) -> str | None:
+    """The planner's name for a device's GPU model ("h100"), or None (a CPU, another GPU)."""
+    if device.platform != "gpu":
+        return None
+    return next((name for name in GPUS if name.upper() in device.device_kind.upper()), None)
+
+
 def node_shape(device_count: int, gpus_per_node: int) -> tuple[int, int]:
     """(nodes, devices per node) of a mesh: whole nodes, or part of one."""
     if gpus_per_node <= 0:

@@ -16,12 +16,12 @@ from jlong.data.mixture import Mixture
 from jlong.data.sources import Batches, TokenFile
 from jlong.model.transformer import ForwardOptions
 from jlong.ops.shards import OneDevice
-from jlong.planner.memory import compile_train_step, format_plan, plan_of
-from jlong.planner.step_cost import step_cost
-from jlong.planner.targets import GIB, GPUS, PlanTarget
+from jlong.planner.memory import format_plan, plan_of
+from jlong.planner.memory_choice import choose, frugal
+from jlong.planner.targets import PlanTarget
 from jlong.training.checkpoint_owner import check_owner
 from jlong.training.initial_weights import check_init_from
-from jlong.training.loop import checked_last_step
+from jlong.training.loop import checked_last_step, run_target
 from jlong.training.metric_sinks import check_available
 from jlong.training.report import LOSS_PLOT, realised_mix
 from jlong.training.run_dir import RunDir
@@ -38,13 +38,15 @@ def describe(config: Config, until_step: int | None) -> str:
     initial = None if done else check_init_from(config)
     devices = jax.devices()
     mesh, train = config.mesh, config.train
+    stages = ("stages the planner chooses (below)" if config.attention.heads_per_stage == "auto"
+              else f"stages of {config.heads_per_stage} heads")
     lines = [
         f"devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}) in "
         f"{jax.process_count()} process(es)",
         f"mesh: data {mesh.data} x fsdp {mesh.fsdp} x ring {mesh.ring} x sp {mesh.sp}; "
         f"{config.shard_tokens:,} tokens of each sequence per device",
-        f"attention: {config.attention.sp_method} in stages of {config.heads_per_stage} heads, kernel "
-        f"{describe_kernel(ForwardOptions.for_training(config, OneDevice(), devices[0].platform).attention)}",
+        f"attention: {config.attention.sp_method} in {stages}, kernel "
+        f"{describe_kernel(ForwardOptions.for_training(frugal(config), OneDevice(), devices[0].platform).attention)}",
         f"data: {_data(config, batches, range(done + 1, max(last, done + 1) + 1))}",
         f"steps: {done + 1}-{last} of train.steps={train.steps}, {train.batch_size} x {train.seq_len:,} tokens each"
         if done < last else f"steps: none left (checkpointed at step {done} of {last})",
@@ -52,18 +54,8 @@ def describe(config: Config, until_step: int | None) -> str:
     ]
     if initial:
         lines.append(f"starting weights: {initial.describe()}, with a fresh optimizer (train.init_from)")
-    stats = devices[0].memory_stats() or {}
-    capacity = stats.get("bytes_limit")
-    target = PlanTarget(known_gpu(devices[0]) or "cpu", budget_gib=capacity / GIB if capacity else None)
-    lines += stage_plans(stage_runs(config), target, devices)
+    lines += stage_plans(stage_runs(config), run_target(devices), devices)
     return "\n".join(lines)
-
-
-def known_gpu(device) -> str | None:
-    """The planner's name for a device's GPU model ("h100"), or None (a CPU, another GPU)."""
-    if device.platform != "gpu":
-        return None
-    return next((name for name in GPUS if name.upper() in device.device_kind.upper()), None)
 
 
 def stage_plans(stages: list[StageRun], target: PlanTarget, devices) -> list[str]:
@@ -75,9 +67,10 @@ def stage_plans(stages: list[StageRun], target: PlanTarget, devices) -> list[str
             Batches.from_config(stage.config)  # each stage's data, checked
             lines.append(f"stage {stage.number} of {len(stages)}: steps {stage.first}-{stage.last} at seq_len "
                          f"{stage.config.train.seq_len:,}")
-        step = compile_train_step(stage.config, target, devices)
-        lines.append(format_plan(plan_of(step), stage.config))
-        cost = step_cost(step) if target.is_gpu else None
+        choice = choose(stage.config, target, devices)
+        lines += [f"memory choice: {line}" for line in choice.decisions]
+        config, step, cost = choice.config, choice.chosen.step, choice.chosen.cost
+        lines.append(format_plan(plan_of(step), config))
         if cost is not None:
             recipe_s += cost.step_time_s * (stage.last - stage.first + 1)
             lines.append(f"estimated step time {cost.step_time_s:,.1f} s ({cost.tokens_per_s:,.0f} tokens/s), read "

@@ -19,7 +19,8 @@ from jlong.data.sources import Batches
 from jlong.errors import JlongError
 from jlong.planner.advice import is_out_of_memory, out_of_memory_error, over_budget_error
 from jlong.planner.memory import CompiledStep, plan, plan_of
-from jlong.planner.targets import GIB, PlanTarget, peak_flops_per_device
+from jlong.planner.memory_choice import resolve_stages
+from jlong.planner.targets import DEFAULT_HOST_BUDGET_GIB, GIB, PlanTarget, known_gpu, peak_flops_per_device
 from jlong.parallel.placement import make_mesh
 from jlong.families import family_of
 from jlong.training.checkpoint_owner import check_owner
@@ -122,6 +123,17 @@ def host_bytes_per_node(program: TrainProgram, compiled: jax.stages.Compiled) ->
     return plan_of(CompiledStep(program, compiled, PlanTarget(), list(program.mesh.devices.flat))).host_per_node
 
 
+def run_target(devices) -> PlanTarget:
+    """The budgets a run is held to on `devices`: on a GPU, the device's own
+    limit and this node's available host memory; the planner's defaults on a CPU."""
+    capacity = (devices[0].memory_stats() or {}).get("bytes_limit")
+    gpu = known_gpu(devices[0])
+    available = available_bytes() if devices[0].platform == "gpu" else None
+    return PlanTarget(gpu or "cpu", budget_gib=capacity / GIB if capacity else None,
+                      host_budget_gib=available / GIB if available else DEFAULT_HOST_BUDGET_GIB,
+                      gpus_per_node=max(jax.local_device_count(), 1))
+
+
 def train(config: Config, *, until_step: int | None = None, stop_requests: StopRequests | None = None) -> list[dict]:
     """Trains to train.steps (or `until_step`), stage by stage when the
     config has `stages`, resuming from the newest checkpoint in
@@ -145,6 +157,11 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
         if owner.note:
             _say(owner.note)
     initial = None if resumable else check_init_from(config)  # read only by a run's first session
+    if any(run.config.chooses_layout for run in stages):  # the planner's choice, before anything is built
+        devices = jax.devices()
+        stages = [run for run, _ in resolve_stages(stages, run_target(devices), devices, say=_say)]
+        if run_dir and not staged:
+            run_dir.config = config_to_dict(stages[0].config)  # config.yaml records the choice
     stage = stage_at(stages, resumable + 1)
     capacity = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
     if staged and capacity and jax.default_backend() == "gpu":

@@ -41,6 +41,9 @@ class AllGather(SequenceParallelMethod):
         model = config.model
         return model.num_attention_heads // model.kv_heads  # one kv head per stage
 
+    def stage_step(self, config: Config) -> int:
+        return 1
+
     def granule(self, config: Config) -> tuple[int, str]:
         sp = config.mesh.sp
         if sp == 1:
@@ -54,7 +57,7 @@ class AllGather(SequenceParallelMethod):
                              f"is {config.mesh.ring}: set mesh.ring=1 (fold it into mesh.sp), or use "
                              "attention.sp_method=ulysses with the ring")
         H = config.model.num_attention_heads
-        self.check_stage_size(config, 1, f"divide the {H} heads (it is the all-gather method's stage size)")
+        self.check_stage_size(config, self.stage_step(config), f"divide the {H} heads (it is the all-gather method's stage size)")
         super().check(config)
 
     def layout(self, config: Config) -> SequenceLayout:

@@ -45,6 +45,9 @@ class SequenceParallelMethod:
     def heads_per_stage(self, config: Config) -> int:
         """U: attention.heads_per_stage, its default when unset, every head for "all"."""
         u = config.attention.heads_per_stage
+        if u == "auto":
+            raise JlongError("attention.heads_per_stage=auto is chosen by the planner before a program is built: "
+                             "resolve the config with jlong.planner.memory_choice.choose first")
         if u is None:
             return self.default_heads_per_stage(config)
         return config.model.num_attention_heads if u == "all" else u
@@ -66,11 +69,22 @@ class SequenceParallelMethod:
 
     def check_stage_size(self, config: Config, step: int, requirement: str) -> None:
         """U must be a multiple of `step` that divides the heads (`requirement` says so for the error)."""
+        if config.attention.heads_per_stage == "auto":  # the planner chooses among the stage sizes that work
+            return
         H, U = config.model.num_attention_heads, self.heads_per_stage(config)
         if U % step or H % U:
             workable = [u for u in range(step, H + 1, step) if H % u == 0]
             raise JlongError(f"attention.heads_per_stage ({U}) must {requirement}; values that work: "
                              f"{', '.join(map(str, workable))} (or all)")
+
+    def stage_step(self, config: Config) -> int:
+        """What every U of this method is a multiple of."""
+        raise NotImplementedError
+
+    def stage_sizes(self, config: Config) -> list[int]:
+        """Every workable U, largest first: the multiples of `stage_step` that divide the heads."""
+        H, step = config.model.num_attention_heads, self.stage_step(config)
+        return [u for u in range(H, step - 1, -1) if u % step == 0 and H % u == 0]
 
     def layout(self, config: Config) -> SequenceLayout:
         """How the batch is laid out along the sequence for this method."""

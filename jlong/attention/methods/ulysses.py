@@ -202,6 +202,9 @@ class Ulysses(SequenceParallelMethod):
     def default_heads_per_stage(self, config: Config) -> int:
         return config.mesh.sp  # one head per device per stage: UPipe's smallest stage
 
+    def stage_step(self, config: Config) -> int:
+        return config.mesh.sp  # every device takes the same number of each stage's heads
+
     def granule(self, config: Config) -> tuple[int, str]:
         sp, ring = config.mesh.sp, config.mesh.ring
         if ring == 1:
