@@ -60,9 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(UPIPE), choices=list(UPIPE))
     args = parser.parse_args(argv)
     target = planning_target(args.target)
-    headers = ["model", "seq_len", "UPipe measured", "default: est.", "default / UPipe", "default fits",
-               "auto: est.", "auto / UPipe", "auto / default", "auto fits", "auto exec/model",
-               "auto GiB per device", "auto host GiB per node", "auto chose"]
     rows, series = [], {}
     for model in args.models:
         for seq_len, measured in UPIPE[model].items():
@@ -75,11 +72,21 @@ def main(argv: list[str] | None = None) -> int:
                          f"{auto.device_bytes / GIB:.2f}", f"{auto.host_bytes_per_node / GIB:,.0f}", chosen(auto)])
             print(" | ".join(rows[-1]), flush=True)
             series.setdefault(model, []).append((seq_len, measured, d, a))
-    figure = _figure(series)
     command = "python experiments/upipe_table.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = "\n\n".join([
+    print(f"wrote {write_report(rows, series, command.strip(), target)}")
+    return 0
+
+
+def write_report(rows: list[list], series: dict, command: str, target, note: str = "") -> str:
+    """upipe-table.md (with `note` under its head) and its figure, from the rows and series `main` computed."""
+    headers = ["model", "seq_len", "UPipe measured", "default: est.", "default / UPipe", "default fits",
+               "auto: est.", "auto / UPipe", "auto / default", "auto fits", "auto exec/model",
+               "auto GiB per device", "auto host GiB per node", "auto chose"]
+    figure = _figure(series)
+    text = "\n\n".join(part for part in [
         "# UPipe's published table beside jlong's estimates",
-        provenance(command.strip(), target.compiler()),
+        provenance(command, target.compiler()),
+        note,
         estimate_assumptions(target.name) + " Tokens/s per GPU: the mesh's tokens per step over the estimated "
         "step time and its devices. Nothing here ran on a GPU; UPipe's column is the authors' measurement "
         "(torchtitan, FA3, full activation checkpointing with CPU offload, tiled MLP, batch 1; arXiv 2602.21196), "
@@ -91,9 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         "the planner's choice within the default budgets (jlong.planner.memory_choice).",
         markdown_table(headers, rows),
         f"![tokens/s per GPU by length]({figure.name})",
-    ]) + "\n"
-    print(f"wrote {write_result('upipe-table.md', text)}")
-    return 0
+    ] if part) + "\n"
+    return write_result("upipe-table.md", text)
 
 
 def _figure(series: dict):

@@ -8,6 +8,8 @@ program before any device runs it.
 - `hlo` and `step_cost`: FLOPs, traffic, kernel launches and an estimated
   step time read from the compiled program;
 - `maxlen`: the longest sequence that fits, and the search over settings;
+- `memory_choice`: `memory.remat=auto` and `attention.heads_per_stage=auto`,
+  chosen to fill both budgets;
 - `advice`: one-line reports of memory that runs out, with what to change;
 - `probe`: per-block temporaries, for the memory experiments.
 

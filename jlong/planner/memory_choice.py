@@ -182,7 +182,7 @@ def _room(reference: Planned, decide) -> LayerSplit:
     per_layer_s = _attention_forward_s_per_layer(reference)
     saving = (f", each skipping an attention forward pass of est. {per_layer_s:,.3g} s: est. "
               f"{_predicted(reference, split)[0]:,.1f} s a step") if per_layer_s else ""
-    decide(f"  room beside it: {_size(device_room)} per device, {_size(host_room)} host per node; "
+    decide(f"room beside the reference at heads_per_stage {config.heads_per_stage}: {_size(device_room)} per device, {_size(host_room)} host per node; "
            f"a layer's attention output and log-sum-exp take {_size(A)} per device "
            f"({_size(A * plan.devices_per_node)} per node): {split.on_device} layer(s) keep it on the device, "
            f"{split.to_host} in host memory{saving}")
