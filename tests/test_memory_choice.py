@@ -83,20 +83,19 @@ def test_training_with_the_choice_equals_the_plain_run(tmp_path):
     """On the cpu target's default budgets a small model keeps everything
     (save_attention, every head in one stage); the run trains as the plain
     one does and its config.yaml records the choice."""
-    plain = [r["loss"] for r in train(run_config(tmp_path / "plain", "model.num_hidden_layers=4"))]
-    auto = train(run_config(tmp_path / "auto", "model.num_hidden_layers=4", *AUTO))
+    steps = ["model.num_hidden_layers=4", "train.steps=3"]
+    plain = [r["loss"] for r in train(run_config(tmp_path / "plain", *steps))]
+    auto = train(run_config(tmp_path / "auto", *steps, *AUTO))
     assert [r["loss"] for r in auto] == pytest.approx(plain, rel=1e-5)
     recorded = yaml.safe_load((tmp_path / "auto" / "run" / "config.yaml").read_text())
     assert recorded["memory"]["remat"] == "save_attention"
     assert recorded["attention"]["heads_per_stage"] == "all"
 
 
-def test_plan_explains_the_choice_and_reports_it_in_json():
-    result = run_cli("plan", REPO / "configs" / "tiny.yaml", *AUTO, "--json")
+def test_plan_reports_the_choice_in_json():
+    result = run_cli("plan", REPO / "configs" / "tiny.yaml", "memory.remat=auto", "--json")
     assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
-    choice = report["memory_choice"]
-    assert choice["remat"] == "save_attention" and choice["compiles"] >= 2
-    assert any(line.startswith("chosen: ") for line in choice["decisions"])
-    text = run_cli("plan", REPO / "configs" / "tiny.yaml", *AUTO)
-    assert "memory choice: chosen: save_attention" in text.stdout
+    choice = json.loads(result.stdout)["memory_choice"]
+    assert choice["remat"] == "save_attention" and choice["compiles"] == 2  # the reference, then the choice
+    assert choice["decisions"][0].startswith("reference, every layer offload_inputs")
+    assert choice["decisions"][-1].startswith("chosen: save_attention")

@@ -32,7 +32,9 @@ Settings given explicitly (U, k) are kept.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from jlong.attention.methods import method_of
 from jlong.config import Config, with_values
@@ -108,11 +110,12 @@ def choose(config: Config, target: PlanTarget, devices=None, efficiency: Efficie
     """`config` with its auto settings chosen for `target`'s budgets (on
     `devices`, a running program's own, when given), the chosen program
     compiled. A config without auto settings is compiled as it is."""
-    began, compiles = time.perf_counter(), [0]
+    began, compiles, counting = time.perf_counter(), [0], threading.Lock()
 
     def planned(candidate: Config) -> Planned:
         step = compile_train_step(candidate, target, devices)
-        compiles[0] += 1
+        with counting:
+            compiles[0] += 1
         return Planned(candidate, step, plan_of(step), step_cost(step, efficiency))  # no cost on the cpu target
 
     def done(chosen: Planned, decisions: list[str]) -> MemoryChoice:
@@ -150,12 +153,13 @@ def _references(config: Config, planned, decide) -> list[Planned]:
     if config.attention.heads_per_stage == "auto":
         workable = method_of(config).stage_sizes(config)
         sizes = sorted({workable[0], workable[-1]}, reverse=True)
-    references = []
-    for size in sizes:
-        attention = {} if size is None else {"heads_per_stage": "all" if size == heads else size}
-        references.append(planned(with_values(config, memory={"remat": remat}, attention=attention)))
-        decide(f"reference, every layer {remat}{_grouped(references[-1].config)}, heads_per_stage "
-               f"{references[-1].config.heads_per_stage}: {_verdict(references[-1])}")
+    candidates = [with_values(config, memory={"remat": remat}, attention={} if size is None else
+                              {"heads_per_stage": "all" if size == heads else size}) for size in sizes]
+    with ThreadPoolExecutor(len(candidates)) as pool:  # XLA compiles them side by side, one core each
+        references = list(pool.map(planned, candidates))
+    for reference in references:
+        decide(f"reference, every layer {remat}{_grouped(reference.config)}, heads_per_stage "
+               f"{reference.config.heads_per_stage}: {_verdict(reference)}")
     k, layers = config.memory.layers_per_checkpoint, config.model.num_hidden_layers
     if any(r.plan.fits for r in references) or config.memory.remat != "auto" or k > 1 or layers % 2:
         return references
