@@ -83,7 +83,7 @@ def test_training_with_the_choice_equals_the_plain_run(tmp_path):
     """On the cpu target's default budgets a small model keeps everything
     (save_attention, every head in one stage); the run trains as the plain
     one does and its config.yaml records the choice."""
-    steps = ["model.num_hidden_layers=4", "train.steps=3"]
+    steps = ["train.steps=3"]
     plain = [r["loss"] for r in train(run_config(tmp_path / "plain", *steps))]
     auto = train(run_config(tmp_path / "auto", *steps, *AUTO))
     assert [r["loss"] for r in auto] == pytest.approx(plain, rel=1e-5)

@@ -68,8 +68,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("mesh, signalled", [([], 1), (["mesh.fsdp=1", "mesh.ring=2", "checkpoint.dir=null"], None)],
-                         ids=["fsdp-sp-one-process-signalled", "ring-across-processes"])
+@pytest.mark.parametrize("mesh, signalled", [
+    ([], 1),
+    # the planner's memory choice, made by each process against the tightest budgets: one program for both
+    (["mesh.fsdp=1", "mesh.ring=2", "checkpoint.dir=null", "memory.remat=auto"], None),
+], ids=["fsdp-sp-one-process-signalled", "ring-across-processes-with-the-memory-choice"])
 def test_two_processes_train_like_one(tmp_path, uninterrupted, mesh, signalled):
     """4 CPU devices per process; with mesh.ring=2 (x sp=4) the ring's two
     ranks are the two processes. In the first, a SIGTERM sent to process 1

@@ -11,16 +11,19 @@ one with the most such layers, their outputs on the device before host memory
 (no PCIe copies). The search compiles few programs (each takes seconds to a
 minute at long lengths):
 
-1. The reference: every layer under `offload_inputs`, at the largest stage
-   size U whose reference fits when U is auto (larger stages are fewer,
-   larger kernels and exchanges). If none fits, one input per two layers
+1. The references: every layer under `offload_inputs`, at U = every head
+   and U = the method's smallest when U is auto (larger stages are fewer,
+   larger kernels and exchanges; smaller ones leave more room), compiled
+   side by side. If none fits, one input per two layers
    (`memory.layers_per_checkpoint=2`) unless k was set.
 2. From the reference's room on the device and in host memory, counted from
    the shapes: layers whose attention output goes to host memory with their
    input (`offload_attention`, first), then layers whose attention output
    stays on the device (`offload_inputs_save_attention`), the rest as the
    reference. When every layer's output fits on the device, so do their
-   inputs, if there is room (`save_attention`: no host copies at all).
+   inputs, if there is room (`save_attention`: no host copies at all). The
+   reference whose count gives the shortest estimated step wins (on the cpu
+   target, with no estimate, the most layers, then the larger U).
 3. That program is compiled; a plan over a budget (the counts miss some of
    XLA's buffers) takes its excess as a margin for the next try.
 
@@ -186,7 +189,8 @@ def _room(reference: Planned, decide) -> LayerSplit:
     per_layer_s = _attention_forward_s_per_layer(reference)
     saving = (f", each skipping an attention forward pass of est. {per_layer_s:,.3g} s: est. "
               f"{_predicted(reference, split)[0]:,.1f} s a step") if per_layer_s else ""
-    decide(f"room beside the reference at heads_per_stage {config.heads_per_stage}: {_size(device_room)} per device, {_size(host_room)} host per node; "
+    decide(f"room beside the reference at heads_per_stage {config.heads_per_stage}: {_size(device_room)} per "
+           f"device, {_size(host_room)} host per node; "
            f"a layer's attention output and log-sum-exp take {_size(A)} per device "
            f"({_size(A * plan.devices_per_node)} per node): {split.on_device} layer(s) keep it on the device, "
            f"{split.to_host} in host memory{saving}")
@@ -221,7 +225,7 @@ def _fill(reference: Planned, split: LayerSplit, planned, decide, may_compile) -
         device_room -= max(over.device_total - over.budget, 0)
         host_room -= max(over.host_per_node - over.host_budget_per_node, 0)
         split = _split(layers, k, A, I, plan.devices_per_node, device_room, host_room)
-    decide("every layer recomputes its attention: no attention output fits beside the reference")
+    decide("every layer recomputes its attention: no try with attention outputs kept fitted beside the reference")
     return reference
 
 

@@ -126,9 +126,14 @@ def host_bytes_per_node(program: TrainProgram, compiled: jax.stages.Compiled) ->
 def run_target(devices) -> PlanTarget:
     """The budgets a run is held to on `devices`: on a GPU, the device's own
     limit and this node's available host memory; the planner's defaults on a CPU."""
-    capacity = (devices[0].memory_stats() or {}).get("bytes_limit")
+    capacity = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")  # another process's: no stats
     gpu = known_gpu(devices[0])
     available = available_bytes() if devices[0].platform == "gpu" else None
+    if jax.process_count() > 1:  # every process must choose the same program: the tightest node's budgets
+        from jax.experimental import multihost_utils
+
+        capacity, available = (int(v) or None for v in multihost_utils.process_allgather(
+            np.array([capacity or 0, available or 0], np.int64)).min(axis=0))
     return PlanTarget(gpu or "cpu", budget_gib=capacity / GIB if capacity else None,
                       host_budget_gib=available / GIB if available else DEFAULT_HOST_BUDGET_GIB,
                       gpus_per_node=max(jax.local_device_count(), 1))
