@@ -89,6 +89,7 @@ class MemoryChoice:
     decisions: tuple[str, ...]  # one line per decision, with the figures it was based on
     compiles: int
     seconds: float
+    references: tuple[Planned, ...] = ()  # the default stack at each candidate U, as compiled for the choice
 
     @property
     def config(self) -> Config:
@@ -121,8 +122,8 @@ def choose(config: Config, target: PlanTarget, devices=None, efficiency: Efficie
             compiles[0] += 1
         return Planned(candidate, step, plan_of(step), step_cost(step, efficiency))  # no cost on the cpu target
 
-    def done(chosen: Planned, decisions: list[str]) -> MemoryChoice:
-        return MemoryChoice(chosen, tuple(decisions), compiles[0], time.perf_counter() - began)
+    def done(chosen: Planned, decisions: list[str], references=()) -> MemoryChoice:
+        return MemoryChoice(chosen, tuple(decisions), compiles[0], time.perf_counter() - began, tuple(references))
 
     if not config.chooses_layout:
         return done(planned(config), [])
@@ -135,7 +136,7 @@ def choose(config: Config, target: PlanTarget, devices=None, efficiency: Efficie
     references = _references(config, planned, decide)
     fitting = [reference for reference in references if reference.plan.fits]
     if config.memory.remat != "auto" or not fitting:
-        return done(fitting[0] if fitting else references[-1], decisions)
+        return done(fitting[0] if fitting else references[-1], decisions, references)
     options = [(reference, _room(reference, decide)) for reference in fitting]
     reference, split = min(options, key=lambda option: _predicted(*option))
     chosen = _fill(reference, split, planned, decide, lambda: compiles[0] < MAX_COMPILES)
@@ -143,7 +144,7 @@ def choose(config: Config, target: PlanTarget, devices=None, efficiency: Efficie
     if chosen.cost is not None and reference.cost is not None and chosen is not reference:
         speedup = f" ({reference.cost.step_time_s / chosen.cost.step_time_s:.3f}x its reference)"
     decide(f"chosen: {describe_remat(chosen.config)}: {chosen.footprint}{chosen.estimate}{speedup}")
-    return done(chosen, decisions)
+    return done(chosen, decisions, references)
 
 
 def _references(config: Config, planned, decide) -> list[Planned]:
