@@ -29,6 +29,8 @@ def test_split_keeps_attention_on_the_device_first_then_in_host_memory():
     assert _split(10, 1, 100, 100, 8, device_room=224, host_room=2400) == LayerSplit(3, 1)
     assert _split(10, 1, 100, 100, 8, device_room=25, host_room=799) == LayerSplit(0, 0)
     assert _split(10, 1, 100, 100, 8, device_room=24, host_room=10**9) == LayerSplit(0, 0)  # no room for split scans
+    # After a try over the budget, what the count missed stands in for the margin.
+    assert _split(10, 1, 100, 100, 8, device_room=300, host_room=0, overhead=150) == LayerSplit(0, 1)
 
 
 @pytest.mark.fast

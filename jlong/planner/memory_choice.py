@@ -210,31 +210,40 @@ def _predicted(reference: Planned, split: LayerSplit) -> tuple:
 
 def _fill(reference: Planned, split: LayerSplit, planned, decide, may_compile) -> Planned:
     """The reference with `split`'s layers keeping their attention output,
-    compiled; over a budget, the excess becomes a margin and the split is
-    counted again. The reference when nothing more fits."""
+    compiled; over a budget, what the count missed (the try's bytes beyond
+    the reference and the outputs counted) replaces the margin and the split
+    is counted again. The reference when nothing more fits."""
     config, plan = reference.config, reference.plan
     A, I = attention_output_bytes_per_layer(config), layer_input_bytes_per_layer(config)
     layers, k = config.model.num_hidden_layers, config.memory.layers_per_checkpoint
     device_room = plan.budget - plan.device_total
     host_room = plan.host_budget_per_node - plan.host_per_node
+    overhead = _margin(A)
     while split.skipping and may_compile():
         candidate = planned(_with_split(config, split))
         decide(f"try {describe_remat(candidate.config)}: {_verdict(candidate)}")
         if candidate.plan.fits:
             return candidate
-        over = candidate.plan
-        device_room -= max(over.device_total - over.budget, 0)
-        host_room -= max(over.host_per_node - over.host_budget_per_node, 0)
-        split = _split(layers, k, A, I, plan.devices_per_node, device_room, host_room)
+        tried = candidate.plan
+        missed = tried.device_total - plan.device_total - split.on_device * A
+        overhead = max(missed, overhead + max(tried.device_total - tried.budget, 0))
+        host_room -= max(tried.host_per_node - tried.host_budget_per_node, 0)
+        following = _split(layers, k, A, I, plan.devices_per_node, device_room, host_room, overhead)
+        if following == split:  # counted the same again: it would plan the same
+            break
+        split = following
     decide("every layer recomputes its attention: no try with attention outputs kept fitted beside the reference")
     return reference
 
 
-def _split(layers: int, k: int, A: int, I: int, per_node: int, device_room: int, host_room: int) -> LayerSplit:
+def _split(layers: int, k: int, A: int, I: int, per_node: int, device_room: int, host_room: int,
+           overhead: int | None = None) -> LayerSplit:
     """The most layers that keep their attention output within the rooms
     (per device, per node), on the device first; the rest keep one input per
     k layers in host memory, so they must stay a positive multiple of k
-    unless every layer keeps its output (then k must be 1)."""
+    unless every layer keeps its output (then k must be 1). Runs of layers
+    under other policies cost `overhead` device bytes besides (`_margin`)."""
+    overhead = _margin(A) if overhead is None else overhead
     host_per_layer_to_host = (A + I - I // k) * per_node  # its own input too, no longer in a group of k
     host_per_layer_on_device = (I - I // k) * per_node
     if k == 1 and layers * A <= device_room:
@@ -242,7 +251,7 @@ def _split(layers: int, k: int, A: int, I: int, per_node: int, device_room: int,
         return LayerSplit(0, layers, all_on_device=both)
     best = LayerSplit(0, 0)
     for on_device in range(layers + 1):
-        if on_device * A + _margin(A) > device_room:  # any run of layers under another policy costs the margin
+        if on_device * A + overhead > device_room:
             break
         left = host_room - on_device * host_per_layer_on_device
         to_host = min(max(left // host_per_layer_to_host, 0), layers - on_device)
