@@ -301,15 +301,14 @@ def choice_dict(choice: MemoryChoice) -> dict:
 
 
 def resolve_stages(stages: list[StageRun], target: PlanTarget, devices=None, *, say=lambda line: None,
-                   ) -> list[tuple[StageRun, MemoryChoice]]:
-    """Every stage with its auto settings chosen (`choose`), and the choice; a stage without any is compiled as
-    it is."""
+                   ) -> list[StageRun]:
+    """Every stage with its auto settings chosen (`choose`, which says each decision); a stage without any is
+    compiled as it is."""
     resolved = []
     for stage in stages:
         if len(stages) > 1 and stage.config.chooses_layout:
             say(f"stage {stage.number}: choosing memory settings at seq_len {stage.config.train.seq_len:,}")
-        choice = choose(stage.config, target, devices, say=say)
-        resolved.append((dataclasses.replace(stage, config=choice.config), choice))
+        resolved.append(dataclasses.replace(stage, config=choose(stage.config, target, devices, say=say).config))
     return resolved
 
 

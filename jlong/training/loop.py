@@ -164,7 +164,7 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
     initial = None if resumable else check_init_from(config)  # read only by a run's first session
     if any(run.config.chooses_layout for run in stages):  # the planner's choice, before anything is built
         devices = jax.devices()
-        stages = [run for run, _ in resolve_stages(stages, run_target(devices), devices, say=_say)]
+        stages = resolve_stages(stages, run_target(devices), devices, say=_say)
         if run_dir and not staged:
             run_dir.config = config_to_dict(stages[0].config)  # config.yaml records the choice
     stage = stage_at(stages, resumable + 1)
