@@ -11,6 +11,8 @@ beside the blockwise kernel's own bf16 error as the yardstick:
 - packed: documents in cuDNN's ragged mode, grouped-query heads;
 - off-diagonal: a ring step over earlier keys, plain and packed (one
   document spanning the boundary);
+- sliding window: a causal step within cuDNN's own sliding window (Gemma 3's
+  local layers), plain and packed;
 - every backward pass given an output and log-sum-exp from outside the step
   (those of the whole softmax, as a ring merges them).
 
@@ -31,7 +33,7 @@ import numpy as np
 
 from jlong.attention.blockwise import BlockwiseStep
 from jlong.attention.cudnn import CudnnStep
-from jlong.attention.step import MASKED, Documents
+from jlong.attention.step import MASKED, Band, Documents
 
 OUTPUTS = ("o", "lse", "dq", "dk", "dv")
 
@@ -43,18 +45,19 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--documents", type=int, default=12, help="packed documents per sequence")
+    parser.add_argument("--window", type=int, default=1024, help="the sliding window of the windowed paths")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         print(f"gpu_check needs a GPU with cuDNN; this backend is {jax.default_backend()}", file=sys.stderr)
         return 2
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
-    rows = check_all(args.seq_len, args.heads, args.kv_heads, args.head_dim, args.documents)
+    rows = check_all(args.seq_len, args.heads, args.kv_heads, args.head_dim, args.documents, args.window)
     failed = [row for row in rows if not row["ok"]]
     print(f"{len(rows) - len(failed)} of {len(rows)} outputs within bounds")
     return 1 if failed else 0
 
 
-def check_all(seq_len, heads, kv_heads, head_dim, documents, *, print_rows=True) -> list[dict]:
+def check_all(seq_len, heads, kv_heads, head_dim, documents, window=1024, *, print_rows=True) -> list[dict]:
     """One row per (path, output): the worst error of cuDNN and of blockwise bf16 against blockwise float32."""
     rng = np.random.default_rng(0)
     T = seq_len
@@ -62,17 +65,20 @@ def check_all(seq_len, heads, kv_heads, head_dim, documents, *, print_rows=True)
                    for key, h in zip(jax.random.split(jax.random.key(0), 4), (heads, kv_heads, kv_heads, heads)))
     ids = np.cumsum(np.isin(np.arange(T), rng.choice(np.arange(1, T), documents - 1, replace=False)))[None]
     shared = np.r_[np.zeros(T // 2, int), np.ones(T - T // 2, int)][None]  # keys' last document goes on
+    packed = Documents(jnp.asarray(ids), jnp.asarray(ids))
     paths = {
-        "causal": (None, True),
-        "packed": (Documents(jnp.asarray(ids), jnp.asarray(ids)), True),
-        "off-diagonal": (None, False),
-        "off-diagonal packed": (Documents(jnp.asarray(shared + 1), jnp.asarray(shared)), False),
+        "causal": (None, True, None),
+        "packed": (packed, True, None),
+        "off-diagonal": (None, False, None),
+        "off-diagonal packed": (Documents(jnp.asarray(shared + 1), jnp.asarray(shared)), False, None),
+        "sliding window": (None, True, Band(window)),
+        "sliding window packed": (packed, True, Band(window)),
     }
     rows = []
-    for name, (docs, causal) in paths.items():
-        exact = _run(BlockwiseStep(512), q, k, v, do, docs, causal, jnp.float32)
-        fused = _run(CudnnStep(max(documents, 2)), q, k, v, do, docs, causal, jnp.bfloat16)
-        yardstick = _run(BlockwiseStep(512), q, k, v, do, docs, causal, jnp.bfloat16)
+    for name, (docs, causal, band) in paths.items():
+        exact = _run(BlockwiseStep(512), q, k, v, do, docs, causal, band, jnp.float32)
+        fused = _run(CudnnStep(max(documents, 2)), q, k, v, do, docs, causal, band, jnp.bfloat16)
+        yardstick = _run(BlockwiseStep(512), q, k, v, do, docs, causal, band, jnp.bfloat16)
         for output in OUTPUTS:
             e = exact[output]
             scale = float(np.abs(e[e > MASKED / 2]).max())  # log-sum-exps of rows that see nothing are MASKED
@@ -87,17 +93,17 @@ def check_all(seq_len, heads, kv_heads, head_dim, documents, *, print_rows=True)
     return rows
 
 
-def _run(kernel, q, k, v, do, docs, causal, dtype):
+def _run(kernel, q, k, v, do, docs, causal, band, dtype):
     """The step's forward (o, lse) and its backward given the float32 output
     and log-sum-exp of the whole softmax (here: the exact step's own, a stand-in
     a ring would merge), as float32 numpy arrays."""
     cast = [x.astype(dtype) for x in (q, k, v, do)]
-    o_exact, lse_exact = BlockwiseStep(512).forward(q, k, v, docs, causal)
+    o_exact, lse_exact = BlockwiseStep(512).forward(q, k, v, docs, causal, band)
 
     @jax.jit
     def step(q, k, v, do, o_exact, lse_exact):
-        o, lse = kernel.forward(q, k, v, docs, causal)
-        dq, dk, dv = kernel.backward(q, k, v, docs, causal, o_exact.astype(q.dtype), lse_exact, do)
+        o, lse = kernel.forward(q, k, v, docs, causal, band)
+        dq, dk, dv = kernel.backward(q, k, v, docs, causal, o_exact.astype(q.dtype), lse_exact, do, band)
         return o, lse, dq, dk, dv
 
     results = step(*cast, o_exact, lse_exact)

@@ -4,7 +4,9 @@ jlong hands them (`jlong.attention.cudnn.fused_forward/fused_backward`).
 Written from cuDNN's documented contract, independently of jlong's code:
 segment c (of the B*M listed) covers queries [q_offsets[c] / (H*d), + q_seqlen[c])
 and keys [kv_offsets[c] / (K*d), + kv_seqlen[c]] of the flattened batch, top-left
-causal within the segment under a causal mask; statistics [B*M, H, T] hold
+causal within the segment under a causal mask, and with a sliding window of w
+a query at position p sees keys at positions above p - w (the left diagonal
+bound, top-left aligned within the segment); statistics [B*M, H, T] hold
 segment c's query p at [c, :, p]. What cuDNN leaves unwritten (rows outside
 every segment, statistics past a segment's end) comes back NaN here, so a
 caller that reads it fails the tests. Offsets not on a token boundary of their
@@ -44,7 +46,7 @@ def _layout(q, k, ragged):
     return q_seg, q_pos, k_seg, k_pos, segments, aligned
 
 
-def _probabilities(q, k, ragged, mask, scale, lse=None):
+def _probabilities(q, k, ragged, mask, scale, lse=None, window=None):
     """Masked scores' softmax [K, G, BT, BS] (from `lse` [BT, K, G] if given), the visibility, the layout."""
     B, T, H, d = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -52,6 +54,8 @@ def _probabilities(q, k, ragged, mask, scale, lse=None):
     visible = (q_seg[:, None] == k_seg[None, :]) & (q_seg[:, None] >= 0)
     if "CAUSAL" in mask:
         visible &= q_pos[:, None] >= k_pos[None, :]
+    if window:
+        visible &= k_pos[None, :] > q_pos[:, None] - window
     qf = q.reshape(B * T, K, H // K, d).astype(jnp.float32)
     kf = k.reshape(B * S, K, d).astype(jnp.float32)
     s = jnp.einsum("qkgd,skd->kgqs", qf, kf) * scale
@@ -63,10 +67,10 @@ def _probabilities(q, k, ragged, mask, scale, lse=None):
     return p + poison, lse, (q_seg, q_pos, k_seg, segments)
 
 
-def emulated_forward(q, k, v, ragged, mask, scale):
+def emulated_forward(q, k, v, ragged, mask, scale, window=None):
     B, T, H, d = q.shape
     S, K = k.shape[1], k.shape[2]
-    p, lse, (q_seg, q_pos, _, segments) = _probabilities(q, k, ragged, mask, scale)
+    p, lse, (q_seg, q_pos, _, segments) = _probabilities(q, k, ragged, mask, scale, window=window)
     o = jnp.einsum("kgqs,skd->qkgd", p, v.reshape(B * S, K, d).astype(jnp.float32)).reshape(B * T, H, d)
     covered = q_seg >= 0
     o = jnp.where(covered[:, None, None], o, jnp.nan).reshape(B, T, H, d).astype(q.dtype)
@@ -76,14 +80,14 @@ def emulated_forward(q, k, v, ragged, mask, scale):
     return o, stats
 
 
-def emulated_backward(q, k, v, ragged, mask, scale, stats, o, do):
+def emulated_backward(q, k, v, ragged, mask, scale, stats, o, do, window=None):
     B, T, H, d = q.shape
     K = k.shape[2]
     q_seg, q_pos, k_seg, _, _, _ = _layout(q, k, ragged)
     covered = q_seg >= 0
     lse_TH = jnp.where(covered[:, None], stats[jnp.maximum(q_seg, 0), :, q_pos], 0.0)
     lse = lse_TH.T.reshape(K, H // K, B * T)
-    p, _, _ = _probabilities(q, k, ragged, mask, scale, lse)
+    p, _, _ = _probabilities(q, k, ragged, mask, scale, lse, window)
     f32 = lambda x, heads: x.reshape(-1, heads, d).astype(jnp.float32)  # noqa: E731
     dof, of = f32(do, H).reshape(B * T, K, H // K, d), f32(o, H).reshape(B * T, K, H // K, d)
     qf, kf, vf = f32(q, H).reshape(B * T, K, H // K, d), f32(k, K), f32(v, K)

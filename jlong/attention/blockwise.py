@@ -2,8 +2,8 @@
 
 Runs on any backend (the CPU tests' kernel, and the GPU's where cuDNN does
 not apply). Memory is O(window x T): no [Tq, Tk] score matrix exists, only
-one [T, T] block at a time. A causal window visits only the blocks on and
-below the diagonal.
+one [T, T] block at a time. A causal step visits only the blocks on and
+below the diagonal, and a sliding window (`Band`) only the blocks within it.
 
 Shape letters: n blocks of T tokens, K kv heads with G query heads each.
 """
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 
-from jlong.attention.step import MASKED, Documents
+from jlong.attention.step import MASKED, Band, Documents
 
 
 def group_queries(x_BSHd, num_kv_heads: int):
@@ -47,8 +47,8 @@ class BlockwiseStep:
 
     block_size: int = DEFAULT_BLOCK_SIZE
 
-    def forward(self, q_BqHd, k_BkKd, v_BkKd, docs: Documents | None, causal: bool):
-        w = _Window(q_BqHd, k_BkKd, v_BkKd, docs, causal, self.block_size)
+    def forward(self, q_BqHd, k_BkKd, v_BkKd, docs: Documents | None, causal: bool, band: Band | None = None):
+        w = _Window(q_BqHd, k_BkKd, v_BkKd, docs, causal, band, self.block_size)
         B, _, K, G, d = w.q_BnTKGd.shape[:1] + w.q_BnTKGd.shape[2:]
         T = w.block
 
@@ -67,7 +67,7 @@ class BlockwiseStep:
                                       preferred_element_type=jnp.float32)
                 return m_new, l_BKGT * correction + p_BKGTT.sum(-1), acc_BKGTd * correction[..., None] + pv_BKGTd
 
-            m_BKGT, l_BKGT, acc_BKGTd = while_range(0, w.keys_seen_by(i), key_block,
+            m_BKGT, l_BKGT, acc_BKGTd = while_range(*w.keys_seen_by(i), key_block,
                                                     (stats_BKGT + MASKED, stats_BKGT, acc_BKGTd))
             seen = l_BKGT > 0
             safe_l = jnp.where(seen, l_BKGT, 1.0)
@@ -78,8 +78,9 @@ class BlockwiseStep:
         o_BqHd = rearrange(o_nBKGTd, "n b k g q d -> b (n q) (k g) d")[:, :w.q_len]
         return o_BqHd, rearrange(lse_nBKGT, "n b k g q -> b (k g) (n q)")[:, :, :w.q_len]
 
-    def backward(self, q_BqHd, k_BkKd, v_BkKd, docs: Documents | None, causal: bool, o_BqHd, lse_BHq, do_BqHd):
-        w = _Window(q_BqHd, k_BkKd, v_BkKd, docs, causal, self.block_size)
+    def backward(self, q_BqHd, k_BkKd, v_BkKd, docs: Documents | None, causal: bool, o_BqHd, lse_BHq, do_BqHd,
+                 band: Band | None = None):
+        w = _Window(q_BqHd, k_BkKd, v_BkKd, docs, causal, band, self.block_size)
         K = k_BkKd.shape[2]
         do_BnTKGd = w.blocks(group_queries(do_BqHd, K))
         # delta = rowsum(dO * O): the softmax Jacobian's correction term.
@@ -99,7 +100,7 @@ class BlockwiseStep:
                 _, ds_BKGTT = probs_and_dscores(i, j)
                 return dq_BTKGd + jnp.einsum("bkgqs,bskd->bqkgd", ds_BKGTT, w.k_BnTKd[:, j].astype(jnp.float32))
 
-            return while_range(0, w.keys_seen_by(i), step, jnp.zeros_like(w.q_BnTKGd[:, 0], jnp.float32))
+            return while_range(*w.keys_seen_by(i), step, jnp.zeros_like(w.q_BnTKGd[:, 0], jnp.float32))
 
         def dkv_block(j):
             def step(i, carry):
@@ -110,7 +111,7 @@ class BlockwiseStep:
                 return dk_BTKd, dv_BTKd
 
             zeros_BTKd = jnp.zeros_like(w.k_BnTKd[:, 0], jnp.float32)
-            return while_range(w.first_query_seeing(j), w.query_blocks, step, (zeros_BTKd, zeros_BTKd))
+            return while_range(*w.queries_seeing(j), step, (zeros_BTKd, zeros_BTKd))
 
         dq_nBTKGd = jax.lax.map(dq_block, jnp.arange(w.query_blocks))
         dk_nBTKd, dv_nBTKd = jax.lax.map(dkv_block, jnp.arange(w.key_blocks))
@@ -129,10 +130,11 @@ class _Window:
     """A step's queries, keys and values cut into blocks of T tokens (each
     side padded at its end to whole blocks; padded keys are masked)."""
 
-    def __init__(self, q_BqHd, k_BkKd, v_BkKd, docs: Documents | None, causal: bool, block_size: int):
+    def __init__(self, q_BqHd, k_BkKd, v_BkKd, docs: Documents | None, causal: bool, band: Band | None,
+                 block_size: int):
         self.q_len, self.k_len = q_BqHd.shape[1], k_BkKd.shape[1]
         self.block = min(block_size, self.q_len, self.k_len)
-        self.causal = causal
+        self.causal, self.band = causal, band
         self.scale = q_BqHd.shape[-1] ** -0.5
         self.q_BnTKGd = self.blocks(group_queries(q_BqHd, k_BkKd.shape[2]))
         self.k_BnTKd, self.v_BnTKd = self.blocks(k_BkKd), self.blocks(v_BkKd)
@@ -146,20 +148,34 @@ class _Window:
         return x_BS.reshape(x_BS.shape[0], padded // self.block, self.block, *x_BS.shape[2:])
 
     def keys_seen_by(self, i):
-        """Key blocks [0, this) can be visible to query block i."""
-        return i + 1 if self.causal else self.key_blocks
+        """Key blocks [first, last) that query block i can see: on and below
+        the diagonal if causal, and within the band's reach."""
+        last = i + 1 if self.causal else self.key_blocks
+        if self.band is None:
+            return 0, last
+        T, (w, D) = self.block, self.band
+        # Key block j is within reach while D + i*T - (j*T + T - 1) < w.
+        return jnp.maximum((D + (i - 1) * T + 1 - w) // T + 1, 0), last
 
-    def first_query_seeing(self, j):
-        """Query blocks [this, n) can see key block j."""
-        return j if self.causal else 0
+    def queries_seeing(self, j):
+        """Query blocks [first, last) that can see key block j."""
+        first = j if self.causal else 0
+        if self.band is None:
+            return first, self.query_blocks
+        T, (w, D) = self.block, self.band
+        # Query block i reaches key block j while i*T < w - D + (j + 1)*T - 1.
+        return first, jnp.clip((w - D + (j + 1) * T - 1 + T - 1) // T, 0, self.query_blocks)
 
     def scores(self, q_BTKGd, i, j):
         """Masked scores [B, K, G, T, T] of query block i against key block j, and the mask."""
         s_BKGTT = jnp.einsum("bqkgd,bskd->bkgqs", q_BTKGd, self.k_BnTKd[:, j], preferred_element_type=jnp.float32)
         k_index = j * self.block + jnp.arange(self.block)
         mask_TT = jnp.broadcast_to(k_index < self.k_len, (self.block, self.block))
+        q_index = i * self.block + jnp.arange(self.block)
         if self.causal:
-            mask_TT &= k_index[None, :] <= (i * self.block + jnp.arange(self.block))[:, None]
+            mask_TT &= k_index[None, :] <= q_index[:, None]
+        if self.band is not None:
+            mask_TT &= self.band.distance + q_index[:, None] - k_index[None, :] < self.band.length
         mask = mask_TT[None]
         if self.docs is not None:
             mask = mask & (self.docs.q[:, i][:, :, None] == self.docs.k[:, j][:, None, :])

@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 
-from jlong.attention.step import MASKED, CallCost, Documents
+from jlong.attention.blockwise import BlockwiseStep
+from jlong.attention.step import MASKED, Band, CallCost, Documents
 
 DEFAULT_MAX_DOCUMENTS = 64  # attention.max_documents
 CUSTOM_CALL = "__cudnn$fmha"  # the prefix of its custom calls' targets in a compiled program
@@ -67,25 +68,27 @@ class Ragged(NamedTuple):
     kv_offsets: jax.Array  # [B, M+1]
 
 
-def fused_forward(q_BTHd, k_BSKd, v_BSKd, ragged: Ragged | None, mask: str, scale: float):
-    """cuDNN's forward: (o [B, T, H, d] in q's dtype, statistics [B*M, H, T] float32)."""
+def fused_forward(q_BTHd, k_BSKd, v_BSKd, ragged: Ragged | None, mask: str, scale: float, window: int | None = None):
+    """cuDNN's forward: (o [B, T, H, d] in q's dtype, statistics [B*M, H, T] float32);
+    with `window`, cuDNN's own sliding window (a query sees itself and the window - 1 keys before it)."""
     empty = jnp.zeros(0, q_BTHd.dtype)
     lengths_and_offsets = (empty,) * 4 if ragged is None else tuple(ragged)
     o, stats = _dot_product_attention_fwd_p.bind(
         q_BTHd, k_BSKd, v_BSKd, empty, *lengths_and_offsets, empty, empty,
         scale=scale, seed=0, dropout_rate=0.0, variadic_args=(False, False), mask_type=MaskType[mask],
-        layout=AttentionLayout.BTNH.value, sliding_window_length=None, is_training=True)
+        layout=AttentionLayout.BTNH.value, sliding_window_length=window, is_training=True)
     return o, stats
 
 
-def fused_backward(q_BTHd, k_BSKd, v_BSKd, ragged: Ragged | None, mask: str, scale: float, stats, o_BTHd, do_BTHd):
+def fused_backward(q_BTHd, k_BSKd, v_BSKd, ragged: Ragged | None, mask: str, scale: float, stats, o_BTHd, do_BTHd,
+                   window: int | None = None):
     """cuDNN's backward: (dq, dk, dv) in their inputs' dtypes."""
     empty = jnp.zeros(0, q_BTHd.dtype)
     lengths_and_offsets = (empty,) * 4 if ragged is None else tuple(ragged)
     dq, dk, dv = _dot_product_attention_bwd_p.bind(
         q_BTHd, k_BSKd, v_BSKd, empty, *lengths_and_offsets, empty, empty, stats, o_BTHd, do_BTHd,
         scale=scale, seed=0, dropout_rate=0.0, variadic_args=(False, False), mask_type=MaskType[mask],
-        layout=AttentionLayout.BTNH.value, sliding_window_length=None)
+        layout=AttentionLayout.BTNH.value, sliding_window_length=window)
     return dq, dk, dv
 
 
@@ -93,19 +96,28 @@ def fused_backward(q_BTHd, k_BSKd, v_BSKd, ragged: Ragged | None, mask: str, sca
 class CudnnStep:
     """The step kernel of `jlong.attention.step` in cuDNN, with up to
     `max_documents` packed documents per sequence (the cap sizes cuDNN's
-    statistics, [B x max_documents, H, T] float32 per call)."""
+    statistics, [B x max_documents, H, T] float32 per call).
+
+    A causal step's sliding window is cuDNN's own (its left diagonal bound:
+    no mask tensor, no score blocks outside the band). The band of an
+    unmasked step at a distance (a ring's halo windows,
+    `jlong.attention.sliding`: a window's worth of queries per chunk) runs in
+    the blockwise kernel."""
 
     max_documents: int
 
-    def forward(self, q_BTHd, k_BSKd, v_BSKd, docs: Documents | None, causal: bool):
-        scale = q_BTHd.shape[-1] ** -0.5
+    def forward(self, q_BTHd, k_BSKd, v_BSKd, docs: Documents | None, causal: bool, band: Band | None = None):
+        if _banded_apart(causal, band):
+            return BlockwiseStep().forward(q_BTHd, k_BSKd, v_BSKd, docs, causal, band)
+        scale, window = q_BTHd.shape[-1] ** -0.5, band and band.length
         if docs is None:
-            o, stats_BHT = fused_forward(q_BTHd, k_BSKd, v_BSKd, None, "CAUSAL" if causal else "NO_MASK", scale)
+            mask = "CAUSAL" if causal else "NO_MASK"
+            o, stats_BHT = fused_forward(q_BTHd, k_BSKd, v_BSKd, None, mask, scale, window)
             return o, stats_BHT
         segments = self._segments(docs, causal, q_BTHd, k_BSKd)
 
         def run():
-            o, stats = fused_forward(q_BTHd, k_BSKd, v_BSKd, segments.ragged, segments.mask, scale)
+            o, stats = fused_forward(q_BTHd, k_BSKd, v_BSKd, segments.ragged, segments.mask, scale, window)
             return segments.keep_queries(o), segments.keep_lse(segments.lse_of(stats))
 
         def nothing_visible():
@@ -113,18 +125,21 @@ class CudnnStep:
 
         return run() if causal else jax.lax.cond(segments.any, run, nothing_visible)
 
-    def backward(self, q_BTHd, k_BSKd, v_BSKd, docs: Documents | None, causal: bool, o_BTHd, lse_BHT, do_BTHd):
-        scale = q_BTHd.shape[-1] ** -0.5
+    def backward(self, q_BTHd, k_BSKd, v_BSKd, docs: Documents | None, causal: bool, o_BTHd, lse_BHT, do_BTHd,
+                 band: Band | None = None):
+        if _banded_apart(causal, band):
+            return BlockwiseStep().backward(q_BTHd, k_BSKd, v_BSKd, docs, causal, o_BTHd, lse_BHT, do_BTHd, band)
+        scale, window = q_BTHd.shape[-1] ** -0.5, band and band.length
         o_BTHd, do_BTHd = o_BTHd.astype(q_BTHd.dtype), do_BTHd.astype(q_BTHd.dtype)
         if docs is None:
             mask = "CAUSAL" if causal else "NO_MASK"
-            return fused_backward(q_BTHd, k_BSKd, v_BSKd, None, mask, scale, lse_BHT, o_BTHd, do_BTHd)
+            return fused_backward(q_BTHd, k_BSKd, v_BSKd, None, mask, scale, lse_BHT, o_BTHd, do_BTHd, window)
         segments = self._segments(docs, causal, q_BTHd, k_BSKd)
 
         def run():
             stats = segments.stats_of(lse_BHT)
             dq, dk, dv = fused_backward(q_BTHd, k_BSKd, v_BSKd, segments.ragged, segments.mask, scale, stats,
-                                        o_BTHd, do_BTHd)
+                                        o_BTHd, do_BTHd, window)
             return segments.keep_queries(dq), segments.keep_keys(dk), segments.keep_keys(dv)
 
         def nothing_visible():
@@ -138,6 +153,11 @@ class CudnnStep:
         else:
             per_row = _shared_document(docs.q, docs.k)
         return _Segments(per_row, q_BTHd, k_BSKd, causal)
+
+
+def _banded_apart(causal: bool, band: Band | None) -> bool:
+    """Whether a step's band is not cuDNN's (a causal step's window from the diagonal)."""
+    return band is not None and not (causal and band.distance == 0)
 
 
 def _lse_shape(q_BTHd):
@@ -262,7 +282,8 @@ class _Segments:
 def price_call(target: str, backend_config: dict, operand_dims: list[tuple[int, ...]]) -> CallCost | None:
     """The cost of one cuDNN attention custom call (None for another kernel's):
     4 x B x H x Sq x Skv x d FLOPs forward, 10 x backward (five matmuls: the
-    scores are recomputed), times the visible fraction of a causal mask.
+    scores are recomputed), times the visible fraction of a causal mask
+    (within its sliding window, when the call has one).
 
     Compiled deviceless, cuDNN's graphs are never built, so their workspace
     buffers appear as u8[0] and XLA's buffer assignment leaves them out: a
@@ -277,6 +298,15 @@ def price_call(target: str, backend_config: dict, operand_dims: list[tuple[int, 
     head_dim = operand_dims[0][-1]
     backward = "Backward" in target
     mask = config.get("mask_type", "NO_MASK")
-    visible = (Sq + 1) / (2 * Sq) if "CAUSAL" in mask and Sq == Skv else 1.0  # the lower triangle with its diagonal
+    visible = causal_fraction(Sq, int(config.get("sliding_window_length", 0))) if "CAUSAL" in mask and Sq == Skv \
+        else 1.0
     flops = (10 if backward else 4) * B * H * Sq * Skv * head_dim * visible
     return CallCost(flops, backward, B * H * Sq * (head_dim + 1) * 4 if backward else 0)
+
+
+def causal_fraction(length: int, window: int = 0) -> float:
+    """The fraction of a [length, length] score matrix a causal mask keeps:
+    the lower triangle with its diagonal, within `window` of it (0: no window)."""
+    w = min(window, length) if window else length
+    visible = w * (w + 1) // 2 + (length - w) * w  # query p sees min(p + 1, w) keys
+    return visible / (length * length)

@@ -5,7 +5,9 @@ All kernels take q [B, S, H, d] and k, v [B, S, K, d] (H a multiple of K:
 grouped-query attention without repeating k and v), optional segment ids
 [B, S] (tokens attend only within their own segment, so packed documents
 never see each other; non-decreasing, as jlong's data gives them), and
-return o [B, S, H, d] in q's dtype.
+return o [B, S, H, d] in q's dtype. With `window` w > 0 (sliding-window
+attention, as Gemma's local layers have it) a token sees only itself and the
+w - 1 tokens before it.
 
 Each registered kernel (`KernelSpec`) says how it is made from the
 attention settings, which settings are its own, what it cannot run (by
@@ -39,7 +41,8 @@ from einops import rearrange
 from jlong.attention import cudnn
 from jlong.attention.blockwise import DEFAULT_BLOCK_SIZE, BlockwiseStep, group_queries
 from jlong.attention.ring import gathered_attention, ring_attention
-from jlong.attention.step import MASKED, CallCost, StepKernel
+from jlong.attention.sliding import sliding_ring_attention
+from jlong.attention.step import MASKED, Band, CallCost, StepKernel
 from jlong.errors import JlongError
 
 
@@ -117,38 +120,54 @@ def price_custom_call(target: str, backend_config: dict, operand_dims: list) -> 
 
 
 def attend(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS=None, *, impl: str = "auto", block_size: int = DEFAULT_BLOCK_SIZE,
-           max_documents: int = cudnn.DEFAULT_MAX_DOCUMENTS):
+           max_documents: int = cudnn.DEFAULT_MAX_DOCUMENTS, window: int = 0):
     """Causal attention of q [B,S,H,d] over k, v [B,S,K,d]; see the module doc."""
-    return AttentionKernel(impl, block_size, max_documents).local(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS)
+    return AttentionKernel(impl, block_size, max_documents, window).local(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS)
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionKernel:
-    """The `attention.*` settings: which kernel, and the kernels' own settings."""
+    """The `attention.*` settings: which kernel, and the kernels' own
+    settings; and the sliding window of the layers it serves (0: none)."""
 
     impl: str = "auto"
     block_size: int = DEFAULT_BLOCK_SIZE  # the blockwise kernel's blocks
     max_documents: int = cudnn.DEFAULT_MAX_DOCUMENTS  # cuDNN's packed documents per sequence
+    window: int = 0  # a token sees itself and the window - 1 tokens before it; 0 = every earlier token
 
     def local(self, q_BSHd, k_BSKd, v_BSKd, segment_ids_BS=None):
         """Attention over the whole sequence, held on this device."""
         if self.impl == "reference":
-            return reference_attention(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS)
+            return reference_attention(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS, window=self.window)
         kernel = self.step(q_BSHd, window=q_BSHd.shape[1])
-        return ring_attention(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS, kernel=kernel, axis=None, size=1)
+        return ring_attention(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS, kernel=kernel, axis=None, size=1,
+                              band=self.band)
 
     def ring(self, q_BsHd, k_BsKd, v_BsKd, segment_ids_Bs, *, axis: str, size: int):
         """Ring attention over mesh axis `axis` (the reference kernel has no
-        steps, so a ring runs the blockwise one in its place)."""
+        steps, so a ring runs the blockwise one in its place); with a sliding
+        window, the device's own chunk and its neighbours' halos
+        (`jlong.attention.sliding`)."""
         kernel = self.step(q_BsHd, window=q_BsHd.shape[1] // 2, reference="blockwise")
+        if self.window:
+            return sliding_ring_attention(q_BsHd, k_BsKd, v_BsKd, segment_ids_Bs, kernel=kernel, axis=axis,
+                                          size=size, window=self.window)
         return ring_attention(q_BsHd, k_BsKd, v_BsKd, segment_ids_Bs, kernel=kernel, axis=axis, size=size)
 
     def gathered(self, q_BsHd, k_BSKd, v_BSKd, segment_ids_Bs, k_segment_ids_BS, *, axis: str, size: int):
         """Attention over every rank's keys and values of mesh axis `axis`,
-        gathered at hand (`jlong.attention.ring.gathered_attention`)."""
+        gathered at hand (`jlong.attention.ring.gathered_attention`); no
+        sliding windows (the config check refuses them first)."""
+        if self.window:
+            raise JlongError("gathered attention has no sliding windows: use attention.sp_method=ulysses")
         kernel = self.step(q_BsHd, window=q_BsHd.shape[1] // 2, reference="blockwise")
         return gathered_attention(q_BsHd, k_BSKd, v_BSKd, segment_ids_Bs, k_segment_ids_BS, kernel=kernel, axis=axis,
                                   size=size)
+
+    @property
+    def band(self) -> Band | None:
+        """The sliding window of a causal step (None: no window)."""
+        return Band(self.window) if self.window else None
 
     def step(self, q_BSHd, *, window: int, reference: str = "reference") -> StepKernel:
         """The flash step kernel for queries like q on this backend; `window`
@@ -171,21 +190,24 @@ def choose_kernel(impl: str, *, platform: str, dtype, seq_len: int, head_dim: in
     return next(name for name, spec in _KERNELS.items() if spec.cannot_run(query) is None)
 
 
-def _visible(q_index, k_index, q_segments, k_segments):
-    """Causal and same-segment mask, broadcast to [B, 1, 1, Tq, Tk]."""
-    mask = (k_index[None, :] <= q_index[:, None])[None]
+def _visible(q_index, k_index, q_segments, k_segments, window: int = 0):
+    """Causal, in-window and same-segment mask, broadcast to [B, 1, 1, Tq, Tk]."""
+    mask = k_index[None, :] <= q_index[:, None]
+    if window:
+        mask &= q_index[:, None] - k_index[None, :] < window
+    mask = mask[None]
     if q_segments is not None:
         mask = mask & (q_segments[:, :, None] == k_segments[:, None, :])
     return mask[:, None, None]
 
 
-def reference_attention(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS=None):
+def reference_attention(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS=None, window: int = 0):
     """Materialises the full score matrix; the ground truth for tests."""
     S, d = q_BSHd.shape[1], q_BSHd.shape[3]
     q_BSKGd = group_queries(q_BSHd, k_BSKd.shape[2])
     scores_BKGSS = jnp.einsum("bqkgd,bskd->bkgqs", q_BSKGd, k_BSKd, preferred_element_type=jnp.float32) * (d**-0.5)
     index = jnp.arange(S)
-    scores_BKGSS = jnp.where(_visible(index, index, segment_ids_BS, segment_ids_BS), scores_BKGSS, MASKED)
+    scores_BKGSS = jnp.where(_visible(index, index, segment_ids_BS, segment_ids_BS, window), scores_BKGSS, MASKED)
     probs_BKGSS = jax.nn.softmax(scores_BKGSS, axis=-1)
     o_BSKGd = jnp.einsum("bkgqs,bskd->bqkgd", probs_BKGSS.astype(v_BSKd.dtype), v_BSKd,
                          preferred_element_type=jnp.float32)

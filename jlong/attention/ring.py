@@ -16,7 +16,9 @@ the step kernel, over tiles of at most `window` tokens of each half chunk:
 - from a higher rank s > r: B's tiles over all its tiles, unmasked (both
   precede chunk 2R-1-r, both follow chunk r).
 
-Local attention (R = 1) is one causal window over the whole sequence.
+Local attention (R = 1) is one causal window over the whole sequence (with
+a sliding window's `Band`, if the layer has one; a ring with a sliding
+window is `jlong.attention.sliding`'s).
 
 The custom VJP saves only the device's own chunk (q, k, v, the merged
 output and log-sum-exp): the backward pass sends the keys and values around
@@ -37,7 +39,7 @@ from einops import rearrange
 from jax.ad_checkpoint import checkpoint_name
 
 from jlong.attention.blockwise import while_range
-from jlong.attention.step import MASKED, Documents, StepKernel
+from jlong.attention.step import MASKED, Band, Documents, StepKernel
 
 # Names of the saved output and log-sum-exp, for remat policies that keep
 # them (and so skip re-running the attention forward).
@@ -51,11 +53,14 @@ RING_WINDOW = 2**20
 
 
 def ring_attention(q_BsHd, k_BsKd, v_BsKd, segment_ids_Bs, *, kernel: StepKernel, axis: str | None, size: int,
-                   window: int = RING_WINDOW):
+                   window: int = RING_WINDOW, band: Band | None = None):
     """Causal attention of this device's queries over the whole ring's keys
-    and values (`axis` None and `size` 1: local attention). On a ring, no
-    kernel call covers more than `window` queries or keys."""
-    return _ring(q_BsHd, k_BsKd, v_BsKd, segment_ids_Bs, kernel, axis, size, window)
+    and values (`axis` None and `size` 1: local attention, within `band` if
+    given). On a ring, no kernel call covers more than `window` queries or
+    keys."""
+    if band is not None and size > 1:
+        raise ValueError("a sliding window on a ring is jlong.attention.sliding's")
+    return _ring(q_BsHd, k_BsKd, v_BsKd, segment_ids_Bs, kernel, axis, size, window, band)
 
 
 def _next_on_ring(x, axis, size):
@@ -134,12 +139,12 @@ def _saved_output(q, o_BsHd, lse_BHs):
     return checkpoint_name(o_BsHd.astype(q.dtype), ATTENTION_OUT), checkpoint_name(lse_BHs, ATTENTION_LSE)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _ring(q, k, v, segments, kernel, axis, size, window):
-    return _ring_forward(q, k, v, segments, kernel, axis, size, window)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _ring(q, k, v, segments, kernel, axis, size, window, band):
+    return _ring_forward(q, k, v, segments, kernel, axis, size, window, band)[0]
 
 
-def _ring_forward(q, k, v, segments, kernel, axis, size, window):
+def _ring_forward(q, k, v, segments, kernel, axis, size, window, band):
     length = q.shape[1]
     attend = functools.partial(_attend_windows, kernel, q, segments)
 
@@ -149,7 +154,7 @@ def _ring_forward(q, k, v, segments, kernel, axis, size, window):
         return (*attend(_arriving_windows(length, window, t, axis, size), o_BsHd, lse_BHs, *kv), kv)
 
     if size == 1:  # local attention: the kernel's own output, with no float32 accumulator
-        o_BsHd, lse_BHs = kernel.forward(q, k, v, _docs(segments, segments, 0, 0, length), True)
+        o_BsHd, lse_BHs = kernel.forward(q, k, v, _docs(segments, segments, 0, 0, length), True, band)
     else:
         o_BsHd, lse_BHs = attend(_own_windows(length, window), *_empty_softmax(q), k, v, segments)
         o_BsHd, lse_BHs, _ = while_range(1, size, step, (o_BsHd, lse_BHs, (k, v, segments)))
@@ -182,7 +187,7 @@ def _add_window_gradients(kernel, saved, windows, dq, k, v, k_segments, dk, dv):
     return dq, k, v, dk, dv  # k and v as the barriers passed them on
 
 
-def _ring_backward(kernel, axis, size, window, residuals, do_BsHd):
+def _ring_backward(kernel, axis, size, window, band, residuals, do_BsHd):
     q, k, v, segments, o_BsHd, lse_BHs = residuals
     length = q.shape[1]
     add_gradients = functools.partial(_add_window_gradients, kernel, (q, segments, o_BsHd, lse_BHs, do_BsHd))
@@ -196,7 +201,7 @@ def _ring_backward(kernel, axis, size, window, residuals, do_BsHd):
 
     if size == 1:  # local attention: the kernel's own gradients, with no float32 sums
         dq, dk, dv = kernel.backward(q, k, v, _docs(segments, segments, 0, 0, length), True, o_BsHd, lse_BHs,
-                                     do_BsHd)
+                                     do_BsHd, band)
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
     zeros_k = jnp.zeros_like(k)
     dq, k_, v_, dk, dv = add_gradients(_own_windows(length, window), jnp.zeros_like(q, jnp.float32), k, v, segments,

@@ -5,11 +5,11 @@ attention is a single causal step; ring attention is a causal step over the
 device's own chunk plus one unmasked step per chunk that arrives around the
 ring (`jlong.attention.ring`). A step kernel has two methods:
 
-- `forward(q, k, v, docs, causal)` -> (o [B, Tq, H, d], lse [B, H, Tq] float32):
+- `forward(q, k, v, docs, causal, band=None)` -> (o [B, Tq, H, d], lse [B, H, Tq] float32):
   the softmax-normalised output over this key window alone and its
   log-sum-exp. Queries that see no key of the window get output 0 and
   log-sum-exp `MASKED`.
-- `backward(q, k, v, docs, causal, o, lse, do)` -> (dq, dk, dv): the
+- `backward(q, k, v, docs, causal, o, lse, do, band=None)` -> (dq, dk, dv): the
   gradients through this window, given the output and log-sum-exp of the
   whole softmax the window is part of (a ring's merged ones), not the
   window's own.
@@ -25,6 +25,13 @@ head serves H/K consecutive query heads). The mask is one of two shapes:
 `docs` is None, or the segment ids (q's [B, Tq], k's [B, Tk]) of packed
 documents, non-decreasing along the sequence as jlong's data gives them: a
 query also needs a key of its own document.
+
+`band` is None, or a sliding window (`Band`): a query also needs the key to
+be fewer than `band.length` positions behind it (Hugging Face's convention:
+a window of w sees itself and the w - 1 keys before it). The band's
+`distance` is how many positions the step's first query comes after its
+first key: 0 for a causal step, more for keys of an earlier chunk (the
+ring's halo windows, `jlong.attention.sliding`).
 
 Kernels: `jlong.attention.blockwise.BlockwiseStep` (plain XLA, runs
 anywhere) and `jlong.attention.cudnn.CudnnStep` (cuDNN's fused kernel, GPU).
@@ -47,6 +54,19 @@ class Documents(NamedTuple):
     k: jax.Array
 
 
+class Band(NamedTuple):
+    """A sliding window over a step: query i sees key j only if
+    distance + i - j < length, where `distance` is the sequence position of
+    the step's first query minus that of its first key."""
+
+    length: int
+    distance: int = 0
+
+    def sees_nothing(self, keys: int) -> bool:
+        """Whether no query of the step is within the window of any of its `keys` keys."""
+        return self.distance - (keys - 1) >= self.length
+
+
 class CallCost(NamedTuple):
     """What one custom call of a kernel costs, as its kernel prices it for the
     planner (`jlong.attention.kernels.KernelSpec.price`)."""
@@ -57,6 +77,6 @@ class CallCost(NamedTuple):
 
 
 class StepKernel(Protocol):
-    def forward(self, q, k, v, docs: Documents | None, causal: bool): ...
+    def forward(self, q, k, v, docs: Documents | None, causal: bool, band: Band | None = None): ...
 
-    def backward(self, q, k, v, docs: Documents | None, causal: bool, o, lse, do): ...
+    def backward(self, q, k, v, docs: Documents | None, causal: bool, o, lse, do, band: Band | None = None): ...
