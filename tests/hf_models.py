@@ -1,4 +1,4 @@
-"""Small random Hugging Face models (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)."""
+"""Small random Hugging Face models (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM)."""
 
 import torch
 import transformers
@@ -17,6 +17,14 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 YARN_TUNED = {**YARN, "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 0.9, "mscale_all_dim": 0.5}
 LINEAR = {"rope_type": "linear", "factor": 2.0}
 QWEN3 = {"tie_word_embeddings": True, "head_dim": 24}
+# Gemma 3 with windows shorter than the test sequences (70 tokens), a global layer between sliding ones,
+# linear-scaled global RoPE and a query scale other than head_dim^-1/2.
+GEMMA3 = {
+    "num_hidden_layers": 3, "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 16,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 20000.0},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}},
+}
 
 ARCHITECTURES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
@@ -27,6 +35,7 @@ ARCHITECTURES = {
     "qwen2-yarn": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"rope_scaling": YARN}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, QWEN3),
     "qwen3-yarn": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {**QWEN3, "rope_scaling": YARN}),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, GEMMA3),
 }
 SCALED = ("llama3-scaled", "llama-yarn", "llama-linear", "qwen2-yarn", "qwen3-yarn")
 
@@ -39,6 +48,8 @@ def small_hf_model(name: str, seed: int = 0, **overrides):
         rope_theta=10000.0, rms_norm_eps=1e-6,
     )
     fields.update(extra, **overrides)
+    if "rope_parameters" in fields:
+        fields.pop("rope_theta")
     torch.manual_seed(seed)
     model = model_cls(config_cls(**fields)).eval()
     with torch.no_grad():  # norms start at one and biases at zero: make them matter

@@ -37,6 +37,9 @@ class QKVProjection:
     norm_eps: float
     rope_inv_freq: tuple[float, ...]  # per-pair rotation rates [head_dim / 2]
     rope_scale: float = 1.0  # what RoPE's cos and sin are multiplied by (YaRN's attention factor)
+    # What q is multiplied by after RoPE, for a softmax scale other than the kernels' head_dim^-1/2
+    # (Gemma's query_pre_attn_scalar^-1/2 = query_scale x head_dim^-1/2).
+    query_scale: float = 1.0
     bias: bool = False
     qk_norm: bool = False
     tile: int = 0  # tokens projected at a time; 0 = the whole shard at once
@@ -70,7 +73,10 @@ class QKVProjection:
             k = rms_norm(k, w["k_norm"], self.norm_eps)
         inv_freq = np.asarray(self.rope_inv_freq, np.float32)
         rotate = functools.partial(apply_rope, positions_BS=positions_BS, inv_freq=inv_freq, scale=self.rope_scale)
-        return rotate(q), rotate(k), v
+        q = rotate(q)
+        if self.query_scale != 1.0:
+            q = (q.astype(jnp.float32) * self.query_scale).astype(q.dtype)
+        return q, rotate(k), v
 
 
 def project_out(p, o_BSHd, first, count):

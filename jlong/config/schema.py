@@ -108,6 +108,14 @@ class ModelConfig(_Section):
     attention_bias: Flag = False  # q/k/v projection biases (Qwen2.x)
     qk_norm: Flag = False  # per-head RMSNorm of q and k (Qwen3)
     max_position_embeddings: optional(Integer) = None
+    # Sliding-window attention (Gemma 3): the window of the "sliding_attention" layers among layer_types
+    # (unset: every sliding_window_pattern-th layer is "full_attention", the rest sliding), their own RoPE
+    # base, and the query scale's denominator (query_pre_attn_scalar^-1/2; default head_dim).
+    sliding_window: optional(PositiveInt) = None
+    layer_types: tuple[str, ...] | None = None
+    sliding_window_pattern: optional(PositiveInt) = None
+    rope_local_base_freq: optional(Number) = None
+    query_pre_attn_scalar: optional(Number) = None
     preset: optional(Text) = None
     hf_path: optional(Text) = None
 

@@ -44,7 +44,11 @@ def with_family(values: dict) -> dict:
 
 
 def check_model(m: ModelConfig) -> None:
-    family_named(m.family).check(m)
+    family = family_named(m.family)
+    family.check(m)
+    if (m.sliding_window or m.layer_types) and not family.windows(m):
+        raise JlongError(f"model.sliding_window and model.layer_types are not part of model.family={m.family} "
+                         "(a family with sliding-window layers reads them, gemma3_text for one)")
     if m.num_attention_heads % m.kv_heads:
         raise JlongError(
             f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of "
@@ -80,6 +84,7 @@ def check_run(config: Config) -> None:
     _check_batch_split(config)
     _check_tiles(config)
     _check_layer_groups(config)
+    _check_windows(config)
     _check_eval(config)
     _check_eos_id(config)
 
@@ -129,6 +134,29 @@ def _check_layer_groups(config: Config) -> None:
             f"memory.layers_per_checkpoint ({k}) must divide the {rest} layers{after}; "
             f"values that work: {', '.join(map(str, workable))}"
         )
+    if k > 1:  # each run of one layer type is scanned on its own, in groups of k
+        runs, first = [], 0
+        for _, layers in family_named(config.model.family).layer_runs(config.model):
+            if first + layers > in_runs:
+                runs.append(first + layers - max(first, in_runs))
+            first += layers
+        if any(run % k for run in runs):
+            raise JlongError(f"memory.layers_per_checkpoint ({k}) must divide each run of layers of one type "
+                             f"({', '.join(map(str, runs))} layers in model.family={config.model.family})")
+
+
+def _check_windows(config: Config) -> None:
+    """Sliding windows run in Ulysses' stages and on a ring's halos (`jlong.attention.sliding`), where a
+    window must fit in half a zigzag chunk."""
+    window = max(family_named(config.model.family).windows(config.model), default=0)
+    if not window:
+        return
+    if not method_named(config.attention.sp_method).sliding_windows:
+        raise JlongError(f"attention.sp_method={config.attention.sp_method} has no sliding windows, which "
+                         f"model.family={config.model.family} has: use attention.sp_method=ulysses")
+    if (ranks := config.mesh.ring) > 1 and window > (chunk := config.train.seq_len // (2 * ranks)):
+        raise JlongError(f"model.sliding_window ({window}) is longer than the {chunk} tokens of each zigzag chunk "
+                         f"(train.seq_len / (2 x mesh.ring)): use a longer train.seq_len or a smaller ring")
 
 
 def _check_eos_id(config: Config) -> None:

@@ -1,5 +1,5 @@
 """Model families: one module per architecture (`llama`: Llama 3.x, Qwen 2.5,
-Qwen 3), each a `Family` (`base`) built from shared pieces (`blocks`,
+Qwen 3; `gemma3`: Gemma 3's text model), each a `Family` (`base`) built from shared pieces (`blocks`,
 `params`), found by name in the registry (`registry`)."""
 
 from jlong.families.base import Family, HFTensor

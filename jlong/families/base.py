@@ -6,7 +6,9 @@ object that the rest of jlong asks.
   (`jlong.families.params`), layer parameters without the `layers` axis the
   model stacks them on;
 - its maths: the decoder block (norm placement, attention, MLP and its
-  activation, the residual epilogue) and the final norm;
+  activation, the residual epilogue), the final norm, any scaling of the
+  embeddings, and each layer's type (`layer_types`: layers of one type share
+  a sliding window and RoPE; the model scans each run of one type);
 - its FLOPs per token, the convention MFU is quoted in;
 - its Hugging Face form: reading and writing config.json, and each
   parameter's tensor name and layout.
@@ -19,6 +21,7 @@ A new family subclasses `Family` (or an existing family) and is registered
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -50,6 +53,17 @@ class HFTensor:
 
 
 TRANSPOSED = {"to_jlong": lambda w: w.T, "to_hf": lambda w: w.T}
+
+FULL_ATTENTION = "full_attention"  # Hugging Face's name for a layer that sees every earlier token
+
+
+def mean_visible_keys(seq_len: int, window: int = 0) -> float:
+    """Keys a query sees on average in causal attention over `seq_len` tokens:
+    half the sequence (the convention MFU is quoted in), or within a window
+    of w tokens, min(p + 1, w) averaged over positions p."""
+    if not window or window >= seq_len:
+        return seq_len / 2
+    return window - window * (window - 1) / (2 * seq_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,14 +115,39 @@ class Family:
     def final_norm(self, x_BSD, weight, model: ModelConfig, options):
         return blocks.sequence_norm(x_BSD, weight, model, options)
 
+    def scale_embeddings(self, x_BSD, model: ModelConfig):
+        """The token embeddings as the first layer takes them."""
+        return x_BSD
+
+    def layer_types(self, model: ModelConfig) -> tuple[str, ...]:
+        """Each layer's type, first to last (Hugging Face's `layer_types`)."""
+        return (FULL_ATTENTION,) * model.num_hidden_layers
+
+    def attention_window(self, model: ModelConfig, layer_type: str) -> int:
+        """The sliding window of layers of `layer_type`: a token sees itself and
+        the window - 1 tokens before it; 0, every earlier token."""
+        return 0
+
+    def layer_runs(self, model: ModelConfig) -> list[tuple[str, int]]:
+        """The layers as runs of one type, first to last: (type, layers)."""
+        return [(kind, len(list(run))) for kind, run in itertools.groupby(self.layer_types(model))]
+
+    def windows(self, model: ModelConfig) -> set[int]:
+        """The sliding windows its layers use (without 0)."""
+        return {w for kind in set(self.layer_types(model)) if (w := self.attention_window(model, kind))}
+
     def flops_per_token(self, model: ModelConfig, seq_len: int) -> float:
         """Model FLOPs per training token: 6 x matmul parameters (forward 2,
         backward 4: each layer's matrices and the output projection), plus
-        causal attention (QK^T and PV: 4 x S x d per head forward, halved
-        by the mask, x3 with the backward pass). Recomputation is not counted."""
+        causal attention (QK^T and PV: 4 x d per head and visible key
+        forward, x3 with the backward pass; a query sees half the sequence on
+        average, or what its layer's window lets it, `mean_visible_keys`).
+        Recomputation is not counted."""
         matrices = sum(math.prod(s.shape) for s in self.layer_params(model).values() if s.role is Role.MATRIX)
         matmul_params = model.num_hidden_layers * matrices + model.hidden_size * model.vocab_size
-        attention = 6 * model.num_hidden_layers * model.num_attention_heads * model.dim_per_head * seq_len
+        per_key = 12 * model.num_attention_heads * model.dim_per_head
+        attention = sum(per_key * mean_visible_keys(seq_len, self.attention_window(model, kind))
+                        for kind in self.layer_types(model))
         return 6 * matmul_params + attention
 
     # ---------------------------------------------------------------- Hugging Face

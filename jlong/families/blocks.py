@@ -17,22 +17,30 @@ from jlong.ops.tiling import per_sequence_tile
 SWIGLU_PARAMS = ("mlp_norm", "w_gate", "w_up", "w_down")
 
 
-def attention(p, x_BSD, positions_BS, segment_ids_BS, model, options, *, add_to_input: bool = True):
-    """Self-attention of norm(x) with its output projection, run by the
-    sequence-parallel method of `options` and summed over its head stages: added into x itself (`add_to_input`: the block
-    returns x + attention, with no buffer besides x), or into a buffer of
-    its own (the block returns attention alone, for a family that
-    normalises it before the residual add). Positions default to the
-    tokens' indices in the sequence."""
-    H = model.num_attention_heads
-    projection = QKVProjection(
+def projection_of(model, tile: int = 0) -> QKVProjection:
+    """The q, k, v projection a model's config describes (a family with
+    per-layer RoPE or another softmax scale replaces fields of it)."""
+    return QKVProjection(
         norm_eps=model.rms_norm_eps,
         rope_inv_freq=tuple(rope_inverse_frequencies(model).tolist()),
         rope_scale=rope_attention_factor(model),
         bias=model.attention_bias,
         qk_norm=model.qk_norm,
-        tile=options.mlp_tile,
+        tile=tile,
     )
+
+
+def attention(p, x_BSD, positions_BS, segment_ids_BS, model, options, *, add_to_input: bool = True,
+              projection: QKVProjection | None = None):
+    """Self-attention of norm(x) with its output projection, run by the
+    sequence-parallel method of `options` and summed over its head stages: added into x itself (`add_to_input`: the block
+    returns x + attention, with no buffer besides x), or into a buffer of
+    its own (the block returns attention alone, for a family that
+    normalises it before the residual add). Positions default to the
+    tokens' indices in the sequence. `projection` defaults to the model's
+    (`projection_of`)."""
+    H = model.num_attention_heads
+    projection = projection or projection_of(model, options.mlp_tile)
     return options.sequence_parallel.attention(
         {name: p[name] for name in ATTENTION_PARAMS if name in p},
         x_BSD,

@@ -22,6 +22,7 @@ class Role(enum.Enum):
     EMBEDDING = "embedding"  # the token embedding and the output projection
     MATRIX = "matrix"  # a layer's weight matrix
     NORM = "norm"  # an RMSNorm scale
+    NORM_OFFSET = "norm_offset"  # an RMSNorm scale kept as its offset from one (Gemma: x * (1 + w))
     BIAS = "bias"
 
     @property
@@ -32,7 +33,7 @@ class Role(enum.Enum):
     def initial(self, key, shape, dtype):
         if self is Role.NORM:
             return jnp.ones(shape, dtype)
-        if self is Role.BIAS:
+        if self in (Role.BIAS, Role.NORM_OFFSET):
             return jnp.zeros(shape, dtype)
         return (INIT_STD * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 

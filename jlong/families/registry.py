@@ -7,12 +7,13 @@ from typing import TYPE_CHECKING
 
 from jlong.errors import JlongError
 from jlong.families.base import Family
+from jlong.families.gemma3 import GEMMA3_TEXT
 from jlong.families.llama import LLAMA, QWEN2, QWEN3
 
 if TYPE_CHECKING:
     from jlong.config import ModelConfig
 
-_FAMILIES: dict[str, Family] = {family.name: family for family in (LLAMA, QWEN2, QWEN3)}
+_FAMILIES: dict[str, Family] = {family.name: family for family in (LLAMA, QWEN2, QWEN3, GEMMA3_TEXT)}
 
 
 def register(family: Family) -> Family:

@@ -3,7 +3,9 @@ family (`jlong.families`: Llama 3.x, Qwen 2.5, Qwen 3, ...), the final norm
 and the output projection with its loss.
 
 Layer parameters are stacked along a leading `layers` axis and the layers run
-as one `lax.scan`, so XLA compiles a single layer whatever the depth. Every
+as one `lax.scan`, so XLA compiles a single layer whatever the depth; a
+family whose layers differ (Gemma 3's sliding and global layers) or a run of
+layers under a remat policy of its own gets one scan per run. Every
 parameter carries the logical axis names of its dimensions (`axes` metadata);
 `jlong.parallel.placement` maps those names to mesh axes.
 
@@ -24,6 +26,7 @@ from jlong.attention.methods import SequenceParallelMethod, method_of
 from jlong.attention.methods.ulysses import ULYSSES
 from jlong.config import Config, ModelConfig
 from jlong.families import ParamSpec, family_of
+from jlong.families.base import FULL_ATTENTION
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy, token_scores
 from jlong.model.remat import remat_policy, scan_layers
 from jlong.ops.shards import HIDDEN, OneDevice, Shards
@@ -45,6 +48,7 @@ class ForwardOptions:
     remat_segments: tuple[RematSegment, ...] = ()
     mlp_tile: int = 0  # tokens per sequence tile of the MLP on each device; 0 = untiled
     loss_tile: int = 0  # the same for the output projection and the loss
+    layer_type: str = FULL_ATTENTION  # the type of the layers being run (`Family.layer_types`)
 
     @property
     def unroll_attention_stages(self) -> bool:
@@ -78,6 +82,30 @@ class ForwardOptions:
             mlp_tile=config.memory.mlp_tile,
             loss_tile=config.memory.loss_tile,
         )
+
+
+def layer_runs(config: ModelConfig, options: ForwardOptions) -> list[tuple[int, int, ForwardOptions]]:
+    """The layers as runs [first, last) that run alike, each with its forward
+    options: the runs under one remat policy (`options.remat_segments`) cut
+    where the family's layer type changes (its window and RoPE)."""
+    family, L = family_of(config), config.num_hidden_layers
+    segments = options.remat_segments or (RematSegment(options.remat, L, options.layers_per_checkpoint),)
+    type_starts, types = [0], []
+    for kind, layers in family.layer_runs(config):
+        types.append(kind)
+        type_starts.append(type_starts[-1] + layers)
+    runs, first = [], 0
+    for segment in segments:
+        segment_end = first + segment.layers
+        cuts = sorted({first, segment_end, *(t for t in type_starts if first < t < segment_end)})
+        for start, end in zip(cuts, cuts[1:]):
+            kind = types[max(i for i, t in enumerate(type_starts[:-1]) if t <= start)]
+            attention = dataclasses.replace(options.attention, window=family.attention_window(config, kind))
+            runs.append((start, end, dataclasses.replace(
+                options, remat=segment.remat, remat_segments=(), layers_per_checkpoint=segment.layers_per_checkpoint,
+                layer_type=kind, attention=attention)))
+        first = segment_end
+    return runs
 
 
 def _param(spec: ParamSpec, key, dtype) -> nnx.Param:
@@ -133,9 +161,9 @@ class Transformer(nnx.Module):
         constrain = options.shards.constrain
         dtype = jnp.dtype(options.compute_dtype)
         embed_VD = constrain(self.embed.get_value().astype(dtype), ("vocab", "embed"))
-        x_BSD = constrain(jnp.take(embed_VD, tokens_BS, axis=0), HIDDEN)
-
         family = family_of(config)
+        x_BSD = constrain(family.scale_embeddings(jnp.take(embed_VD, tokens_BS, axis=0), config), HIDDEN)
+
         layer_axes = {name: spec.axes for name, spec in family.layer_params(config).items()}
 
         def layers_under(segment_options: ForwardOptions, x_BSD, stacked: dict):
@@ -149,15 +177,11 @@ class Transformer(nnx.Module):
             policy = remat_policy(segment_options.remat)
             return scan_layers(one_layer, x_BSD, stacked, policy, segment_options.layers_per_checkpoint)
 
-        stacked, first = self.layers.arrays(), 0
-        for segment in options.remat_segments:  # each run of layers scanned under its own policy
-            last = first + segment.layers
-            segment_options = dataclasses.replace(options, remat=segment.remat, remat_segments=(),
-                                                  layers_per_checkpoint=segment.layers_per_checkpoint)
-            x_BSD = layers_under(segment_options, x_BSD, jax.tree.map(lambda w: w[first:last], stacked))
-            first = last
-        if not options.remat_segments:
-            x_BSD = layers_under(options, x_BSD, stacked)
+        stacked = self.layers.arrays()
+        for first, last, run_options in layer_runs(config, options):  # each run scanned with its own options
+            layers = stacked if (first, last) == (0, config.num_hidden_layers) else \
+                jax.tree.map(lambda w: w[first:last], stacked)
+            x_BSD = layers_under(run_options, x_BSD, layers)
         return family.final_norm(x_BSD, self.final_norm.get_value(), config, options)
 
     def output_embedding(self):

@@ -1,4 +1,4 @@
-"""Stateless building blocks of the decoder: RMSNorm, rotary embeddings, SwiGLU."""
+"""Stateless building blocks of the decoder: RMSNorm, rotary embeddings, SwiGLU and GeGLU."""
 
 from __future__ import annotations
 
@@ -110,3 +110,10 @@ def swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD):
     gate = jnp.einsum("bsd,df->bsf", x_BSD, w_gate_DF)
     up = jnp.einsum("bsd,df->bsf", x_BSD, w_up_DF)
     return jnp.einsum("bsf,fd->bsd", jax.nn.silu(gate) * up, w_down_FD)
+
+
+def geglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD):
+    """The gated MLP with GELU's tanh approximation (Gemma's gelu_pytorch_tanh)."""
+    gate = jnp.einsum("bsd,df->bsf", x_BSD, w_gate_DF)
+    up = jnp.einsum("bsd,df->bsf", x_BSD, w_up_DF)
+    return jnp.einsum("bsf,fd->bsd", jax.nn.gelu(gate, approximate=True) * up, w_down_FD)

@@ -107,4 +107,4 @@ def _gather_sequence(x_Bs, *, axis):
     return jax.lax.all_gather(x_Bs, axis, axis=1, tiled=True)
 
 
-ALLGATHER = AllGather("allgather")
+ALLGATHER = AllGather("allgather", sliding_windows=False)  # its gathered windows have no bands

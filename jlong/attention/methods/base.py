@@ -38,6 +38,8 @@ KEEP_ATTENTION_OUTPUT = jax.checkpoint_policies.save_only_these_names(ATTENTION_
 @dataclasses.dataclass(frozen=True)
 class SequenceParallelMethod:
     name: str  # attention.sp_method
+    # Whether it runs layers with sliding windows (the kernel carries the window: `AttentionKernel.window`).
+    sliding_windows: bool = True
 
     def default_heads_per_stage(self, config: Config) -> int:
         raise NotImplementedError
