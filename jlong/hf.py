@@ -86,6 +86,16 @@ def _safetensors_files(path: Path) -> dict[str, Path]:
     return files
 
 
+def _stored_as(name: str) -> list[str]:
+    """Where a text model's tensor can be stored: under its own name, or in an
+    image-text checkpoint's language model (transformers 4 saved it as
+    `language_model.model...`, transformers 5 as `model.language_model...`)."""
+    names = [name, f"language_model.{name}"]
+    if name.startswith("model."):
+        names.append(f"model.language_model.{name.removeprefix('model.')}")
+    return names
+
+
 class _Checkpoint:
     """A checkpoint's safetensors files, checked against the config's shapes
     before anything is read, and read one tensor at a time."""
@@ -93,21 +103,24 @@ class _Checkpoint:
     def __init__(self, path: Path, config: ModelConfig):
         self.files = _safetensors_files(path)
         expected = _expected_hf_shapes(config)
-        missing = [name for name in expected if name not in self.files]
+        self.stored = {name: next((s for s in _stored_as(name) if s in self.files), None) for name in expected}
+        missing = [name for name, stored in self.stored.items() if stored is None]
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise JlongError(f"{path}: checkpoint lacks tensors {', '.join(missing[:3])}{more}")
         for name, shape in expected.items():
-            with safe_open(self.files[name], framework="numpy") as f:
-                found = tuple(f.get_slice(name).get_shape())
+            stored = self.stored[name]
+            with safe_open(self.files[stored], framework="numpy") as f:
+                found = tuple(f.get_slice(stored).get_shape())
             if found != shape:
                 raise JlongError(
-                    f"{self.files[name].name}: tensor {name} has shape {found}, but config.json implies {shape}"
+                    f"{self.files[stored].name}: tensor {stored} has shape {found}, but config.json implies {shape}"
                 )
 
     def tensor(self, name: str) -> np.ndarray:
-        with safe_open(self.files[name], framework="numpy") as f:
-            return f.get_tensor(name)
+        stored = self.stored[name]
+        with safe_open(self.files[stored], framework="numpy") as f:
+            return f.get_tensor(stored)
 
 
 def load_hf_params(path: str | Path, config: ModelConfig, abstract_params: dict) -> dict:

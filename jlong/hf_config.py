@@ -5,6 +5,7 @@ writes its own fields."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,8 +16,14 @@ if TYPE_CHECKING:
     from jlong.config import ModelConfig
 
 
+# Image-text checkpoints whose text model is a family jlong knows: model_type -> what it is.
+IMAGE_TEXT = {"gemma3": "Gemma 3"}
+_noted: set[str] = set()
+
+
 def read_hf_config(path: str | Path) -> dict[str, Any]:
-    """The jlong `model` fields that a Hugging Face config.json describes."""
+    """The jlong `model` fields that a Hugging Face config.json describes (of
+    an image-text checkpoint, its text model's: `text_config`)."""
     config_path = Path(path) / "config.json"
     if not config_path.is_file():
         raise JlongError(f"Hugging Face checkpoint {str(path)!r} has no config.json")
@@ -25,6 +32,13 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     except json.JSONDecodeError as err:
         raise JlongError(f"cannot parse {config_path}: {err.msg} at line {err.lineno}") from None
     model_type = hf.get("model_type")
+    if model_type in IMAGE_TEXT and isinstance(hf.get("text_config"), dict):
+        if str(config_path) not in _noted:
+            _noted.add(str(config_path))
+            print(f"jlong: {config_path}: a {IMAGE_TEXT[model_type]} image-text checkpoint: reading its text model "
+                  "(text_config and the language model's tensors); the vision tower is left out", file=sys.stderr)
+        hf = {"model_type": f"{model_type}_text", **hf["text_config"]}
+        model_type = hf["model_type"]
     if model_type not in names():
         raise JlongError(f"{config_path}: model_type {model_type!r} is not supported (supported: {', '.join(names())})")
     return family_named(model_type).hf_fields(hf, str(config_path))

@@ -228,3 +228,35 @@ def test_convert_writes_a_gemma3_checkpoint_transformers_loads_with_the_same_log
     jlong_logits = np.asarray(jlong.from_hf(tmp_path / "hf")(jnp.asarray(tokens)))
     np.testing.assert_allclose(hf_logits(back, tokens), jlong_logits, atol=1e-4)
     assert json.loads((tmp_path / "back" / "config.json").read_text())["sliding_window"] == 16
+
+
+@pytest.mark.fast
+def test_the_text_model_of_an_image_text_checkpoint_matches_transformers(tmp_path, capfd):
+    """A Gemma3ForConditionalGeneration checkpoint: jlong reads its text_config
+    and language-model tensors, says in one line that the vision tower is
+    left out, and gives the model's text-only logits."""
+    import torch
+    import transformers
+
+    from hf_models import GEMMA3
+
+    text = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=256, rms_norm_eps=1e-6, **GEMMA3)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=95, boi_token_index=93, eoi_token_index=94)
+    torch.manual_seed(0)
+    hf_model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if "norm" in name:
+                param.add_(0.2 * torch.randn_like(param))
+    hf_model.save_pretrained(tmp_path)
+    capfd.readouterr()
+    model = jlong.from_hf(tmp_path)
+    notes = [line for line in capfd.readouterr().err.splitlines() if line.startswith("jlong:")]
+    assert len(notes) == 1 and "image-text checkpoint" in notes[0] and "vision tower is left out" in notes[0]
+    assert model.config.family == "gemma3_text"
+    tokens = np.random.default_rng(1).integers(0, 90, (2, 70))
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens))), hf_logits(hf_model, tokens), atol=1e-4)
