@@ -13,6 +13,7 @@ import pytest
 from helpers import H100, REPO, needs_gpu_compiler, whole_stack
 
 from jlong.config import load_config
+from jlong.families import family_of
 from jlong.model.remat import remat_policy
 from jlong.options import REMAT_NAMES
 from jlong.planner.memory import (
@@ -207,3 +208,45 @@ def test_target_descriptions_match_xlas_published_ones(gpu):
     assert {key: ours.get(key) for key in COMPARED} == XLA_FACTS[gpu]
     assert XLA_FACTS[gpu]["gpu_device_info.core_count"] == str(GPUS[gpu].sm_count)
     assert ours["dnn_version_info.major"] == "9"  # the installed cuDNN's version, not the file's
+
+
+@needs_gpu_compiler
+def test_gemma3_12b_at_1m_fits_with_its_windowed_attention_all_in_cudnn():
+    """configs/gemma3-12b-1m.yaml as the planner resolves it on h100
+    (offload_inputs, U = 8: no attention output fits beside it) fits both
+    default budgets, and the compiled program's cuDNN calls carry exactly the
+    attention FLOPs the model's windows imply: 40 layers within 1,024 tokens
+    and 8 global ones, x 18/12 for the forward pass run again under the
+    policy. Blockwise attention would count as matmuls; a window cuDNN did
+    not apply would price its calls as whole causal ones."""
+    config = load_config(REPO / "configs" / "gemma3-12b-1m.yaml",
+                         ["memory.remat=offload_inputs", "attention.heads_per_stage=8"])
+    step = compile_train_step(config, H100)
+    result = plan_of(step)
+    assert result.fits_device and result.fits_host, result
+    hlo = step.compiled.as_text()
+    windows = re.findall(r'"sliding_window_length": ?(\d+)', hlo)  # in cuDNN calls' configs
+    assert set(windows) == {"0", "1024"}, set(windows)
+    cost = step_cost(step)
+    assert not cost.unpriced_custom_calls
+    family, model, S = family_of(config.model), config.model, config.train.seq_len
+    attention_per_token = family.flops_per_token(model, S) - family.flops_per_token(model, 0)
+    expected = attention_per_token * S / config.mesh.size * 18 / 12
+    assert cost.flops_by_kind["attention"] == pytest.approx(expected, rel=0.01)
+
+
+@needs_gpu_compiler
+def test_a_small_gemma3_on_ring_x_sp_compiles_for_h100s_with_cudnn_windows_and_halos():
+    """Sliding and global layers on Ulysses 4 x ring 2 in bf16: the chunks'
+    causal steps run in cuDNN with its sliding window, the global layers'
+    ring steps in cuDNN unmasked, and the halos arrive by collective permute."""
+    config = load_config(None, [
+        "model.preset=tiny-gemma3", "mesh.ring=2", "mesh.sp=4", "train.seq_len=16384", "train.batch_size=1",
+        "attention.impl=auto", "attention.block_size=512", "memory.remat=offload_inputs", "data.source=synthetic",
+        "train.compute_dtype=bfloat16"])
+    step = compile_train_step(config, H100)
+    assert plan_of(step).fits_device
+    hlo = step.compiled.as_text()
+    windows = re.findall(r'"sliding_window_length": ?(\d+)', hlo)  # in cuDNN calls' configs
+    assert {"0", "16"} <= set(windows), set(windows)
+    assert "collective-permute" in hlo and "all-to-all" in hlo
