@@ -128,14 +128,19 @@ def test_shape_mismatch_is_a_clear_error(tmp_path):
         jlong.from_hf(tmp_path)
 
 
-def test_convert_command_round_trip(tmp_path):
-    """HF -> jlong checkpoint -> HF through `jlong convert` keeps every tensor."""
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_convert_command_round_trip(name, tmp_path):
+    """HF -> jlong checkpoint -> HF through `jlong convert` keeps every tensor,
+    and transformers' model loaded from what jlong wrote gives jlong's logits."""
     from jlong.cli import main
 
-    hf_model = small_hf_model("qwen3")
+    hf_model = small_hf_model(name)
     hf_model.save_pretrained(tmp_path / "hf")
     assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "jlong")]) == 0
     assert main(["convert", str(tmp_path / "jlong"), str(tmp_path / "back")]) == 0
     back = type(hf_model).from_pretrained(tmp_path / "back").eval()
-    for name, tensor in hf_model.state_dict().items():
-        np.testing.assert_array_equal(back.state_dict()[name].numpy(), tensor.numpy(), err_msg=name)
+    for key, tensor in hf_model.state_dict().items():
+        np.testing.assert_array_equal(back.state_dict()[key].numpy(), tensor.numpy(), err_msg=key)
+    tokens = _tokens()
+    jlong_logits = np.asarray(jlong.from_hf(tmp_path / "hf")(jnp.asarray(tokens)))
+    np.testing.assert_allclose(hf_logits(back, tokens), jlong_logits, rtol=0, atol=1e-4)

@@ -54,6 +54,25 @@ class HFTensor:
 
 TRANSPOSED = {"to_jlong": lambda w: w.T, "to_hf": lambda w: w.T}
 
+
+def hf_projection_tensors(model: ModelConfig) -> dict[str, HFTensor]:
+    """The attention and gated-MLP matrices' tensors (`params.attention_matrices`,
+    `params.gated_mlp_matrices`) as Llama, Qwen and Gemma name them."""
+    D, H, K, d = model.hidden_size, model.num_attention_heads, model.kv_heads, model.dim_per_head
+
+    def in_heads(name, n):  # HF linear weights are [out, in]; jlong keeps [in, heads, head_dim]
+        return HFTensor(name, lambda w: w.T.reshape(D, n, d), lambda w: w.reshape(D, n * d).T)
+
+    return {
+        "wq": in_heads("self_attn.q_proj.weight", H),
+        "wk": in_heads("self_attn.k_proj.weight", K),
+        "wv": in_heads("self_attn.v_proj.weight", K),
+        "wo": HFTensor("self_attn.o_proj.weight", lambda w: w.T.reshape(H, d, D), lambda w: w.reshape(H * d, D).T),
+        "w_gate": HFTensor("mlp.gate_proj.weight", **TRANSPOSED),
+        "w_up": HFTensor("mlp.up_proj.weight", **TRANSPOSED),
+        "w_down": HFTensor("mlp.down_proj.weight", **TRANSPOSED),
+    }
+
 FULL_ATTENTION = "full_attention"  # Hugging Face's name for a layer that sees every earlier token
 
 

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 
 from jlong.errors import JlongError
 from jlong.families import blocks
-from jlong.families.base import FULL_ATTENTION, SHARED_HF_KEYS, TRANSPOSED, Family, HFTensor
-from jlong.families.params import ParamSpec, Role
+from jlong.families.base import FULL_ATTENTION, SHARED_HF_KEYS, Family, HFTensor, hf_projection_tensors
+from jlong.families.params import ParamSpec, Role, attention_matrices, gated_mlp_matrices
 from jlong.ops.layers import geglu, rms_norm
 from jlong.ops.shards import HIDDEN
 from jlong.ops.tiling import per_sequence_tile
@@ -74,22 +74,15 @@ class Gemma3Family(Family):
     # ---------------------------------------------------------------- layout
 
     def layer_params(self, model: ModelConfig) -> dict[str, ParamSpec]:
-        D, F = model.hidden_size, model.intermediate_size
-        H, K, d = model.num_attention_heads, model.kv_heads, model.dim_per_head
-        matrix, norm = Role.MATRIX, Role.NORM_OFFSET
+        D, d, norm = model.hidden_size, model.dim_per_head, Role.NORM_OFFSET
         return {
             "attn_norm": ParamSpec((D,), ("embed",), norm),
-            "wq": ParamSpec((D, H, d), ("embed", "heads", "head_dim"), matrix),
-            "wk": ParamSpec((D, K, d), ("embed", "kv_heads", "head_dim"), matrix),
-            "wv": ParamSpec((D, K, d), ("embed", "kv_heads", "head_dim"), matrix),
-            "wo": ParamSpec((H, d, D), ("heads", "head_dim", "embed"), matrix),
+            **attention_matrices(model),
             "q_norm": ParamSpec((d,), ("head_dim",), norm),
             "k_norm": ParamSpec((d,), ("head_dim",), norm),
             "post_attn_norm": ParamSpec((D,), ("embed",), norm),
             "mlp_norm": ParamSpec((D,), ("embed",), norm),
-            "w_gate": ParamSpec((D, F), ("embed", "mlp"), matrix),
-            "w_up": ParamSpec((D, F), ("embed", "mlp"), matrix),
-            "w_down": ParamSpec((F, D), ("mlp", "embed"), matrix),
+            **gated_mlp_matrices(model),
             "post_mlp_norm": ParamSpec((D,), ("embed",), norm),
         }
 
@@ -166,25 +159,13 @@ class Gemma3Family(Family):
         return hf
 
     def hf_layer_tensors(self, model: ModelConfig) -> dict[str, HFTensor]:
-        D, H, K, d = model.hidden_size, model.num_attention_heads, model.kv_heads, model.dim_per_head
-
-        def in_heads(name, n):  # HF linear weights are [out, in]; jlong keeps [in, heads, head_dim]
-            return HFTensor(name, lambda w: w.T.reshape(D, n, d), lambda w: w.reshape(D, n * d).T)
-
         return {
+            **hf_projection_tensors(model),
             "attn_norm": HFTensor("input_layernorm.weight"),
-            "wq": in_heads("self_attn.q_proj.weight", H),
-            "wk": in_heads("self_attn.k_proj.weight", K),
-            "wv": in_heads("self_attn.v_proj.weight", K),
-            "wo": HFTensor("self_attn.o_proj.weight", lambda w: w.T.reshape(H, d, D),
-                           lambda w: w.reshape(H * d, D).T),
             "q_norm": HFTensor("self_attn.q_norm.weight"),
             "k_norm": HFTensor("self_attn.k_norm.weight"),
             "post_attn_norm": HFTensor("post_attention_layernorm.weight"),
             "mlp_norm": HFTensor("pre_feedforward_layernorm.weight"),
-            "w_gate": HFTensor("mlp.gate_proj.weight", **TRANSPOSED),
-            "w_up": HFTensor("mlp.up_proj.weight", **TRANSPOSED),
-            "w_down": HFTensor("mlp.down_proj.weight", **TRANSPOSED),
             "post_mlp_norm": HFTensor("post_feedforward_layernorm.weight"),
         }
 

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from jlong.errors import JlongError
 from jlong.families import blocks
-from jlong.families.base import TRANSPOSED, Family, HFTensor
-from jlong.families.params import ParamSpec, Role
+from jlong.families.base import Family, HFTensor, hf_projection_tensors
+from jlong.families.params import ParamSpec, Role, attention_matrices, gated_mlp_matrices
 from jlong.ops.shards import HIDDEN
 
 if TYPE_CHECKING:
@@ -39,19 +39,13 @@ class LlamaFamily(Family):
                                  "or name the family it belongs to")
 
     def layer_params(self, model: ModelConfig) -> dict[str, ParamSpec]:
-        D, F = model.hidden_size, model.intermediate_size
-        H, K, d = model.num_attention_heads, model.kv_heads, model.dim_per_head
-        matrix, norm, bias = Role.MATRIX, Role.NORM, Role.BIAS
+        D, H, K, d = model.hidden_size, model.num_attention_heads, model.kv_heads, model.dim_per_head
+        norm, bias = Role.NORM, Role.BIAS
         specs = {
             "attn_norm": ParamSpec((D,), ("embed",), norm),
-            "wq": ParamSpec((D, H, d), ("embed", "heads", "head_dim"), matrix),
-            "wk": ParamSpec((D, K, d), ("embed", "kv_heads", "head_dim"), matrix),
-            "wv": ParamSpec((D, K, d), ("embed", "kv_heads", "head_dim"), matrix),
-            "wo": ParamSpec((H, d, D), ("heads", "head_dim", "embed"), matrix),
+            **attention_matrices(model),
             "mlp_norm": ParamSpec((D,), ("embed",), norm),
-            "w_gate": ParamSpec((D, F), ("embed", "mlp"), matrix),
-            "w_up": ParamSpec((D, F), ("embed", "mlp"), matrix),
-            "w_down": ParamSpec((F, D), ("mlp", "embed"), matrix),
+            **gated_mlp_matrices(model),
         }
         if model.attention_bias:
             specs["bq"] = ParamSpec((H, d), ("heads", "head_dim"), bias)
@@ -84,25 +78,15 @@ class LlamaFamily(Family):
         return hf
 
     def hf_layer_tensors(self, model: ModelConfig) -> dict[str, HFTensor]:
-        D, H, K, d = model.hidden_size, model.num_attention_heads, model.kv_heads, model.dim_per_head
-
-        def in_heads(name, n):  # HF linear weights are [out, in]; jlong keeps [in, heads, head_dim]
-            return HFTensor(name, lambda w: w.T.reshape(D, n, d), lambda w: w.reshape(D, n * d).T)
+        H, K, d = model.num_attention_heads, model.kv_heads, model.dim_per_head
 
         def heads(name, n):
             return HFTensor(name, lambda b: b.reshape(n, d), lambda b: b.reshape(n * d))
 
         table = {
+            **hf_projection_tensors(model),
             "attn_norm": HFTensor("input_layernorm.weight"),
-            "wq": in_heads("self_attn.q_proj.weight", H),
-            "wk": in_heads("self_attn.k_proj.weight", K),
-            "wv": in_heads("self_attn.v_proj.weight", K),
-            "wo": HFTensor("self_attn.o_proj.weight", lambda w: w.T.reshape(H, d, D),
-                           lambda w: w.reshape(H * d, D).T),
             "mlp_norm": HFTensor("post_attention_layernorm.weight"),
-            "w_gate": HFTensor("mlp.gate_proj.weight", **TRANSPOSED),
-            "w_up": HFTensor("mlp.up_proj.weight", **TRANSPOSED),
-            "w_down": HFTensor("mlp.down_proj.weight", **TRANSPOSED),
             "bq": heads("self_attn.q_proj.bias", H),
             "bk": heads("self_attn.k_proj.bias", K),
             "bv": heads("self_attn.v_proj.bias", K),

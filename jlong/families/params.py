@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+
+if TYPE_CHECKING:
+    from jlong.config import ModelConfig
 
 INIT_STD = 0.02  # the initializer_range of the Hugging Face configs
 
@@ -43,3 +47,25 @@ class ParamSpec:
     shape: tuple[int, ...]
     axes: tuple[str, ...]  # logical axis names (`jlong.parallel.placement`)
     role: Role
+
+
+def attention_matrices(model: ModelConfig) -> dict[str, ParamSpec]:
+    """The q, k, v and output projections, with the head axis explicit (so
+    attention can take any subset of heads)."""
+    D, H, K, d = model.hidden_size, model.num_attention_heads, model.kv_heads, model.dim_per_head
+    return {
+        "wq": ParamSpec((D, H, d), ("embed", "heads", "head_dim"), Role.MATRIX),
+        "wk": ParamSpec((D, K, d), ("embed", "kv_heads", "head_dim"), Role.MATRIX),
+        "wv": ParamSpec((D, K, d), ("embed", "kv_heads", "head_dim"), Role.MATRIX),
+        "wo": ParamSpec((H, d, D), ("heads", "head_dim", "embed"), Role.MATRIX),
+    }
+
+
+def gated_mlp_matrices(model: ModelConfig) -> dict[str, ParamSpec]:
+    """A gated MLP's gate, up and down projections (SwiGLU, GeGLU)."""
+    D, F = model.hidden_size, model.intermediate_size
+    return {
+        "w_gate": ParamSpec((D, F), ("embed", "mlp"), Role.MATRIX),
+        "w_up": ParamSpec((D, F), ("embed", "mlp"), Role.MATRIX),
+        "w_down": ParamSpec((F, D), ("mlp", "embed"), Role.MATRIX),
+    }
