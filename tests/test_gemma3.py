@@ -170,9 +170,10 @@ def test_gemma3_trains_on_ring_x_sp_x_fsdp_equal_to_one_device():
     assert np.abs(grads["post_attn_norm"]).max() > 0 and np.abs(grads["q_norm"]).max() > 0
 
 
-def test_gemma3_on_sp_alone_equals_one_device():
+@pytest.mark.parametrize("mesh", [["mesh.sp=8"], ["mesh.ring=2", "mesh.fsdp=4"]], ids=["sp8", "ring2-fsdp4"])
+def test_gemma3_on_sp_or_ring_alone_equals_one_device(mesh):
     single = loss_and_grads(_tiny(), jax.devices()[:1])
-    assert_same_result(loss_and_grads(_tiny("mesh.sp=8"), jax.devices()), single)
+    assert_same_result(loss_and_grads(_tiny(*mesh), jax.devices()), single)
 
 
 @pytest.mark.fast
