@@ -247,3 +247,16 @@ def test_the_text_model_of_an_image_text_checkpoint_matches_transformers(tmp_pat
     assert model.config.family == "gemma3_text"
     tokens = np.random.default_rng(1).integers(0, 90, (2, 70))
     np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens))), hf_logits(hf_model, tokens), atol=1e-4)
+
+
+@pytest.mark.fast
+def test_the_planner_groups_layers_by_two_only_where_every_run_of_one_type_allows():
+    """`jlong maxlen`'s most frugal settings keep one input per two layers
+    where k is free; Gemma 3's runs of 5 sliding and 1 global layer cannot
+    be grouped so, Llama's 32 layers can."""
+    from helpers import REPO
+
+    from jlong.planner.memory_choice import frugal
+
+    assert frugal(load_config(REPO / "configs" / "gemma3-12b-1m.yaml")).memory.layers_per_checkpoint == 1
+    assert frugal(load_config(REPO / "configs" / "llama3-8b-5m.yaml")).memory.layers_per_checkpoint == 2

@@ -134,15 +134,21 @@ def _check_layer_groups(config: Config) -> None:
             f"memory.layers_per_checkpoint ({k}) must divide the {rest} layers{after}; "
             f"values that work: {', '.join(map(str, workable))}"
         )
-    if k > 1:  # each run of one layer type is scanned on its own, in groups of k
-        runs, first = [], 0
-        for _, layers in family_named(config.model.family).layer_runs(config.model):
-            if first + layers > in_runs:
-                runs.append(first + layers - max(first, in_runs))
-            first += layers
-        if any(run % k for run in runs):
-            raise JlongError(f"memory.layers_per_checkpoint ({k}) must divide each run of layers of one type "
-                             f"({', '.join(map(str, runs))} layers in model.family={config.model.family})")
+    runs = grouped_runs(config.model, in_runs)
+    if k > 1 and any(run % k for run in runs):
+        raise JlongError(f"memory.layers_per_checkpoint ({k}) must divide each run of layers of one type "
+                         f"({', '.join(map(str, runs))} layers in model.family={config.model.family})")
+
+
+def grouped_runs(model: ModelConfig, first: int = 0) -> list[int]:
+    """The lengths of the runs of one layer type from layer `first` on (after memory.remat_runs'): each is
+    scanned on its own, so memory.layers_per_checkpoint must divide every one."""
+    runs, start = [], 0
+    for _, layers in family_named(model.family).layer_runs(model):
+        if start + layers > first:
+            runs.append(start + layers - max(start, first))
+        start += layers
+    return runs
 
 
 def _check_windows(config: Config) -> None:

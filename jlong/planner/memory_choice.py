@@ -42,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from jlong.attention.methods import method_of
 from jlong.config import Config, with_values
 from jlong.config.stages import StageRun
+from jlong.config.validation import grouped_runs
 from jlong.planner.memory import (
     CompiledStep,
     MemoryPlan,
@@ -164,8 +165,7 @@ def _references(config: Config, planned, decide) -> list[Planned]:
     for reference in references:
         decide(f"reference, every layer {remat}{_grouped(reference.config)}, heads_per_stage "
                f"{reference.config.heads_per_stage}: {_verdict(reference)}")
-    k, layers = config.memory.layers_per_checkpoint, config.model.num_hidden_layers
-    if any(r.plan.fits for r in references) or config.memory.remat != "auto" or k > 1 or layers % 2:
+    if any(r.plan.fits for r in references) or config.memory.remat != "auto" or not _can_group_by_two(config):
         return references
     grouped = planned(with_values(references[-1].config, memory={"layers_per_checkpoint": 2}))
     decide(f"reference with memory.layers_per_checkpoint=2 (one input in host memory per two layers): "
@@ -321,12 +321,17 @@ def frugal(config: Config) -> Config:
     memory = {}
     if config.memory.remat == "auto":
         memory["remat"] = REFERENCE
-        if config.memory.layers_per_checkpoint == 1 and config.model.num_hidden_layers % 2 == 0:
+        if _can_group_by_two(config):
             memory["layers_per_checkpoint"] = 2
     heads = config.attention.heads_per_stage
     if heads == "auto":
         heads = method_of(config).stage_sizes(config)[-1]
     return with_values(config, memory=memory, attention={"heads_per_stage": heads})
+
+
+def _can_group_by_two(config: Config) -> bool:
+    """Whether k is free and 2 divides every run of layers the model scans (`grouped_runs`)."""
+    return config.memory.layers_per_checkpoint == 1 and all(run % 2 == 0 for run in grouped_runs(config.model))
 
 
 def _attention_forward_s_per_layer(reference: Planned) -> float | None:
