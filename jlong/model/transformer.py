@@ -89,21 +89,17 @@ def layer_runs(config: ModelConfig, options: ForwardOptions) -> list[tuple[int, 
     options: the runs under one remat policy (`options.remat_segments`) cut
     where the family's layer type changes (its window and RoPE)."""
     family, L = family_of(config), config.num_hidden_layers
+    kinds = family.layer_types(config)
     segments = options.remat_segments or (RematSegment(options.remat, L, options.layers_per_checkpoint),)
-    type_starts, types = [0], []
-    for kind, layers in family.layer_runs(config):
-        types.append(kind)
-        type_starts.append(type_starts[-1] + layers)
     runs, first = [], 0
     for segment in segments:
         segment_end = first + segment.layers
-        cuts = sorted({first, segment_end, *(t for t in type_starts if first < t < segment_end)})
+        cuts = [first, *(i for i in range(first + 1, segment_end) if kinds[i] != kinds[i - 1]), segment_end]
         for start, end in zip(cuts, cuts[1:]):
-            kind = types[max(i for i, t in enumerate(type_starts[:-1]) if t <= start)]
-            attention = dataclasses.replace(options.attention, window=family.attention_window(config, kind))
+            attention = dataclasses.replace(options.attention, window=family.attention_window(config, kinds[start]))
             runs.append((start, end, dataclasses.replace(
                 options, remat=segment.remat, remat_segments=(), layers_per_checkpoint=segment.layers_per_checkpoint,
-                layer_type=kind, attention=attention)))
+                layer_type=kinds[start], attention=attention)))
         first = segment_end
     return runs
 
