@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import jlong
-from common import GIB, RESULTS, add_target_argument, longest, markdown_table, plan, planning_target, provenance, write_result
+from common import GIB, RESULTS, add_target_argument, longest, invocation, markdown_table, plan, planning_target, \
+    provenance, write_result
 
 COMMON = ["train.compute_dtype=bfloat16", "train.param_dtype=float32", "attention.impl=auto",
           "attention.block_size=1024", "data.source=synthetic"]
@@ -147,7 +147,7 @@ def main() -> None:
     minutes = (time.perf_counter() - started) / 60
     sections = [
         "# Long-context ablation, planned per device",
-        provenance("python experiments/ablation.py " + " ".join(sys.argv[1:]), target.compiler())
+        provenance(invocation(__file__), target.compiler())
         + f" {minutes:.0f} minutes in all.",
         __doc__.split("\n\n")[3].replace("\n", " "),
         f"Budgets: {budget_gib:.2f} GiB per device, {args.host_budget_gib:,.0f} GiB of host memory per node "

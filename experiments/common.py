@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import sys
 from pathlib import Path
 
 import jlong
@@ -19,6 +20,13 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def invocation(script: str, argv: list[str] | None = None) -> str:
+    """The command line that ran SCRIPT (a script's __file__) with ARGV
+    (sys.argv's arguments by default), as a results file names it."""
+    arguments = sys.argv[1:] if argv is None else argv
+    return " ".join(["python", f"experiments/{Path(script).name}", *arguments])
 
 
 def provenance(command: str, compiler: str | None = None) -> str:

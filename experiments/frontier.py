@@ -15,7 +15,8 @@ import sys
 import time
 
 import jlong
-from common import GIB, ROOT, add_target_argument, markdown_table, plan, planning_target, provenance, write_result
+from common import GIB, ROOT, add_target_argument, invocation, markdown_table, plan, planning_target, provenance, \
+    write_result
 
 CONFIGS = [
     "configs/llama3-8b-2m.yaml", "configs/llama3-8b-5m.yaml", "configs/llama3-8b-8m.yaml", "configs/qwen3-32b-3m.yaml",
@@ -51,10 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.configs:
         rows.append(row(path, args.overrides, target))
         print(" | ".join(map(str, rows[-1])), flush=True)
-    command = "python experiments/frontier.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = invocation(__file__, argv)
     text = "\n\n".join([
         "# The long-context configs, planned",
-        provenance(command.strip(), target.compiler()),
+        provenance(command, target.compiler()),
         "GiB per device (host: per node of 8 GPUs). States: parameters + gradients + optimizer state on the device "
         "(the compute-dtype copies when the optimizer is in host memory). cuDNN workspace: what cuDNN's attention "
         "backward needs beside XLA's buffers (counted by the planner; deviceless compilation shows it empty). Seconds: the plan's wall time "

@@ -25,6 +25,7 @@ from common import (
     ROOT,
     add_target_argument,
     estimate_assumptions,
+    invocation,
     markdown_table,
     plan,
     planning_target,
@@ -63,10 +64,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"{memory.device_total / GIB:.2f} ({memory.cudnn_workspace / GIB:.2f})",
                      f"{memory.host_per_node / GIB:,.0f}", "yes" if memory.fits else "no"])
         print(" | ".join(rows[-1]), flush=True)
-    command = "python experiments/fused_attention.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = invocation(__file__, argv)
     text = "\n\n".join([
         "# Where attention runs: cuDNN on every path",
-        provenance(command.strip(), target.compiler()),
+        provenance(command, target.compiler()),
         estimate_assumptions(target.name) + " A packed cuDNN call is priced as if its sequence were one "
         "document (the compiler cannot see the documents' lengths), so packed rows are upper bounds; a ring "
         "step whose kernel is skipped (no document spans the boundary) is priced as if it ran. Nothing here "

@@ -17,7 +17,7 @@ import sys
 import time
 
 import jlong
-from common import GIB, ROOT, add_target_argument, estimate_assumptions, longest, markdown_table, plan, \
+from common import GIB, ROOT, add_target_argument, estimate_assumptions, longest, invocation, markdown_table, plan, \
     planning_target, provenance, write_result
 
 LLAMA = ROOT / "configs" / "llama3-8b-5m.yaml"
@@ -74,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"{per_gpu(gemma) / per_gpu(llama):.2f}x.")
     headers = ["model", "seq_len", "GPUs", "fits", "est. step s", "est. tokens/s per GPU", "est. MFU",
                "exec/model", "GiB per device", "host GiB per node", "planning s"]
-    command = "python experiments/gemma3_context.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = invocation(__file__, argv)
     text = "\n\n".join([
         "# Gemma 3 at long context beside Llama3-8B",
-        provenance(command.strip(), target.compiler()),
+        provenance(command, target.compiler()),
         estimate_assumptions(target.name) + " Model FLOPs (MFU) count what each layer's window computes "
         "(`Family.flops_per_token`); cuDNN's windowed calls are priced by the visible fraction of their band.",
         "Every run uses `memory.remat=auto` and `attention.heads_per_stage=auto` (the planner's choice within "

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import add_target_argument, markdown_table, provenance, publish
+from common import add_target_argument, invocation, markdown_table, provenance, publish
 
 LAYERS, TOKENS, WIDTH = 16, 8192, 4096
 
@@ -62,7 +62,7 @@ def main() -> int:
         rows.append([f"`{kind}`", f"{device / MIB:,.0f}", f"{host / MIB:,.0f}"])
     text = "\n\n".join([
         "# Offloaded activations: pinned or pageable host memory",
-        provenance(" ".join(["python experiments/host_memory_kinds.py", *sys.argv[1:]]), target.compiler()),
+        provenance(invocation(__file__), target.compiler()),
         f"{LAYERS} checkpointed layers, each offloading its {TOKENS} x {WIDTH} bf16 input "
         f"({TOKENS * WIDTH * 2 // MIB} MiB); the gradient's planned temporaries:",
         markdown_table(["offload destination", "device MiB", "host MiB"], rows),

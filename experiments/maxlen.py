@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
 from pathlib import Path
 
 import jlong
-from common import GIB, ROOT, add_target_argument, longest, markdown_table, planning_target, provenance, write_result
+from common import GIB, ROOT, add_target_argument, longest, invocation, markdown_table, planning_target, \
+    provenance, write_result
 
 CONFIGS = ROOT / "configs"
 UNBOUNDED_HOST_GIB = 1e9
@@ -47,7 +47,7 @@ def main() -> None:
     budget = target.device_budget_gib(jlong.load_config(args.config).train.gpu_memory_fraction)
     text = "\n\n".join([
         "# Longest context on one node",
-        provenance("python experiments/maxlen.py " + " ".join(sys.argv[1:]), target.compiler()),
+        provenance(invocation(__file__), target.compiler()),
         f"`{Path(args.config).name}` (Llama3-8B, sp = 8, offload_inputs, MLP tile 2048, loss tile 1024) searched by "
         f"`jlong maxlen`'s doubling and bisection. Budgets: {budget:.2f} GiB per device (the default: "
         f"train.gpu_memory_fraction of the device less the reserve) and {target.host_budget_gib:,.0f} GiB of "

@@ -14,11 +14,10 @@ Writes experiments/results/memory_stack.md.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import jlong
 from block_probe import loss_temp_bytes, mlp_temp_bytes
-from common import GIB, add_target_argument, markdown_table, plan, planning_target, provenance, write_result
+from common import GIB, add_target_argument, invocation, markdown_table, plan, planning_target, provenance, write_result
 
 MIB = 2**20
 
@@ -71,7 +70,7 @@ def main() -> None:
     steps = step_rows(args.step_seq, target)
     text = "\n\n".join([
         "# Memory stack: what each technique saves",
-        provenance("python experiments/memory_stack.py " + " ".join(sys.argv[1:]), target.compiler()),
+        provenance(invocation(__file__), target.compiler()),
         f"## Single blocks, forward + backward: llama3.2-1b shapes, S = {args.seq:,}, sp = 8, float32",
         "Per-device temporary MiB of the block's forward and backward pass.",
         markdown_table(["block", "untiled MiB", "tile", "tiled MiB", "tiled / untiled"], blocks),

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 import jlong
-from common import GIB, add_target_argument, markdown_table, plan, planning_target, provenance, publish
+from common import GIB, add_target_argument, invocation, markdown_table, plan, planning_target, provenance, publish
 
 _DUMP = tempfile.mkdtemp(prefix="jlong-xla-dump-")
 os.environ["XLA_FLAGS"] = (
@@ -94,7 +94,7 @@ def main() -> int:
     name = Path(args.config).stem
     text = "\n\n".join([
         f"# Buffers live at the peak of the training step: {name}",
-        provenance(f"python experiments/peak_buffers.py {' '.join(sys.argv[1:])}", target.compiler()),
+        provenance(invocation(__file__), target.compiler()),
         f"Plan: {result.temporaries / GIB:.2f} GiB of temporaries, {result.device_total / GIB:.2f} GiB per "
         f"device in all. Live at the fullest point of the schedule: {peak_bytes / GIB:.2f} GiB of the "
         f"temporary allocation (the allocation itself also holds fragmentation and buffers that outlive "

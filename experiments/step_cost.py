@@ -21,6 +21,7 @@ from common import (
     ROOT,
     add_target_argument,
     estimate_assumptions,
+    invocation,
     markdown_table,
     plan,
     planning_target,
@@ -82,10 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         config, memory, cost = measure(path, [], target)
         committed.append(row(path, config, memory, cost))
         print(" | ".join(committed[-1]), flush=True)
-    command = "python experiments/step_cost.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = invocation(__file__, argv)
     text = "\n\n".join([
         "# What a step costs: estimates read from the compiled program",
-        provenance(command.strip(), target.compiler()),
+        provenance(command, target.compiler()),
         estimate_assumptions(target.name) + " Tokens/s per GPU: the mesh's tokens per step over the step "
         "time and its devices. Nothing here ran on a GPU.",
         "## Llama3-8B on one 8 x H100 node, by length",

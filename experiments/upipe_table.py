@@ -18,8 +18,8 @@ import argparse
 import sys
 
 import jlong
-from common import DEFAULT_STACK, GIB, RESULTS, ROOT, add_target_argument, estimate_assumptions, markdown_table, plan, \
-    planning_target, provenance, write_result
+from common import DEFAULT_STACK, GIB, RESULTS, ROOT, add_target_argument, estimate_assumptions, invocation, \
+    markdown_table, plan, planning_target, provenance, write_result
 
 MI = 2**20
 # Tokens/s per GPU measured by the UPipe authors (arXiv 2602.21196, project page; torchtitan, FA3, full
@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{auto.device_bytes / GIB:.2f}", f"{auto.host_bytes_per_node / GIB:,.0f}", chosen(auto)])
             print(" | ".join(rows[-1]), flush=True)
             series.setdefault(model, []).append((seq_len, measured, d, a))
-    command = "python experiments/upipe_table.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(f"wrote {write_report(rows, series, command.strip(), target)}")
+    command = invocation(__file__, argv)
+    print(f"wrote {write_report(rows, series, command, target)}")
     return 0
 
 
