@@ -239,7 +239,8 @@ def test_gemma3_12b_at_1m_fits_with_its_windowed_attention_all_in_cudnn():
 def test_a_small_gemma3_on_ring_x_sp_compiles_for_h100s_with_cudnn_windows_and_halos():
     """Sliding and global layers on Ulysses 4 x ring 2 in bf16: the chunks'
     causal steps run in cuDNN with its sliding window, the global layers'
-    ring steps in cuDNN unmasked, and the halos arrive by collective permute."""
+    ring steps in cuDNN unmasked, and the halos arrive by collective permute.
+    Its step cost prices the rank-dependent halo calls (conditionals)."""
     config = load_config(None, [
         "model.preset=tiny-gemma3", "mesh.ring=2", "mesh.sp=4", "train.seq_len=16384", "train.batch_size=1",
         "attention.impl=auto", "attention.block_size=512", "memory.remat=offload_inputs", "data.source=synthetic",
@@ -250,3 +251,5 @@ def test_a_small_gemma3_on_ring_x_sp_compiles_for_h100s_with_cudnn_windows_and_h
     windows = re.findall(r'"sliding_window_length": ?(\d+)', hlo)  # in cuDNN calls' configs
     assert {"0", "16"} <= set(windows), set(windows)
     assert "collective-permute" in hlo and "all-to-all" in hlo
+    cost = step_cost(step)
+    assert cost.flops_by_kind["attention"] > 0 and cost.step_time_s > 0

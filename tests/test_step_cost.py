@@ -269,13 +269,18 @@ def test_cpu_target_has_no_step_cost_and_says_why():
 
 
 @pytest.mark.fast
-def test_a_conditional_costs_its_costliest_branch():
+@pytest.mark.parametrize("conditional", [
+    '  %p = pred[] constant(true)\n'
+    '  %c = bf16[128,512]{1,0} conditional(%p, %g, %g), true_computation=%copy_branch, '
+    'false_computation=%gemm_branch\n',
+    # an index and a list of branches, as jax's lax.cond and lax.switch lower
+    '  %p = s32[] constant(0)\n'
+    '  %c = bf16[128,512]{1,0} conditional(%p, %g, %g), branch_computations={%copy_branch, %gemm_branch}\n',
+], ids=["true-false", "branch-list"])
+def test_a_conditional_costs_its_costliest_branch(conditional):
     module = MODULE.replace(
         '  ROOT %result = bf16[128,512]{1,0} copy(%cp-done)',
-        '  %p = pred[] constant(true)\n'
-        '  %c = bf16[128,512]{1,0} conditional(%p, %g, %g), true_computation=%copy_branch, '
-        'false_computation=%gemm_branch\n'
-        '  ROOT %result = bf16[128,512]{1,0} copy(%c)',
+        conditional + '  ROOT %result = bf16[128,512]{1,0} copy(%c)',
     ) + """
 %copy_branch (t: bf16[128,512]) -> bf16[128,512] {
   %t = bf16[128,512]{1,0} parameter(0)

@@ -34,7 +34,7 @@ _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\](?:\{([^}]*)\})?")
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%([^\s=]+)\s*=\s*")
 _OPCODE = re.compile(r"\s*([a-z][a-z0-9-]*)\(")
 _OPERAND = re.compile(r"%([^\s,()]+)")
-_COMPUTATION_NAME = re.compile(r"%([^\s(]+)")
+_COMPUTATION_NAME = re.compile(r"%([^\s(),{}]+)")  # in a list too: branch_computations={%a, %b}
 
 
 @dataclasses.dataclass(frozen=True)
