@@ -81,10 +81,16 @@ def longest(config, target):
     """`jlong.maxlen` of one config for the script's target and budgets: its
     `jlong.planner.maxlen.MaxLen` (longest length, plan there, probes, binding budget)."""
     [result] = jlong.maxlen(config, target=target.name, budget_gib=target.budget_gib,
-                            host_budget_gib=target.host_budget_gib, gpus_per_node=target.gpus_per_node)
+                            host_budget_gib=target.host_budget_gib, gpus_per_node=target.gpus_per_node,
+                            on_probe=_print_probe)
     if result.refusal:
         raise result.refusal
     return result.found
+
+
+def _print_probe(seq_len: int, plan) -> None:
+    fits = "fits" if plan.fits else "does not fit"
+    print(f"  {seq_len:,} tokens: {fits} ({plan.device_total / GIB:.2f} GiB per device)", file=sys.stderr, flush=True)
 
 
 def start_cpu_devices(count: int = 8) -> None:

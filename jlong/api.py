@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from jlong.config import Config, load_config
 from jlong.errors import JlongError
@@ -120,15 +120,18 @@ def plan(config: ConfigLike, overrides: Sequence[str] = (), target: str | None =
 
 def maxlen(config: ConfigLike, overrides: Sequence[str] = (), target: str | None = None, *,
            search: Sequence[str] = (), budget_gib: float | None = None,
-           host_budget_gib: float = DEFAULT_HOST_BUDGET_GIB, gpus_per_node: int = 8) -> list[SettingLength]:
+           host_budget_gib: float = DEFAULT_HOST_BUDGET_GIB, gpus_per_node: int = 8,
+           on_probe: Callable[[int, MemoryPlan], None] = lambda seq_len, plan: None) -> list[SettingLength]:
     """The longest train.seq_len that fits both budgets (`jlong maxlen`), for
     the config as it is or for every combination of `search` entries
     (`"memory.layers_per_checkpoint=1,2"`): one result per setting, in order;
-    `jlong.planner.maxlen.best_length` picks the longest."""
+    `jlong.planner.maxlen.best_length` picks the longest. `on_probe(seq_len,
+    plan)` hears of each planned length as the search goes (a search on a GPU
+    target compiles minutes per length)."""
     resolved = config_of(config, overrides)
     chosen = planning_target(resolved, target, budget_gib=budget_gib, host_budget_gib=host_budget_gib,
                              gpus_per_node=gpus_per_node)
-    return longest_by_setting(resolved, chosen, list(search))
+    return longest_by_setting(resolved, chosen, list(search), on_probe=on_probe)
 
 
 def train(config: ConfigLike, overrides: Sequence[str] = (), *, until_step: int | None = None) -> list[dict]:

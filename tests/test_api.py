@@ -36,9 +36,12 @@ def test_maxlen_reports_every_setting_and_a_refused_one():
     base = small_long("memory.mlp_tile=1024", "memory.loss_tile=1024", "train.seq_len=8192")
     budget = memory_plan(small_long("memory.mlp_tile=1024", "memory.loss_tile=1024",
                                     "train.seq_len=16384")).device_total / GIB * (1 + 1e-6)
-    results = jlong.maxlen(base, target="cpu", budget_gib=budget, search=["attention.heads_per_stage=8,3"])
+    heard = []
+    results = jlong.maxlen(base, target="cpu", budget_gib=budget, search=["attention.heads_per_stage=8,3"],
+                           on_probe=lambda seq_len, plan: heard.append((seq_len, plan.fits)))
     assert [r.setting for r in results] == [["attention.heads_per_stage=8"], ["attention.heads_per_stage=3"]]
     assert results[0].found.seq_len == 16384 and results[0].found.bound_by == "device"
+    assert heard == [(seq_len, plan.fits) for seq_len, plan in results[0].found.probes] and len(heard) >= 2
     assert results[1].found is None and "must be a multiple of mesh.sp" in str(results[1].refusal)
     assert best_length(results) is results[0]
 
