@@ -113,7 +113,7 @@ def test_the_ring_with_a_window_calls_the_kernel_for_its_chunk_and_two_halos_onl
     """Counted in the compiled program: one collective permute of the keys
     and one of the values per halo in the forward pass, outside any loop (no
     ring of R - 1 steps); and the schedule's calls are the chunk's own tiles
-    plus the halos' reach, not the full ring's."""
+    plus the corners within the window's reach, not the full ring's."""
     R, S, window, tile = 4, 256, 8, 16
     x = jnp.zeros((1, S, 2, 8))
     run, _ = _sliding_ring(R, x, x, x, None, window, tile)
@@ -123,7 +123,9 @@ def test_the_ring_with_a_window_calls_the_kernel_for_its_chunk_and_two_halos_onl
     calls, halo = schedule(S // R, window, tile, size=R)
     tiles_per_half = S // R // 2 // tile
     own = 2 * (2 * tiles_per_half - 1)  # each tile over itself and the tile before it
-    assert halo == (tiles_per_half - 1) * tile  # one tile of each neighbour's half
+    assert halo == S // R // 2 - (window - 1)  # the last w - 1 keys of each neighbour's half
+    # a tile over an earlier tile covers only the corner in reach: its first and the earlier tile's last w - 1
+    assert all(call.n == window - 1 for call in calls if not call.causal)
     # + the first tile of each half over its halo tile, and on the last rank (chunks R-1 and R adjacent)
     # B's first tile over A's last
     assert len(calls) == own + 2 + 1 and sum(call.only_last_rank for call in calls) == 1

@@ -7,15 +7,17 @@ query sees keys of its own chunk and of the chunk just before it, and no
 other: chunk r-1 is rank r-1's A, chunk 2R-2-r is rank r+1's B (and for the
 last rank, whose chunks R-1 and R are adjacent, its own A). So instead of
 R - 1 ring steps, each rank receives two halos, one hop each: the tail of
-rank r-1's A and the tail of rank r+1's B, only the tiles within a window's
-reach of the chunk's start. Rank 0 has no chunk before its A and the last
+rank r-1's A and the tail of rank r+1's B, only the keys within a window's
+reach of the chunk's start (w - 1 of them). Rank 0 has no chunk before its A and the last
 rank none beyond its neighbours, so those windows are skipped at run time
 (`lax.cond`); every other kernel call a full ring would make is never built.
 
 Each window is one step-kernel call over tiles of n tokens (as the ring
 tiles its chunks): a tile over itself is causal within the band; a tile
-over an earlier tile is unmasked within the band at their distance; tiles
-wholly out of reach are left out. The backward pass sends each halo's key
+over an earlier tile reaches only the corner of its first queries and that
+tile's last keys, so its call covers that corner alone (w - 1 tokens a side
+for the tile just before), unmasked within the band at their distance;
+tiles wholly out of reach are left out. The backward pass sends each halo's key
 and value gradients back to the rank they came from.
 """
 
@@ -70,9 +72,12 @@ def schedule(length: int, window: int, tile: int = RING_WINDOW, *, size: int) ->
     calls = []
 
     def add(q0, k0, distance, causal, source, only_last_rank=False):
-        band = _band(distance, n, window, causal)
-        if band is not False:
-            calls.append(_Call(q0, k0, n, causal, band, source, only_last_rank))
+        if _band(distance, n, window, causal) is False:
+            return
+        tokens = n
+        if not causal:  # an earlier tile: only the corner within the window's reach
+            tokens, k0, distance = _corner(n, k0, distance, window)
+        calls.append(_Call(q0, k0, tokens, causal, _band(distance, tokens, window, causal), source, only_last_rank))
 
     for half in (0, h):  # A, then B: each tile over itself and every earlier tile of its half
         for i in range(m):
@@ -82,13 +87,21 @@ def schedule(length: int, window: int, tile: int = RING_WINDOW, *, size: int) ->
         for i in range(m):  # B over A: chunks R and R-1 on the last rank
             for j in range(m):
                 add(h + i * n, j * n, h + (i - j) * n, False, OWN, only_last_rank=True)
-    # A neighbour's tail tile j is reached from the first query tile while h - j*n - (n - 1) < window.
-    first_tail = next((j for j in range(m) if h - j * n - (n - 1) < window), m)  # m: no halo (a window of 1)
-    for source, half in ((PREVIOUS, 0), (NEXT, h)):
+    for source, half in ((PREVIOUS, 0), (NEXT, h)):  # over a neighbour's half, keys placed as in that half
         for i in range(m):
-            for j in range(first_tail, m):
-                add(half + i * n, (j - first_tail) * n, h + (i - j) * n, False, source)
-    return calls, first_tail * n
+            for j in range(m):
+                add(half + i * n, j * n, h + (i - j) * n, False, source)
+    halo_calls = [call for call in calls if call.source != OWN]
+    tail = min((call.k0 for call in halo_calls), default=h)  # the halo: a half's keys from `tail` on
+    return [call if call.source == OWN else call._replace(k0=call.k0 - tail) for call in calls], tail
+
+
+def _corner(n: int, k0: int, distance: int, window: int) -> tuple[int, int, int]:
+    """A call of n queries over n earlier keys (`distance` >= n) within a
+    window reaches only the e x e corner of its first queries and last keys,
+    e = n + window - 1 - distance: (e, that corner's first key, its distance)."""
+    e = min(n, n + window - 1 - distance)
+    return e, k0 + n - e, distance - (n - e)
 
 
 def sliding_ring_attention(q_BsHd, k_BsKd, v_BsKd, segment_ids_Bs, *, kernel: StepKernel, axis: str, size: int,
