@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import jlong
+from jlong.planner.maxlen import probe_line
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 RESULTS = ROOT / "experiments" / "results"
@@ -89,8 +90,7 @@ def longest(config, target):
 
 
 def _print_probe(seq_len: int, plan) -> None:
-    fits = "fits" if plan.fits else "does not fit"
-    print(f"  {seq_len:,} tokens: {fits} ({plan.device_total / GIB:.2f} GiB per device)", file=sys.stderr, flush=True)
+    print(probe_line(seq_len, plan), file=sys.stderr, flush=True)
 
 
 def start_cpu_devices(count: int = 8) -> None:

@@ -369,15 +369,13 @@ def _maxlen(args) -> int:
             raise JlongError("--fastest ranks settings by the step cost, which is read from XLA:GPU programs: "
                              "plan with --target h100 (pip install 'jlong[gpu-plan]')")
         return _fastest(config, target, args.search, efficiency)
-    from jlong.planner.maxlen import best_length, longest_by_setting, with_seq_len
+    from jlong.planner.maxlen import best_length, longest_by_setting, probe_line, with_seq_len
     from jlong.planner.targets import GIB
 
     _print_budgets(config, target, f"lengths are multiples of {config.sequence_granule:,}")
 
     def report(seq_len, result):
-        verdict = "fits" if result.fits else "over the " + " and ".join(result.exceeded) + " budget"
-        print(f"  seq_len {seq_len:>12,}: {result.device_total / GIB:8.2f} GiB per device, "
-              f"{result.host_per_node / GIB:8.1f} GiB host per node  {verdict}", flush=True)
+        print(probe_line(seq_len, result), flush=True)
 
     def announce(setting):
         if args.search:

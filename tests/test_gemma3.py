@@ -126,7 +126,7 @@ def test_the_ring_with_a_window_calls_the_kernel_for_its_chunk_and_two_halos_onl
     assert halo == S // R // 2 - (window - 1)  # the last w - 1 keys of each neighbour's half
     # a tile over an earlier tile covers only the corner in reach: its first and the earlier tile's last w - 1
     assert all(call.n == window - 1 for call in calls if not call.causal)
-    # + the first tile of each half over its halo tile, and on the last rank (chunks R-1 and R adjacent)
+    # + the first tile of each half over its halo, and on the last rank (chunks R-1 and R adjacent)
     # B's first tile over A's last
     assert len(calls) == own + 2 + 1 and sum(call.only_last_rank for call in calls) == 1
     full_ring = 2 * tiles_per_half * (2 * tiles_per_half + 1) // 2 + (R - 1) * 2 * tiles_per_half ** 2

@@ -7,18 +7,19 @@ query sees keys of its own chunk and of the chunk just before it, and no
 other: chunk r-1 is rank r-1's A, chunk 2R-2-r is rank r+1's B (and for the
 last rank, whose chunks R-1 and R are adjacent, its own A). So instead of
 R - 1 ring steps, each rank receives two halos, one hop each: the tail of
-rank r-1's A and the tail of rank r+1's B, only the keys within a window's
-reach of the chunk's start (w - 1 of them). Rank 0 has no chunk before its A and the last
-rank none beyond its neighbours, so those windows are skipped at run time
-(`lax.cond`); every other kernel call a full ring would make is never built.
+rank r-1's A and the tail of rank r+1's B, only the w - 1 keys within a
+window's reach of the chunk's start. Rank 0 has no chunk before its A and
+the last rank none beyond its neighbours, so those windows are skipped at
+run time (`lax.cond`); every other kernel call a full ring would make is
+never built.
 
 Each window is one step-kernel call over tiles of n tokens (as the ring
 tiles its chunks): a tile over itself is causal within the band; a tile
 over an earlier tile reaches only the corner of its first queries and that
 tile's last keys, so its call covers that corner alone (w - 1 tokens a side
 for the tile just before), unmasked within the band at their distance;
-tiles wholly out of reach are left out. The backward pass sends each halo's key
-and value gradients back to the rank they came from.
+tiles wholly out of reach are left out. The backward pass sends each halo's
+key and value gradients back to the rank they came from.
 """
 
 from __future__ import annotations
@@ -91,15 +92,15 @@ def schedule(length: int, window: int, tile: int = RING_WINDOW, *, size: int) ->
         for i in range(m):
             for j in range(m):
                 add(half + i * n, j * n, h + (i - j) * n, False, source)
-    halo_calls = [call for call in calls if call.source != OWN]
-    tail = min((call.k0 for call in halo_calls), default=h)  # the halo: a half's keys from `tail` on
+    tail = min((call.k0 for call in calls if call.source != OWN), default=h)  # a halo: a half's keys from here on
     return [call if call.source == OWN else call._replace(k0=call.k0 - tail) for call in calls], tail
 
 
 def _corner(n: int, k0: int, distance: int, window: int) -> tuple[int, int, int]:
     """A call of n queries over n earlier keys (`distance` >= n) within a
     window reaches only the e x e corner of its first queries and last keys,
-    e = n + window - 1 - distance: (e, that corner's first key, its distance)."""
+    e = n + window - 1 - distance (n at most): (e, that corner's first key,
+    its distance)."""
     e = min(n, n + window - 1 - distance)
     return e, k0 + n - e, distance - (n - e)
 

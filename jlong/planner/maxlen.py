@@ -32,6 +32,14 @@ class MaxLen:
     bound_by: str  # "device", "host" or "device and host": what the shortest length over the limit exceeds
 
 
+def probe_line(seq_len: int, plan: MemoryPlan) -> str:
+    """One planned length as `jlong maxlen` prints it: bytes per device and
+    per node, and whether it fits or which budgets it is over."""
+    verdict = "fits" if plan.fits else "over the " + " and ".join(plan.exceeded) + " budget"
+    return (f"  seq_len {seq_len:>12,}: {plan.device_total / GIB:8.2f} GiB per device, "
+            f"{plan.host_per_node / GIB:8.1f} GiB host per node  {verdict}")
+
+
 def with_seq_len(config: Config, seq_len: int) -> Config:
     return with_values(config, train={"seq_len": seq_len})
 
