@@ -12,6 +12,8 @@ import contextlib
 import os
 import sys
 
+from jlong.jax_private import private
+
 
 def import_jax_quietly() -> None:
     if "jax" not in sys.modules:
@@ -36,9 +38,7 @@ def start_backends(cpu_devices: int | None = None) -> None:
 
 
 def backends_started() -> bool:
-    from jax._src import xla_bridge
-
-    return xla_bridge.backends_are_initialized()
+    return private("jax._src.xla_bridge", "backends_are_initialized")()
 
 
 def _check_cpu_devices(wanted: int | None) -> None:

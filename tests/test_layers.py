@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jlong"
 # a mesh, weights in and out, data, the program, then what runs the program
 # (planner, evaluator, loop), then the ways in (Python API, command line).
 LAYERS = [
-    "errors", "options", "files", "plots", "jax_startup",
+    "errors", "options", "files", "plots", "jax_private", "jax_startup",
     "ops",
     "attention",
     "families",

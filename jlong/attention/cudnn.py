@@ -2,8 +2,9 @@
 
 jax's public `dot_product_attention(implementation="cudnn")` covers only
 plain causal attention. The rest of what a step needs exists below it, in
-jax 0.10.2's `jax._src.cudnn.fused_attention_stablehlo`, whose two inner
-primitives this module binds directly:
+jax's private `jax._src.cudnn.fused_attention_stablehlo` (the same operands,
+parameters and enums from 0.10.2 through 0.11.2), whose two inner primitives
+this module binds directly:
 
 - packed documents: cuDNN's ragged ("THD") mode, each document a segment
   with its own query and key/value offsets and lengths;
@@ -16,9 +17,9 @@ Binding the inner primitives also skips two traps of jax's wrappers: the
 packed mode's offset fix-up scales the key/value offsets by the *query*
 head count (wrong under grouped-query attention; fixed upstream after
 0.10.2), and the compute-capability check consults the default backend,
-which is the CPU when planning deviceless. jax is pinned to the version
-these private names come from; `tests/test_cudnn_step.py` fails, naming the
-function, if they change.
+which is the CPU when planning deviceless. The names are looked up through
+`jlong.jax_private` (one line naming the name where a jax lacks it);
+`tests/test_cudnn_step.py` fails, naming the function, if they change.
 
 Ragged mode, as XLA hands it to cuDNN: with M segments per sequence,
 segment lengths [B, M] and element offsets [B, M+1] list the batch's
@@ -31,6 +32,7 @@ kernel; this module zeroes them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -39,22 +41,20 @@ from einops import rearrange
 
 from jlong.attention.blockwise import BlockwiseStep
 from jlong.attention.step import MASKED, Band, CallCost, Documents
+from jlong.jax_private import private
 
 DEFAULT_MAX_DOCUMENTS = 64  # attention.max_documents
 CUSTOM_CALL = "__cudnn$fmha"  # the prefix of its custom calls' targets in a compiled program
 
-try:
-    from jax._src.cudnn.fused_attention_stablehlo import (
-        AttentionLayout,
-        MaskType,
-        _dot_product_attention_bwd_p,
-        _dot_product_attention_fwd_p,
-    )
-except ImportError as error:  # pragma: no cover - only with another jax than the pinned one
-    raise ImportError(
-        f"jlong's cuDNN attention binds private functions of jax 0.10.2 that this jax ({jax.__version__}) "
-        f"lacks: {error}. Install the jax version pyproject.toml pins."
-    ) from error
+FUSED_ATTENTION = "jax._src.cudnn.fused_attention_stablehlo"  # the private module whose primitives are bound
+
+
+@functools.cache
+def _fused(name: str):
+    """A name of jax's private cuDNN module, looked up at first use (a jax
+    without it fails there, in one line, and only where cuDNN is asked for)."""
+    return private(FUSED_ATTENTION, name)
+
 
 OFF_DIAGONAL_SEGMENTS = 2  # one shared document, plus one so that cuDNN takes offsets (it wants M > 1)
 
@@ -73,10 +73,10 @@ def fused_forward(q_BTHd, k_BSKd, v_BSKd, ragged: Ragged | None, mask: str, scal
     with `window`, cuDNN's own sliding window (a query sees itself and the window - 1 keys before it)."""
     empty = jnp.zeros(0, q_BTHd.dtype)
     lengths_and_offsets = (empty,) * 4 if ragged is None else tuple(ragged)
-    o, stats = _dot_product_attention_fwd_p.bind(
+    o, stats = _fused("_dot_product_attention_fwd_p").bind(
         q_BTHd, k_BSKd, v_BSKd, empty, *lengths_and_offsets, empty, empty,
-        scale=scale, seed=0, dropout_rate=0.0, variadic_args=(False, False), mask_type=MaskType[mask],
-        layout=AttentionLayout.BTNH.value, sliding_window_length=window, is_training=True)
+        scale=scale, seed=0, dropout_rate=0.0, variadic_args=(False, False), mask_type=_fused("MaskType")[mask],
+        layout=_fused("AttentionLayout").BTNH.value, sliding_window_length=window, is_training=True)
     return o, stats
 
 
@@ -85,10 +85,10 @@ def fused_backward(q_BTHd, k_BSKd, v_BSKd, ragged: Ragged | None, mask: str, sca
     """cuDNN's backward: (dq, dk, dv) in their inputs' dtypes."""
     empty = jnp.zeros(0, q_BTHd.dtype)
     lengths_and_offsets = (empty,) * 4 if ragged is None else tuple(ragged)
-    dq, dk, dv = _dot_product_attention_bwd_p.bind(
+    dq, dk, dv = _fused("_dot_product_attention_bwd_p").bind(
         q_BTHd, k_BSKd, v_BSKd, empty, *lengths_and_offsets, empty, empty, stats, o_BTHd, do_BTHd,
-        scale=scale, seed=0, dropout_rate=0.0, variadic_args=(False, False), mask_type=MaskType[mask],
-        layout=AttentionLayout.BTNH.value, sliding_window_length=window)
+        scale=scale, seed=0, dropout_rate=0.0, variadic_args=(False, False), mask_type=_fused("MaskType")[mask],
+        layout=_fused("AttentionLayout").BTNH.value, sliding_window_length=window)
     return dq, dk, dv
 
 

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jlong.config import Config, with_values
+from jlong.jax_private import private
 from jlong.model.remat import remat_policy
 from jlong.parallel.placement import make_mesh
 from jlong.planner.hlo import HloModule, parse_module
@@ -139,9 +140,7 @@ def compile_train_step(config: Config, target: PlanTarget = PlanTarget(), device
         # A compile-only GPU executable cannot be loaded back from jax's
         # persistent compilation cache (there is no device to load it on), so
         # it is never written there.
-        from jax._src import config as jax_config
-
-        with jax_config.persistent_cache_min_compile_time_secs(float("inf")):
+        with private("jax._src.config", "persistent_cache_min_compile_time_secs")(float("inf")):
             compiled = lowered.compile()
     return CompiledStep(program, compiled, target, devices, forward_only)
 

@@ -19,6 +19,7 @@ import functools
 import importlib.util
 
 from jlong.errors import JlongError
+from jlong.jax_private import private
 from jlong.planner.gpu_memory import POOL_RESERVE_GIB
 from jlong.jax_startup import backends_started, quiet_native_stderr, start_backends
 
@@ -50,7 +51,7 @@ class GpuModel:
     hbm_bytes_per_s: float
     nvlink_bytes_per_s: float  # to the other GPUs of the node
     infiniband_bytes_per_s: float  # to other nodes: one NIC per GPU
-    pcie_bytes_per_s: float  # to host memory
+    pcie_bytes_per_s: float  # to host memory: PCIe Gen5 x16 is 64 GB/s a direction (H100, H200)
     shared_memory_per_sm: int = 228 * 1024
     shared_memory_per_block_optin: int = 227 * 1024
     shared_memory_per_block: int = 48 * 1024
@@ -71,13 +72,13 @@ GPUS = {
         name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0), sm_count=132, memory_bytes=84_942_979_072,
         memory_bus_bits=5120, memory_clock_mhz=2619, l2_cache_bytes=50 * 2**20, clock_ghz=1.98,
         peak_bf16_flops=989e12, hbm_bytes_per_s=3.35e12, nvlink_bytes_per_s=450e9, infiniband_bytes_per_s=50e9,
-        pcie_bytes_per_s=50e9,
+        pcie_bytes_per_s=64e9,
     ),
     "h200": GpuModel(
         name="NVIDIA H200 141GB HBM3e", compute_capability=(9, 0), sm_count=132, memory_bytes=151_397_597_184,
         memory_bus_bits=5120, memory_clock_mhz=3750, l2_cache_bytes=50 * 2**20, clock_ghz=1.98,
         peak_bf16_flops=989e12, hbm_bytes_per_s=4.8e12, nvlink_bytes_per_s=450e9, infiniband_bytes_per_s=50e9,
-        pcie_bytes_per_s=50e9,
+        pcie_bytes_per_s=64e9,
     ),
     "b200": GpuModel(
         name="NVIDIA B200", compute_capability=(10, 0), sm_count=148, memory_bytes=182_630 * 2**20,
@@ -223,9 +224,7 @@ def start_planning_backend(cpu_devices: int) -> None:
 def installed_cudnn_version() -> tuple[int, int, int] | None:
     """The cuDNN the CUDA plugin loads (None without one)."""
     try:
-        from jax._src.lib import cuda_versions
-
-        number = cuda_versions.cudnn_get_version()
+        number = private("jax._src.lib", "cuda_versions").cudnn_get_version()
     except Exception:  # no plugin, or no cuDNN library to load
         return None
     if not number:

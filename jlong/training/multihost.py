@@ -11,6 +11,7 @@ import os
 import time
 
 from jlong.errors import JlongError
+from jlong.jax_private import private
 
 
 def process_count_requested(num_processes: int | None) -> int:
@@ -57,9 +58,8 @@ def shutdown_distributed() -> None:
     for the stragglers' RPCs to drain before stopping its service.
     """
     import jax
-    from jax._src import distributed  # the service is not reachable through the public API
 
-    state = distributed.global_state
+    state = private("jax._src.distributed", "global_state")  # the service is not reachable through the public API
     if state.client is None:
         return
     service, state.service = state.service, None

@@ -1,0 +1,558 @@
+"""What jlong promises against what one GPU does, in one command.
+
+    python experiments/gpu_truth.py [--out experiments/results]     # one GPU: about 4 minutes on an H100
+    python experiments/gpu_truth.py --rehearse --out DIR            # the same pipeline on 8 virtual CPU devices
+
+Writes gpu-truth.json and gpu-truth.md into --out:
+
+- cuDNN: every path `experiments/gpu_check.py` checks (causal, packed, ring
+  off-diagonal, sliding window, backward given an external output and
+  log-sum-exp), each output's worst error against the float32 blockwise
+  kernel beside blockwise bf16's own;
+- training cases on one device (`configs/llama3.2-1b-one-gpu.yaml` at three
+  lengths under two memory settings): each a `jlong train` of a few steps in
+  its own process, its median step time after warm-up and the device's peak
+  bytes (`peak_bytes_in_use`), beside `jlong.plan` of the same config for
+  this GPU (planned bytes, estimated step time: the estimate is read from
+  the compiled program, the time is measured);
+- the rates behind the planner's assumptions: a bf16 GEMM, cuDNN causal
+  attention forward and backward at a long length (FLOPs counted as the
+  planner counts them), an elementwise kernel's device-memory traffic, and
+  copies between the device and pinned host memory, each beside the rate `jlong plan` assumes (data-sheet peak x its
+  default efficiency);
+- `jlong train` as a user runs it (a small model on the learnable synthetic
+  data): the loss finite and falling, `peak_bytes` in metrics.jsonl.
+
+Every GPU part runs in a child process, so each training case measures its
+own peak; plans compile on the CPU beside them. The rehearsal runs all of it
+with tiny shapes and the cpu target (cuDNN checks listed as not run, rates
+measured on the CPU beside the same assumed values): that is how the suite
+keeps this script from rotting. Without a GPU and without --rehearse it
+exits 2 with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from jlong.jax_startup import import_jax_quietly, start_backends
+
+import_jax_quietly()  # before anything imports jax: no CUDA plugin's "no driver" lines on a CPU machine
+
+from common import GIB, ROOT, markdown_table  # noqa: E402 (imports jax)
+
+HERE = Path(__file__).resolve()
+TRAIN_STEPS = 5  # the first two are warm-up (compilation, first touches); the median of the rest is the step time
+WARMUP_STEPS = 2
+
+
+class Setup:
+    """What one run of the script measures: the GPU's shapes, or the rehearsal's tiny ones."""
+
+    def __init__(self, rehearse: bool, seq_lens: list[int] | None, memory: list[str]):
+        self.rehearse = rehearse
+        if rehearse:
+            self.config = str(ROOT / "configs" / "tiny.yaml")
+            self.base = ["mesh.fsdp=1", "mesh.sp=1", "data.source=synthetic", "data.eos_id=null",
+                         "attention.block_size=128"]
+            self.seq_lens = seq_lens or [128, 256, 512]
+            self.user_run = [str(ROOT / "configs" / "tiny.yaml"), "data.source=synthetic", "data.eos_id=null", "train.steps=12",
+                             "train.warmup_steps=2", "train.seq_len=128"]
+            self.kernel_args = ["--gemm", "256", "--attention-len", "1024", "--heads", "4", "--kv-heads", "2",
+                                "--head-dim", "32", "--copy-mib", "16"]
+        else:
+            self.config = str(ROOT / "configs" / "llama3.2-1b-one-gpu.yaml")
+            self.base = []
+            self.seq_lens = seq_lens or [8192, 16384, 32768]
+            self.user_run = [str(ROOT / "configs" / "tiny.yaml"), "mesh.fsdp=1", "mesh.sp=1", "data.source=synthetic",
+                             "data.eos_id=null", "train.steps=30", "train.warmup_steps=3"]
+            self.kernel_args = ["--gemm", "8192", "--attention-len", "32768", "--heads", "32", "--kv-heads", "8",
+                                "--head-dim", "128", "--copy-mib", "1024"]
+        self.memory = memory
+
+    def cases(self) -> list[dict]:
+        return [{"name": f"{Path(self.config).stem} {seq_len:,} {memory}", "seq_len": seq_len, "memory": memory,
+                 "overrides": [*self.base, f"train.seq_len={seq_len}", f"memory.remat={memory}"]}
+                for seq_len in self.seq_lens for memory in self.memory]
+
+    def env(self) -> dict:
+        """Every child's environment: jlong from this checkout, no preallocated pool (a run's
+        peak is what it used), and on the rehearsal the CPU alone."""
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+        if self.rehearse:
+            env["JAX_PLATFORMS"] = "cpu"  # jlong gives each run the virtual devices its mesh needs
+        return env
+
+
+# --------------------------------------------------------------------------
+# The orchestrating process: never computes on the GPU itself
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rehearse", action="store_true", help="tiny shapes on 8 virtual CPU devices, cpu target")
+    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results",
+                        help="where gpu-truth.json and gpu-truth.md go (default experiments/results)")
+    parser.add_argument("--seq-lens", type=int, nargs="+", help="lengths of the training cases")
+    parser.add_argument("--memory", nargs="+", default=["save_attention", "offload_inputs"],
+                        help="memory.remat of the training cases")
+    parser.add_argument("--deadline-s", type=float, default=250.0,
+                        help="training cases not started by then are listed as skipped (a GPU lent for minutes)")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    setup = Setup(args.rehearse, args.seq_lens, args.memory)
+    target = "cpu"
+    if not args.rehearse:
+        target = gpu_target()
+        if target is None:
+            return 2
+    work = Path(tempfile.mkdtemp(prefix="jlong-gpu-truth-"))
+    report = Report(args.out, command=" ".join(["python", "experiments/gpu_truth.py",
+                                                *map(portable, argv if argv is not None else sys.argv[1:])]),
+                    rehearse=args.rehearse, target=target)
+    cases = setup.cases()
+    with concurrent.futures.ThreadPoolExecutor(1) as planning:
+        plans = planning.submit(child, setup, work / "plans.json", "plans", "--target", target,
+                                "--config", setup.config, "--cases", json.dumps(cases))
+        note(started, "rates")
+        report.rates(child(setup, work / "rates.json", "rates", "--target", target, *setup.kernel_args))
+        if not args.rehearse:
+            note(started, "cuDNN checks")
+            report.cudnn(child(setup, work / "cudnn.json", "cudnn", "--check-len", "4096"))
+        note(started, "jlong train as a user runs it")
+        report.user_run(train_run(setup, setup.user_run, work / "user-run"))
+        measured = []
+        for case in cases:
+            if time.monotonic() - started > args.deadline_s:
+                measured.append({**case, "skipped": f"past the {args.deadline_s:g} s deadline"})
+                continue
+            note(started, f"case {case['name']}")
+            measured.append({**case, **train_run(setup, [setup.config, *case["overrides"]], work / f"case-{len(measured)}")})
+            report.cases(measured, {})
+        note(started, "waiting for the plans")
+        report.cases(measured, plans.result())
+    report.finish(time.monotonic() - started)
+    shutil.rmtree(work, ignore_errors=True)
+    print(report.markdown())
+    print(f"wrote {args.out / 'gpu-truth.md'} and gpu-truth.json ({time.monotonic() - started:.0f} s)")
+    return 0
+
+
+def portable(argument: str) -> str:
+    """A command-line argument as a results file may quote it: no absolute path of the machine that ran it."""
+    path = Path(argument)
+    if not path.is_absolute():
+        return argument
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else "DIR"
+
+
+def note(started: float, text: str) -> None:
+    print(f"[{time.monotonic() - started:6.1f} s] {text}", file=sys.stderr, flush=True)
+
+
+def gpu_target() -> str | None:
+    """The planner's name for this machine's GPU; None (and one line) where jax sees no GPU."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # this process computes nothing there
+    start_backends()
+    import jax
+
+    from jlong.planner.targets import known_gpu
+
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        print(f"gpu_truth needs a GPU and this machine's jax sees {device.platform} devices only; "
+              "--rehearse runs the same pipeline on the CPU", file=sys.stderr)
+        return None
+    name = known_gpu(device)
+    if name is None:
+        print(f"jlong plans for h100, h200 and b200, not {device.device_kind}", file=sys.stderr)
+    return name
+
+
+def child(setup: Setup, out: Path, part: str, *args: str) -> dict:
+    """One part in a process of its own; its JSON, or what went wrong."""
+    command = [sys.executable, str(HERE), "--child", part, "--child-out", str(out), *args]
+    result = subprocess.run(command, env=setup.env(), capture_output=True, text=True, cwd=ROOT)
+    if result.returncode != 0 or not out.is_file():
+        return {"failed": f"exit {result.returncode}: {tail(result.stderr)}"}
+    return json.loads(out.read_text())
+
+
+def train_run(setup: Setup, arguments: list[str], run_dir: Path) -> dict:
+    """`jlong train` of TRAIN_STEPS steps (unless the arguments say otherwise) in its own process."""
+    command = [sys.executable, "-m", "jlong", "train", *arguments, f"run_dir={run_dir}", "checkpoint.dir=null"]
+    if not any(a.startswith("train.steps=") for a in arguments):
+        command.append(f"train.steps={TRAIN_STEPS}")
+    began = time.monotonic()
+    result = subprocess.run(command, env=setup.env(), capture_output=True, text=True, cwd=ROOT)
+    metrics = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    outcome = {"wall_s": round(time.monotonic() - began, 1), "losses": [r["loss"] for r in records],
+               "step_times_s": [r["step_time_s"] for r in records],
+               "measured_peak_bytes": max((r.get("peak_bytes") or 0 for r in records), default=0) or None}
+    timed = outcome["step_times_s"][WARMUP_STEPS:]
+    outcome["measured_step_s"] = statistics.median(timed) if timed else None
+    if result.returncode != 0:
+        outcome["failed"] = f"exit {result.returncode}: {tail(result.stderr)}"
+    return outcome
+
+
+def tail(text: str, lines: int = 6) -> str:
+    return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:] if line.strip())[-1200:]
+
+
+# --------------------------------------------------------------------------
+# The child processes
+
+
+def child_main(part: str, out: Path, argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    if part == "plans":
+        parser.add_argument("--target", required=True)
+        parser.add_argument("--config", required=True)
+        parser.add_argument("--cases", required=True)
+    elif part == "rates":
+        parser.add_argument("--target", required=True)
+        for flag in ("--gemm", "--attention-len", "--heads", "--kv-heads", "--head-dim", "--copy-mib"):
+            parser.add_argument(flag, type=int, required=True)
+    else:
+        parser.add_argument("--check-len", type=int, required=True)
+    args = parser.parse_args(argv)
+    if part != "plans":
+        start_backends()
+    result = {"plans": plan_cases, "rates": measure_rates, "cudnn": cudnn_checks}[part](args)
+    out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def plan_cases(args) -> dict:
+    """`jlong.plan` of every case for the target: planned bytes, estimated step time (name -> dict)."""
+    import jlong
+
+    plans = {}
+    for case in json.loads(args.cases):
+        try:
+            plan = jlong.plan(args.config, case["overrides"], target=args.target)
+            plans[case["name"]] = {"planned_bytes": plan.device_bytes, "estimated_step_s": plan.step_time_s,
+                                   "planned_host_bytes": plan.memory.host_offload}
+        except Exception as error:  # the case is reported as not planned, the others go on
+            plans[case["name"]] = {"plan_failed": str(error).splitlines()[0][:300]}
+    return plans
+
+
+def measure_rates(args) -> dict:
+    import jax
+
+    on_gpu = jax.devices()[0].platform == "gpu"
+    return {"device": describe_device(), "versions": versions(on_gpu), "rates": rates(args, on_gpu)}
+
+
+def describe_device() -> dict:
+    import jax
+
+    device = jax.devices()[0]
+    description = {"platform": device.platform, "kind": device.device_kind, "count": len(jax.devices())}
+    if device.platform == "cpu":
+        description["cpu"] = cpu_model()
+        description["cores"] = os.cpu_count()
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        description["memory_limit_bytes"] = int(stats["bytes_limit"])
+    return description
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def versions(on_gpu: bool) -> dict:
+    import jax
+    import jaxlib
+
+    found = {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__}
+    if on_gpu:
+        from jlong.planner.targets import installed_cudnn_version
+
+        cudnn = installed_cudnn_version()
+        found["cudnn"] = ".".join(map(str, cudnn)) if cudnn else None
+        found["platform_version"] = getattr(jax.devices()[0].client, "platform_version", None)
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
+            found["driver"] = smi.split(",")[0].strip()
+        except (OSError, IndexError, subprocess.SubprocessError):
+            found["driver"] = None
+    return found
+
+
+CUDNN_PATHS = ("causal", "packed", "off-diagonal", "off-diagonal packed", "sliding window", "sliding window packed")
+
+
+def cudnn_checks(args) -> dict:
+    """gpu_check's paths: 32 query heads over 8 kv heads of 128, 12 packed documents, a window of 1,024."""
+    from gpu_check import check_all
+
+    rows = check_all(args.check_len, 32, 8, 128, 12, 1024, print_rows=False)
+    return {"checks": [{"path": r["path"], "output": r["output"], "run": True, "cudnn_error": r["cudnn"],
+                        "blockwise_bf16_error": r["blockwise_bf16"], "ok": r["ok"]} for r in rows]}
+
+
+def rates(args, on_gpu: bool) -> list[dict]:
+    """Achieved rates beside the planner's assumed ones (data sheet x default efficiency)."""
+    from jlong.planner.pricing import Efficiency
+    from jlong.planner.targets import GPUS
+
+    gpu, eff = GPUS[args.target if args.target in GPUS else "h100"], Efficiency()
+    gemm = gemm_flops_per_s(args.gemm)
+    forward, backward = attention_flops_per_s(args, on_gpu)
+    to_host, to_device = copy_bytes_per_s(args.copy_mib)
+    hbm = hbm_bytes_per_s(args.copy_mib)
+    tflops, gbs = 1e12, 1e9
+    return [
+        rate(f"bf16 GEMM {args.gemm}^3, TFLOP/s", gpu.peak_bf16_flops * eff.gemm / tflops, gemm / tflops,
+             f"gemm {eff.gemm} x {gpu.peak_bf16_flops / tflops:g}"),
+        rate(f"{'cuDNN' if on_gpu else 'blockwise'} causal attention forward, {args.attention_len:,} tokens, TFLOP/s",
+             gpu.peak_bf16_flops * eff.attention_fwd / tflops, forward / tflops,
+             f"attention_fwd {eff.attention_fwd} x {gpu.peak_bf16_flops / tflops:g}"),
+        rate(f"{'cuDNN' if on_gpu else 'blockwise'} causal attention backward, {args.attention_len:,} tokens, TFLOP/s",
+             gpu.peak_bf16_flops * eff.attention_bwd / tflops, backward / tflops,
+             f"attention_bwd {eff.attention_bwd} x {gpu.peak_bf16_flops / tflops:g}"),
+        rate(f"elementwise read + write, {args.copy_mib:,} MiB, GB/s", gpu.hbm_bytes_per_s * eff.hbm / gbs, hbm / gbs,
+             f"hbm {eff.hbm} x {gpu.hbm_bytes_per_s / gbs:g}"),
+        rate(f"device -> pinned host, {args.copy_mib:,} MiB, GB/s", gpu.pcie_bytes_per_s * eff.links / gbs,
+             to_host / gbs, f"links {eff.links} x PCIe {gpu.pcie_bytes_per_s / gbs:g}"),
+        rate(f"pinned host -> device, {args.copy_mib:,} MiB, GB/s", gpu.pcie_bytes_per_s * eff.links / gbs,
+             to_device / gbs, f"links {eff.links} x PCIe {gpu.pcie_bytes_per_s / gbs:g}"),
+    ]
+
+
+def rate(name: str, assumed: float, measured: float, basis: str) -> dict:
+    return {"name": name, "assumed": round(assumed, 3), "measured": round(measured, 3),
+            "measured_over_assumed": round(measured / assumed, 3), "assumed_from": basis}
+
+
+def timed(fn, *args, repeats: int = 5) -> float:
+    """Median seconds of fn(*args) after one warm-up call, each waited for."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def gemm_flops_per_s(n: int) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    a, b = (jax.random.normal(key, (n, n), jnp.bfloat16) for key in jax.random.split(jax.random.key(0)))
+    return 2 * n**3 / timed(jax.jit(lambda a, b: a @ b), a, b)
+
+
+def attention_flops_per_s(args, on_gpu: bool) -> tuple[float, float]:
+    """Causal attention forward and backward in the kernel a step runs there (cuDNN on a GPU, the blockwise
+    kernel elsewhere), FLOPs counted as the planner counts cuDNN's calls (`jlong.attention.cudnn.price_call`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jlong.attention.blockwise import BlockwiseStep
+    from jlong.attention.cudnn import CudnnStep, causal_fraction
+
+    T, H, K, d = args.attention_len, args.heads, args.kv_heads, args.head_dim
+    kernel = CudnnStep(2) if on_gpu else BlockwiseStep(256)
+    keys = jax.random.split(jax.random.key(1), 4)
+    q, do = (jax.random.normal(k, (1, T, H, d), jnp.bfloat16) for k in keys[:2])
+    k, v = (jax.random.normal(key, (1, T, K, d), jnp.bfloat16) for key in keys[2:])
+    forward = jax.jit(lambda q, k, v: kernel.forward(q, k, v, None, True))
+    o, lse = forward(q, k, v)
+    backward = jax.jit(lambda q, k, v, o, lse, do: kernel.backward(q, k, v, None, True, o, lse, do))
+    flops = H * T * T * d * causal_fraction(T)
+    return 4 * flops / timed(forward, q, k, v), 10 * flops / timed(backward, q, k, v, o, lse, do)
+
+
+def hbm_bytes_per_s(mib: int) -> float:
+    """Device memory read and written by one elementwise kernel (what the planner prices "other kernels" at)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((mib, 2**19), jnp.bfloat16)
+    return 2 * x.nbytes / timed(jax.jit(lambda x: x * 2 + 1), x)
+
+
+def copy_bytes_per_s(mib: int) -> tuple[float, float]:
+    """Device -> pinned host and back: what host offload moves."""
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices()[0]
+    on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    x = jax.device_put(jnp.ones((mib, 2**19), jnp.bfloat16), on_device)  # mib MiB
+    size = x.nbytes
+    host = jax.device_put(x, pinned)
+    return size / timed(lambda: jax.device_put(x, pinned)), size / timed(lambda: jax.device_put(host, on_device))
+
+
+# --------------------------------------------------------------------------
+# The report
+
+
+class Report:
+    """gpu-truth.json and gpu-truth.md, rewritten as each part lands (a run cut short keeps what it measured)."""
+
+    def __init__(self, out: Path, *, command: str, rehearse: bool, target: str):
+        self.out = out
+        self.data = {"command": command, "rehearsal": rehearse, "target": target, "commit": commit(),
+                     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                     "device": None, "versions": None, "cudnn_checks": [], "rates": [], "cases": [],
+                     "user_run": None, "wall_s": None}
+        if rehearse:
+            self.data["cudnn_checks"] = [{"path": path, "run": False, "why": "no GPU: cuDNN runs on NVIDIA GPUs only"}
+                                         for path in CUDNN_PATHS]
+
+    def rates(self, result: dict) -> None:
+        if "failed" in result:
+            self.data["rates_failed"] = result["failed"]
+        else:
+            self.data.update({key: result[key] for key in ("device", "versions", "rates")})
+        self.write()
+
+    def cudnn(self, result: dict) -> None:
+        if "failed" in result:
+            self.data["cudnn_failed"] = result["failed"]
+        else:
+            self.data["cudnn_checks"] = result["checks"]
+        self.write()
+
+    def user_run(self, outcome: dict) -> None:
+        losses = outcome["losses"]
+        outcome["loss_finite"] = bool(losses) and all(math.isfinite(x) for x in losses)
+        outcome["loss_falling"] = len(losses) >= 6 and statistics.mean(losses[-3:]) < statistics.mean(losses[:3])
+        self.data["user_run"] = outcome
+        self.write()
+
+    def cases(self, measured: list[dict], plans: dict) -> None:
+        if "failed" in plans:
+            self.data["plans_failed"] = plans["failed"]
+        rows = []
+        for case in measured:
+            row = {key: case.get(key) for key in ("name", "seq_len", "memory", "measured_peak_bytes",
+                                                    "measured_step_s", "step_times_s", "losses")}
+            plan = plans.get(case["name"], {})
+            row.update(planned_bytes=plan.get("planned_bytes"), estimated_step_s=plan.get("estimated_step_s"),
+                       planned_host_bytes=plan.get("planned_host_bytes"))
+            for key in ("failed", "skipped", "plan_failed"):
+                if case.get(key) or plan.get(key):
+                    row[key] = case.get(key) or plan.get(key)
+            rows.append(row)
+        self.data["cases"] = rows
+        self.write()
+
+    def finish(self, wall_s: float) -> None:
+        self.data["wall_s"] = round(wall_s, 1)
+        self.write()
+
+    def write(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "gpu-truth.json").write_text(json.dumps(self.data, indent=1) + "\n")
+        (self.out / "gpu-truth.md").write_text(self.markdown())
+
+    def markdown(self) -> str:
+        d = self.data
+        device, found = d["device"] or {}, d["versions"] or {}
+        where = (f"{device.get('kind', '?')}" + (f" ({device['cpu']}, {device['cores']} cores)" if "cpu" in device
+                                                  else ""))
+        stack = ", ".join(f"{k} {v}" for k, v in found.items() if v)
+        title = "GPU truth: rehearsal on CPU" if d["rehearsal"] else "GPU truth: jlong's promises against one GPU"
+        parts = [f"# {title}",
+                 f"`{d['command']}` at commit {d['commit'] or '?'}, {d['date']}, {d['wall_s'] or '?'} s in all. "
+                 f"Device: {where}. {stack}. Plans for target `{d['target']}`: memory from the compiled program, "
+                 "step time an estimate read from it (never a measurement); measured times are medians of steps "
+                 f"{WARMUP_STEPS + 1}-{TRAIN_STEPS} of `jlong train`, peaks `peak_bytes_in_use`."]
+        parts += ["## cuDNN against the float32 blockwise kernel", self._cudnn_table()]
+        if d.get("cudnn_failed"):
+            parts.append(f"The cuDNN checks FAILED: {d['cudnn_failed']}")
+        parts += ["## Training cases: planned against measured", self._cases_table()]
+        if d.get("plans_failed"):
+            parts.append(f"Plans failed: {d['plans_failed']}")
+        parts += ["## Rates: assumed by `jlong plan` against measured", self._rates_table()]
+        if d.get("rates_failed"):
+            parts.append(f"The rates FAILED: {d['rates_failed']}")
+        run = d["user_run"]
+        if run:
+            peak = f"{run['measured_peak_bytes'] / GIB:.2f} GiB" if run["measured_peak_bytes"] else "not reported"
+            losses = run["losses"]
+            parts += ["## `jlong train` as a user runs it",
+                      f"{len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f} "
+                      f"(finite: {run['loss_finite']}, falling: {run['loss_falling']}), peak {peak}"
+                      + (f"; FAILED {run['failed']}" if run.get("failed") else "") if losses
+                      else f"no step ran: {run.get('failed')}"]
+        return "\n\n".join(parts) + "\n"
+
+    def _cudnn_table(self) -> str:
+        checks = self.data["cudnn_checks"]
+        if checks and not checks[0]["run"]:
+            return f"Not run: {checks[0]['why']} ({', '.join(c['path'] for c in checks)})."
+        rows = [[c["path"], c["output"], f"{c['cudnn_error']:.2e}", f"{c['blockwise_bf16_error']:.2e}",
+                 "ok" if c["ok"] else "TOO FAR"] for c in checks]
+        return markdown_table(["path", "output", "cuDNN error", "blockwise bf16 error", ""], rows)
+
+    def _cases_table(self) -> str:
+        def gib(v):
+            return f"{v / GIB:.2f}" if v else "-"
+
+        def seconds(v):
+            return f"{v:.3f}" if v else "-"
+
+        def ratio(a, b):
+            return f"{a / b:.2f}" if a and b else "-"
+
+        rows = [[c["seq_len"], c["memory"], gib(c["planned_bytes"]), gib(c["measured_peak_bytes"]),
+                 ratio(c["measured_peak_bytes"], c["planned_bytes"]), seconds(c["estimated_step_s"]),
+                 seconds(c["measured_step_s"]), ratio(c["measured_step_s"], c["estimated_step_s"]),
+                 c.get("failed") or c.get("skipped") or c.get("plan_failed") or ""]
+                for c in self.data["cases"]]
+        return markdown_table(["seq_len", "memory.remat", "planned GiB", "measured peak GiB", "measured / planned",
+                               "estimated s", "measured s", "measured / estimated", "note"], rows)
+
+    def _rates_table(self) -> str:
+        rows = [[r["name"], f"{r['assumed']:g}", f"{r['measured']:g}", f"{r['measured_over_assumed']:.2f}",
+                 r["assumed_from"]] for r in self.data["rates"]]
+        return markdown_table(["rate", "assumed", "measured", "measured / assumed", "assumption"], rows)
+
+
+def commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        sys.exit(child_main(sys.argv[2], Path(sys.argv[4]), sys.argv[5:]))
+    sys.exit(main())
