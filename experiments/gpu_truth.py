@@ -93,8 +93,10 @@ class Setup:
         peak is what it used), and on the rehearsal the CPU alone."""
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-        if self.rehearse:
-            env["JAX_PLATFORMS"] = "cpu"  # jlong gives each run the virtual devices its mesh needs
+        if self.rehearse:  # jlong gives each run the virtual CPU devices its mesh needs
+            env["JAX_PLATFORMS"] = "cpu"
+            flags = env.get("XLA_FLAGS", "").split()
+            env["XLA_FLAGS"] = " ".join(f for f in flags if not f.startswith("--xla_force_host_platform_device_count"))
         return env
 
 
@@ -545,11 +547,16 @@ class Report:
 
 
 def commit() -> str | None:
+    """The checkout's commit, "+changes" where its tracked files differ from it (a copy carried to a GPU
+    machine may bring a stale history along)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
-                              timeout=10).stdout.strip() or None
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                              timeout=10).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, cwd=ROOT, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
+    return (head + ("+changes" if changed else "")) or None
 
 
 if __name__ == "__main__":

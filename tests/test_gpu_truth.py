@@ -1,0 +1,58 @@
+"""experiments/gpu_truth.py: its CPU rehearsal runs the whole pipeline (so the GPU run cannot rot between the
+rare sessions that have a GPU), and without a GPU the real run refuses in one line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+
+SCRIPT = REPO / "experiments" / "gpu_truth.py"
+
+
+def run_script(*args, timeout=600):
+    env = {**os.environ, "JAX_PLATFORMS": ""}  # as a user runs it: jax finds what the machine has
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=REPO,
+                          env=env, timeout=timeout)
+
+
+@pytest.mark.fast
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_2():
+    result = run_script()
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs a GPU" in lines[0] and "--rehearse" in lines[0], result.stderr
+
+
+def test_the_rehearsal_plans_trains_and_measures_what_the_gpu_run_does(tmp_path):
+    result = run_script("--rehearse", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads((tmp_path / "gpu-truth.json").read_text())
+    assert {"device", "versions", "cudnn_checks", "cases", "rates"} <= data.keys()
+    assert data["rehearsal"] and data["device"]["platform"] == "cpu" and data["versions"]["jax"]
+    assert data["cudnn_checks"] and not any(check["run"] for check in data["cudnn_checks"])
+
+    cases = data["cases"]
+    assert len({case["seq_len"] for case in cases}) >= 3 and len({case["memory"] for case in cases}) >= 2
+    for case in cases:
+        assert {"name", "seq_len", "memory", "planned_bytes", "measured_peak_bytes", "estimated_step_s",
+                "measured_step_s"} <= case.keys()
+        assert "failed" not in case and "plan_failed" not in case, case
+        assert case["measured_step_s"] > 0 and case["planned_bytes"] > 0
+    # the memory settings plan different bytes at every length, and a longer sequence plans more
+    by_length = {}
+    for case in cases:
+        by_length.setdefault(case["seq_len"], {})[case["memory"]] = case["planned_bytes"]
+    assert all(len(set(planned.values())) == len(planned) for planned in by_length.values()), by_length
+    lengths = sorted(by_length)
+    assert all(max(by_length[a].values()) < max(by_length[b].values()) for a, b in zip(lengths, lengths[1:]))
+
+    rates = data["rates"]
+    assert len(rates) >= 3 and all(r["measured"] > 0 and r["assumed"] > 0 for r in rates), rates
+    run = data["user_run"]
+    assert run["loss_finite"] and run["loss_falling"], run
+    text = (tmp_path / "gpu-truth.md").read_text()
+    assert "rehearsal" in text and str(tmp_path) not in text  # no absolute path of this machine
