@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
+import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -31,14 +34,45 @@ def invocation(script: str, argv: list[str] | None = None) -> str:
 
 
 def provenance(command: str, compiler: str | None = None) -> str:
-    """Where and how a result was produced, for the top of a results file."""
+    """Where and how a result was produced, for the top of a results file: the command, the commit, the
+    date, the jax version, the machine and what compiled (no path of the machine)."""
     import jax
 
     compiled = compiler or f"{jax.devices()[0].platform}, {len(jax.devices())} devices"
     return (
-        f"Produced by `{command}` with jax {jax.__version__} on {platform.machine()} "
-        f"({compiled}): compiled memory analysis, nothing allocated."
+        f"Produced by `{command}` at commit {commit() or 'unknown'} on {today()} with jax {jax.__version__} "
+        f"on {machine()} ({compiled}): compiled memory analysis, nothing allocated."
     )
+
+
+def machine() -> str:
+    """This machine's processor and cores, as a results file names them."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def today() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+
+
+def commit() -> str | None:
+    """The checkout's commit, "+changes" where its tracked files differ from it (a copy carried to
+    another machine may bring a stale history along)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                              timeout=10).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, cwd=ROOT, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + ("+changes" if changed else "")) or None
 
 
 def publish(name: str, text: str) -> int:

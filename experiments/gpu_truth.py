@@ -52,7 +52,7 @@ from jlong.jax_startup import import_jax_quietly, start_backends
 
 import_jax_quietly()  # before anything imports jax: no CUDA plugin's "no driver" lines on a CPU machine
 
-from common import GIB, ROOT, markdown_table  # noqa: E402 (imports jax)
+from common import GIB, ROOT, commit, machine, markdown_table  # noqa: E402 (imports jax)
 
 HERE = Path(__file__).resolve()
 TRAIN_STEPS = 5  # the first two are warm-up (compilation, first touches); the median of the rest is the step time
@@ -269,22 +269,11 @@ def describe_device() -> dict:
     device = jax.devices()[0]
     description = {"platform": device.platform, "kind": device.device_kind, "count": len(jax.devices())}
     if device.platform == "cpu":
-        description["cpu"] = cpu_model()
-        description["cores"] = os.cpu_count()
+        description["machine"] = machine()
     stats = device.memory_stats() or {}
     if "bytes_limit" in stats:
         description["memory_limit_bytes"] = int(stats["bytes_limit"])
     return description
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def versions(on_gpu: bool) -> dict:
@@ -485,8 +474,7 @@ class Report:
     def markdown(self) -> str:
         d = self.data
         device, found = d["device"] or {}, d["versions"] or {}
-        where = (f"{device.get('kind', '?')}" + (f" ({device['cpu']}, {device['cores']} cores)" if "cpu" in device
-                                                  else ""))
+        where = device.get("kind", "?") + (f" ({device['machine']})" if "machine" in device else "")
         stack = ", ".join(f"{k} {v}" for k, v in found.items() if v)
         title = "GPU truth: rehearsal on CPU" if d["rehearsal"] else "GPU truth: jlong's promises against one GPU"
         parts = [f"# {title}",
@@ -544,19 +532,6 @@ class Report:
         rows = [[r["name"], f"{r['assumed']:g}", f"{r['measured']:g}", f"{r['measured_over_assumed']:.2f}",
                  r["assumed_from"]] for r in self.data["rates"]]
         return markdown_table(["rate", "assumed", "measured", "measured / assumed", "assumption"], rows)
-
-
-def commit() -> str | None:
-    """The checkout's commit, "+changes" where its tracked files differ from it (a copy carried to a GPU
-    machine may bring a stale history along)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
-                              timeout=10).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                 text=True, cwd=ROOT, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (head + ("+changes" if changed else "")) or None
 
 
 if __name__ == "__main__":

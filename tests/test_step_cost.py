@@ -131,6 +131,44 @@ def test_a_custom_call_of_unknown_kind_is_reported_never_priced_at_zero_in_silen
     assert "my_pallas_kernel x 3 (24.0 KiB)" in report
 
 
+SLICE_UPDATE = """
+HloModule slices, is_scheduled=true
+
+%slice_update (buf: f32[64,1024], x: f32[1,1024], i: s32[]) -> f32[64,1024] {
+  %buf = f32[64,1024]{1,0} parameter(0)
+  %x = f32[1,1024]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %old = f32[1,1024]{1,0} dynamic-slice(%buf, %i, %z), dynamic_slice_sizes={1,1024}
+  %new = f32[1,1024]{1,0} add(%old, %x)
+  ROOT %dus = f32[64,1024]{1,0} dynamic-update-slice(%buf, %new, %i, %z)
+}
+
+ENTRY %main (buf.1: f32[64,1024], x.1: f32[1,1024], i.1: s32[]) -> f32[64,1024] {
+  %buf.1 = f32[64,1024]{1,0} parameter(0)
+  %x.1 = f32[1,1024]{1,0} parameter(1)
+  %i.1 = s32[] parameter(2)
+  CALL
+}
+"""
+SYNC = "ROOT %f = f32[64,1024]{1,0} fusion(%buf.1, %x.1, %i.1), kind=kLoop, calls=%slice_update"
+ASYNC = ("%f-start = ((f32[64,1024]{1,0}, f32[1,1024]{1,0}, s32[]), f32[64,1024]{1,0}, s32[]) "
+         "fusion-start(%buf.1, %x.1, %i.1), kind=kLoop, calls=%slice_update\n"
+         "  ROOT %f-done = f32[64,1024]{1,0} fusion-done(%f-start)")
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("call", [SYNC, ASYNC], ids=["fusion", "fusion-start"])
+def test_a_buffer_sliced_and_updated_in_place_moves_only_its_slices(call):
+    """One row of a [64, 1024] buffer read, added to and written back in place (a tile's accumulator):
+    the row read, x read, the index, the row written; the same when XLA:GPU runs the fusion
+    asynchronously (jax 0.11 does so with slicing fusions), not the whole buffer and its tuple."""
+    cost = estimate(parse_module(SLICE_UPDATE.replace("CALL", call)), gpu=H100_GPU, efficiency=Efficiency(),
+                    node_of=[0], tokens_per_step=1, model_flops_per_device=1.0)
+    row = 1024 * 4
+    assert cost.hbm_bytes == row + row + 4 + row
+
+
 @pytest.mark.fast
 def test_time_is_the_roofline_of_each_kernel_in_schedule_order():
     eff = Efficiency(launch_us=0.0)
