@@ -45,6 +45,15 @@ def provenance(command: str, compiler: str | None = None) -> str:
     )
 
 
+def portable(argument: str) -> str:
+    """A path or command-line argument as a results file may quote it: relative to the repository,
+    never an absolute path of the machine that ran it ("DIR" where it lies elsewhere)."""
+    path = Path(argument)
+    if not path.is_absolute():
+        return argument
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else "DIR"
+
+
 def machine() -> str:
     """This machine's processor and cores, as a results file names them."""
     model = platform.processor() or platform.machine()

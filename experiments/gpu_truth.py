@@ -52,7 +52,7 @@ from jlong.jax_startup import import_jax_quietly, start_backends
 
 import_jax_quietly()  # before anything imports jax: no CUDA plugin's "no driver" lines on a CPU machine
 
-from common import GIB, ROOT, commit, machine, markdown_table  # noqa: E402 (imports jax)
+from common import GIB, ROOT, commit, machine, markdown_table, portable  # noqa: E402 (imports jax)
 
 HERE = Path(__file__).resolve()
 TRAIN_STEPS = 5  # the first two are warm-up (compilation, first touches); the median of the rest is the step time
@@ -152,14 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     print(report.markdown())
     print(f"wrote {args.out / 'gpu-truth.md'} and gpu-truth.json ({time.monotonic() - started:.0f} s)")
     return 0
-
-
-def portable(argument: str) -> str:
-    """A command-line argument as a results file may quote it: no absolute path of the machine that ran it."""
-    path = Path(argument)
-    if not path.is_absolute():
-        return argument
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else "DIR"
 
 
 def note(started: float, text: str) -> None:

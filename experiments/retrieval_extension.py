@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import jlong
+from common import portable
 from jlong.data.prepare import prepare
 from jlong.eval.passkey import FILLER, INSTRUCTION, NEEDLE, QUESTION
 
@@ -111,6 +112,8 @@ def _by_length(result: dict) -> dict[int, float]:
 
 def report(results: dict, args, minutes: float) -> None:
     accuracy = {name: _by_length(result) for name, result in results.items()}
+    for result in results.values():
+        result["checkpoint"] = portable(str(result["checkpoint"]))
     (RESULTS / "results.json").write_text(json.dumps({"passkey_by_length": accuracy, "results": results}, indent=1))
     rows = ["| model | " + " | ".join(f"{n:,}" for n in LENGTHS) + " |", "|---|" + "---|" * len(LENGTHS)]
     names = {"base": f"base: {args.base_steps} steps at 256", "extended":

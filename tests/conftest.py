@@ -1,7 +1,8 @@
 """Test platform: the CPU with 8 virtual devices, float32 matmuls at full
-precision, and one persistent compilation cache for the session: the same
-program compiled again (by another test, or by a `jlong` subprocess, which
-inherits the environment) is read back instead of recompiled."""
+precision, and one persistent compilation cache for the session, shared by
+pytest-xdist's workers: the same program compiled again (by another test,
+another worker, or a `jlong` subprocess, which inherits the environment) is
+read back instead of recompiled."""
 
 import os
 import tempfile
@@ -10,7 +11,13 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jlong-tests-xla-cache-"))
+# One cache for the whole run: pytest-xdist's workers share a run id, so a program one worker compiled is
+# read back by the other (and by the `jlong` subprocesses both start).
+_run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+_cache = os.path.join(tempfile.gettempdir(), f"jlong-tests-xla-cache-{_run}") if _run else tempfile.mkdtemp(
+    prefix="jlong-tests-xla-cache-")
+os.makedirs(_cache, exist_ok=True)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import jax  # noqa: E402

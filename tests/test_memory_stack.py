@@ -1,6 +1,8 @@
 """The memory stack: each knob (remat policy, tiled MLP, tiled loss, UPipe)
 leaves the gradients as they were, and saves the bytes it is there to save."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -89,6 +91,7 @@ def test_tiled_mlp_needs_at_most_half_of_the_untiled_temporaries():
     assert tiled <= 0.5 * untiled, (tiled, untiled)
 
 
+@functools.cache  # the same plan serves several tests of a worker
 def _planned(*overrides):
     activations_dominate = [
         "model.vocab_size=128", "model.hidden_size=64", "model.intermediate_size=128",
