@@ -69,8 +69,8 @@ class Setup:
             self.base = ["mesh.fsdp=1", "mesh.sp=1", "data.source=synthetic", "data.eos_id=null",
                          "attention.block_size=128"]
             self.seq_lens = seq_lens or [128, 256, 512]
-            self.user_run = [str(ROOT / "configs" / "tiny.yaml"), "data.source=synthetic", "data.eos_id=null", "train.steps=12",
-                             "train.warmup_steps=2", "train.seq_len=128"]
+            self.user_run = [str(ROOT / "configs" / "tiny.yaml"), "data.source=synthetic", "data.eos_id=null",
+                             "train.steps=12", "train.warmup_steps=2", "train.seq_len=128"]
             self.kernel_args = ["--gemm", "256", "--attention-len", "1024", "--heads", "4", "--kv-heads", "2",
                                 "--head-dim", "32", "--copy-mib", "16"]
         else:
@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                 measured.append({**case, "skipped": f"past the {args.deadline_s:g} s deadline"})
                 continue
             note(started, f"case {case['name']}")
-            measured.append({**case, **train_run(setup, [setup.config, *case["overrides"]], work / f"case-{len(measured)}")})
+            run_dir = work / f"case-{len(measured)}"
+            measured.append({**case, **train_run(setup, [setup.config, *case["overrides"]], run_dir)})
             report.cases(measured, {})
         note(started, "waiting for the plans")
         report.cases(measured, plans.result())
