@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
+import functools
 import json
 import math
 import os
@@ -363,7 +364,7 @@ def attention_flops_per_s(args, on_gpu: bool) -> tuple[float, float]:
     import jax.numpy as jnp
 
     from jlong.attention.blockwise import BlockwiseStep
-    from jlong.attention.cudnn import CudnnStep, causal_fraction
+    from jlong.attention.cudnn import CudnnStep, call_flops, causal_fraction
 
     T, H, K, d = args.attention_len, args.heads, args.kv_heads, args.head_dim
     kernel = CudnnStep(2) if on_gpu else BlockwiseStep(256)
@@ -373,8 +374,9 @@ def attention_flops_per_s(args, on_gpu: bool) -> tuple[float, float]:
     forward = jax.jit(lambda q, k, v: kernel.forward(q, k, v, None, True))
     o, lse = forward(q, k, v)
     backward = jax.jit(lambda q, k, v, o, lse, do: kernel.backward(q, k, v, None, True, o, lse, do))
-    flops = H * T * T * d * causal_fraction(T)
-    return 4 * flops / timed(forward, q, k, v), 10 * flops / timed(backward, q, k, v, o, lse, do)
+    flops = functools.partial(call_flops, 1, H, T, T, d, visible=causal_fraction(T))
+    return (flops(backward=False) / timed(forward, q, k, v),
+            flops(backward=True) / timed(backward, q, k, v, o, lse, do))
 
 
 def hbm_bytes_per_s(mib: int) -> float:

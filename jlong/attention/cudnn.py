@@ -300,8 +300,16 @@ def price_call(target: str, backend_config: dict, operand_dims: list[tuple[int, 
     mask = config.get("mask_type", "NO_MASK")
     visible = causal_fraction(Sq, int(config.get("sliding_window_length", 0))) if "CAUSAL" in mask and Sq == Skv \
         else 1.0
-    flops = (10 if backward else 4) * B * H * Sq * Skv * head_dim * visible
+    flops = call_flops(B, H, Sq, Skv, head_dim, backward=backward, visible=visible)
     return CallCost(flops, backward, B * H * Sq * (head_dim + 1) * 4 if backward else 0)
+
+
+def call_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, *, backward: bool,
+               visible: float = 1.0) -> float:
+    """FLOPs of one cuDNN attention call: 4 x B x H x Sq x Skv x d forward
+    (QK^T and PV), 10 x backward (five matmuls: the scores are recomputed),
+    times the visible fraction of the scores."""
+    return (10 if backward else 4) * batch * heads * q_len * kv_len * head_dim * visible
 
 
 def causal_fraction(length: int, window: int = 0) -> float:

@@ -223,8 +223,9 @@ def start_planning_backend(cpu_devices: int) -> None:
 
 def installed_cudnn_version() -> tuple[int, int, int] | None:
     """The cuDNN the CUDA plugin loads (None without one)."""
+    cuda_versions = private("jax._src.lib", "cuda_versions")  # None without the CUDA plugin
     try:
-        number = private("jax._src.lib", "cuda_versions").cudnn_get_version()
+        number = cuda_versions.cudnn_get_version()
     except Exception:  # no plugin, or no cuDNN library to load
         return None
     if not number:
