@@ -45,8 +45,10 @@ def hf_tensor_names(config: ModelConfig) -> dict[tuple[str, ...], tuple[list[str
     and the layout change of one tensor each way (to jlong, to HF)."""
     family = family_of(config)
     names = {(name,): ([t.name], t.to_jlong, t.to_hf) for name, t in family.hf_outer_tensors(config).items()}
+    specs, kinds = family.layer_params(config), family.layer_types(config)
     for name, t in family.hf_layer_tensors(config).items():
-        layers = [f"model.layers.{i}.{t.name}" for i in range(config.num_hidden_layers)]
+        kind = specs[name].layer_type  # a parameter of one layer type's layers is stacked over those alone
+        layers = [f"model.layers.{i}.{t.name}" for i in range(config.num_hidden_layers) if kind in (None, kinds[i])]
         names[("layers", name)] = (layers, t.to_jlong, t.to_hf)
     return names
 

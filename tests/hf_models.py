@@ -1,4 +1,5 @@
-"""Small random Hugging Face models (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM)."""
+"""Small random Hugging Face models (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM,
+Qwen3_5ForCausalLM)."""
 
 import torch
 import transformers
@@ -26,6 +27,16 @@ GEMMA3 = {
                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}},
 }
 
+# Qwen3.5 with both layer types (a gated full-attention layer between Gated DeltaNet ones), twice as many value
+# heads as key heads, value heads wider than key heads, and RoPE on a quarter of each head's dimensions.
+QWEN3_5 = {
+    "num_hidden_layers": 4, "head_dim": 16,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 12,
+    "linear_conv_kernel_dim": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+}
+
 ARCHITECTURES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "llama3-scaled": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"rope_scaling": LLAMA3_SCALING}),
@@ -36,6 +47,7 @@ ARCHITECTURES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, QWEN3),
     "qwen3-yarn": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {**QWEN3, "rope_scaling": YARN}),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, GEMMA3),
+    "qwen3.5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, QWEN3_5),
 }
 SCALED = ("llama3-scaled", "llama-yarn", "llama-linear", "qwen2-yarn", "qwen3-yarn")
 

@@ -191,9 +191,11 @@ def test_window_config_mistakes_are_one_line(overrides, message):
 
 
 @pytest.mark.fast
-def test_a_llama_with_a_window_is_refused():
-    with pytest.raises(JlongError, match="model.sliding_window and model.layer_types are not part of"):
+def test_a_llama_with_a_window_or_layer_types_is_refused():
+    with pytest.raises(JlongError, match="model.sliding_window is not part of"):
         small_config("model.sliding_window=16")
+    with pytest.raises(JlongError, match="model.layer_types is not part of model.family=llama"):
+        small_config("model.layer_types=[full_attention,full_attention]")
 
 
 @pytest.mark.fast

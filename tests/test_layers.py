@@ -21,6 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jlong"
 LAYERS = [
     "errors", "options", "files", "plots", "jax_private", "jax_startup",
     "ops",
+    "linear_attention",
     "attention",
     "families",
     "hf_config", "config",

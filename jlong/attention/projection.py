@@ -5,6 +5,9 @@ The model describes its projection (`QKVProjection`: norm epsilon, biases,
 per-head q/k norm, RoPE frequencies) and hands over its attention weights
 by name: `attn_norm`, `wq` [D, H, d], `wk`, `wv` [D, K, d], `wo` [H, d, D],
 and with the description's options `bq`, `bk`, `bv` and `q_norm`, `k_norm`.
+With an output gate (Qwen3.5), `wq` is [D, H, 2d]: each head's query rows
+followed by its gate rows, as Hugging Face's q_proj keeps them; the heads'
+attention output is multiplied by sigmoid(gate) before Wo.
 
 The input's gradient never flows through the projection's own output: each
 call takes a gradient sink and adds its part of x's gradient into the sink's
@@ -42,17 +45,21 @@ class QKVProjection:
     query_scale: float = 1.0
     bias: bool = False
     qk_norm: bool = False
+    output_gate: bool = False  # wq also makes a gate per query head and dimension (`project_out` applies it)
     tile: int = 0  # tokens projected at a time; 0 = the whole shard at once
 
     def qkv(self, p, x_BSD, positions_BS, q_heads, kv_heads, sink_BSD):
-        """(q, k, v, sink): q for the query heads `q_heads` = (first, count),
-        k and v for `kv_heads`, each [B, S, count, d]; the sink passes through
+        """(q, k, v, gate, sink): q for the query heads `q_heads` = (first,
+        count), k and v for `kv_heads`, each [B, S, count, d]; the output gate
+        of the query heads, like q (None without one); the sink passes through
         unchanged and its gradient collects x's."""
         ranges = {"q": q_heads, "k": kv_heads, "v": kv_heads}
-        weights = {
-            "norm": p["attn_norm"],
-            "qkv": jnp.concatenate([_heads(p[f"w{name}"], *heads, axis=1) for name, heads in ranges.items()], axis=1),
-        }
+        matrices = {name: _heads(p[f"w{name}"], *heads, axis=1) for name, heads in ranges.items()}
+        if self.output_gate:  # [D, U, 2d] -> [D, 2U, d]: each head's query, then its gate
+            D, U, d2 = matrices["q"].shape
+            matrices["q"] = matrices["q"].reshape(D, 2 * U, d2 // 2)
+            ranges["q"] = (q_heads[0], 2 * q_heads[1])
+        weights = {"norm": p["attn_norm"], "qkv": jnp.concatenate(list(matrices.values()), axis=1)}
         if self.bias:
             weights["bias"] = jnp.concatenate([_heads(p[f"b{name}"], *heads, axis=0) for name, heads in ranges.items()])
         if self.qk_norm:
@@ -68,6 +75,10 @@ class QKVProjection:
         if "bias" in w:
             qkv_BSNd = qkv_BSNd + w["bias"]
         q, k, v = jnp.split(qkv_BSNd, np.cumsum(counts)[:-1], axis=2)
+        gate = None
+        if self.output_gate:
+            B, S, U2, d = q.shape
+            q, gate = jnp.moveaxis(q.reshape(B, S, U2 // 2, 2, d), 3, 0)
         if self.qk_norm:
             q = rms_norm(q, w["q_norm"], self.norm_eps)
             k = rms_norm(k, w["k_norm"], self.norm_eps)
@@ -76,11 +87,14 @@ class QKVProjection:
         q = rotate(q)
         if self.query_scale != 1.0:
             q = (q.astype(jnp.float32) * self.query_scale).astype(q.dtype)
-        return q, rotate(k), v
+        return q, rotate(k), v, gate
 
 
-def project_out(p, o_BSHd, first, count):
-    """o [B, S, count, d] of heads [first, first + count) through Wo: [B, S, D]."""
+def project_out(p, o_BSHd, first, count, gate_BSHd=None):
+    """o [B, S, count, d] of heads [first, first + count) through Wo: [B, S, D];
+    times sigmoid(gate) first when the projection made a gate."""
+    if gate_BSHd is not None:
+        o_BSHd = (o_BSHd.astype(jnp.float32) * jax.nn.sigmoid(gate_BSHd.astype(jnp.float32))).astype(o_BSHd.dtype)
     wo = _heads(p["wo"], first, count, axis=0)
     return jnp.einsum("bshk,hkd->bsd", o_BSHd, wo)
 

@@ -116,6 +116,17 @@ class ModelConfig(_Section):
     sliding_window_pattern: optional(PositiveInt) = None
     rope_local_base_freq: optional(Number) = None
     query_pre_attn_scalar: optional(Number) = None
+    # RoPE on the first partial_rotary_factor of each head's dimensions (Qwen3.5: 0.25); unset: all of them.
+    partial_rotary_factor: optional(Number) = None
+    # Linear-attention layers (Qwen3.5's Gated DeltaNet, the "linear_attention" layers among layer_types; unset:
+    # every full_attention_interval-th layer is "full_attention"): key and value heads and their sizes, and the
+    # kernel of the short causal convolution before the rule.
+    full_attention_interval: optional(PositiveInt) = None
+    linear_num_key_heads: optional(PositiveInt) = None
+    linear_num_value_heads: optional(PositiveInt) = None
+    linear_key_head_dim: optional(PositiveInt) = None
+    linear_value_head_dim: optional(PositiveInt) = None
+    linear_conv_kernel_dim: optional(PositiveInt) = None
     preset: optional(Text) = None
     hf_path: optional(Text) = None
 
@@ -139,6 +150,11 @@ class ModelConfig(_Section):
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dims(self) -> int:
+        """How many of each head's dimensions RoPE rotates (the first ones)."""
+        return int(self.dim_per_head * (self.partial_rotary_factor or 1.0))
 
 
 class MeshConfig(_Section):

@@ -15,6 +15,7 @@ from jlong.attention.kernels import check_impl
 from jlong.attention.methods import method_named
 from jlong.errors import JlongError
 from jlong.families import family_named
+from jlong.linear_attention.gated_deltanet import LINEAR_ATTENTION
 
 if TYPE_CHECKING:
     from jlong.config.schema import Config, ModelConfig
@@ -46,9 +47,12 @@ def with_family(values: dict) -> dict:
 def check_model(m: ModelConfig) -> None:
     family = family_named(m.family)
     family.check(m)
-    if (m.sliding_window or m.layer_types) and not family.windows(m):
-        raise JlongError(f"model.sliding_window and model.layer_types are not part of model.family={m.family} "
-                         "(a family with sliding-window layers reads them, gemma3_text for one)")
+    if m.sliding_window and not family.windows(m):
+        raise JlongError(f"model.sliding_window is not part of model.family={m.family} "
+                         "(a family with sliding-window layers reads it, gemma3_text for one)")
+    if m.layer_types and len(family.known_layer_types) == 1:
+        raise JlongError(f"model.layer_types is not part of model.family={m.family} (its layers are all "
+                         f"{family.known_layer_types[0]}; gemma3_text and qwen3_5_text have layers of several types)")
     if m.num_attention_heads % m.kv_heads:
         raise JlongError(
             f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of "
@@ -58,6 +62,9 @@ def check_model(m: ModelConfig) -> None:
         raise JlongError(f"model.head_dim must be positive, got {m.dim_per_head}")
     if m.dim_per_head % 2:
         raise JlongError(f"model.head_dim must be even for rotary embeddings, got {m.dim_per_head}")
+    if m.rotary_dims % 2 or not m.rotary_dims:
+        raise JlongError(f"model.partial_rotary_factor ({m.partial_rotary_factor}) must leave an even, positive "
+                         f"number of rotated dimensions of the {m.dim_per_head} per head, got {m.rotary_dims}")
     if m.rope_scaling is not None:
         _check_rope_scaling(m.rope_scaling)
 
@@ -78,7 +85,11 @@ def _check_rope_scaling(scaling: dict) -> None:
 
 def check_run(config: Config) -> None:
     check_impl(config.attention.impl)
-    method_named(config.attention.sp_method).check(config)  # heads, lengths and chunks over the mesh
+    method = method_named(config.attention.sp_method)
+    method.check(config)  # heads, lengths and chunks over the mesh
+    family = family_named(config.model.family)
+    if LINEAR_ATTENTION in family.layer_types(config.model):
+        method.check_linear_attention(config, family.linear_layer(config.model))
     if config.train.profile_steps and not config.run_dir:
         raise JlongError("train.profile_steps writes its trace into run_dir: set run_dir")
     _check_batch_split(config)

@@ -147,6 +147,23 @@ class Family:
         the window - 1 tokens before it; 0, every earlier token."""
         return 0
 
+    @property
+    def known_layer_types(self) -> tuple[str, ...]:
+        """Every layer type this family has a block for."""
+        return (FULL_ATTENTION,)
+
+    def layers_with(self, model: ModelConfig, spec: ParamSpec) -> int:
+        """How many layers have a layer parameter: every layer, or those of its type."""
+        if spec.layer_type is None:
+            return model.num_hidden_layers
+        return self.layer_types(model).count(spec.layer_type)
+
+    def stack_index(self, model: ModelConfig, spec: ParamSpec, layer: int) -> int:
+        """Where layer `layer` (which has the parameter) is in the parameter's stack."""
+        if spec.layer_type is None:
+            return layer
+        return self.layer_types(model)[:layer].count(spec.layer_type)
+
     def layer_runs(self, model: ModelConfig) -> list[tuple[str, int]]:
         """The layers as runs of one type, first to last: (type, layers)."""
         return [(kind, len(list(run))) for kind, run in itertools.groupby(self.layer_types(model))]

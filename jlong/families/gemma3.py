@@ -59,6 +59,10 @@ class Gemma3Family(Family):
         return {"qk_norm": True, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
                 "sliding_window": HF_DEFAULTS["sliding_window"]}
 
+    @property
+    def known_layer_types(self) -> tuple[str, ...]:
+        return LAYER_TYPES
+
     def check(self, model: ModelConfig) -> None:
         if not model.qk_norm or model.attention_bias:
             raise JlongError(f"model.family={self.name} has q/k norms and no attention biases: drop model.qk_norm "

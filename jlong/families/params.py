@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import jax
@@ -28,11 +29,12 @@ class Role(enum.Enum):
     NORM = "norm"  # an RMSNorm scale
     NORM_OFFSET = "norm_offset"  # an RMSNorm scale kept as its offset from one (Gemma: x * (1 + w))
     BIAS = "bias"
+    CONV = "conv"  # a convolution's taps (linear attention's short causal convolution)
 
     @property
     def decays(self) -> bool:
         """AdamW's weight decay applies to matrices, not to norms and biases."""
-        return self in (Role.EMBEDDING, Role.MATRIX)
+        return self in (Role.EMBEDDING, Role.MATRIX, Role.CONV)
 
     def initial(self, key, shape, dtype):
         if self is Role.NORM:
@@ -47,6 +49,14 @@ class ParamSpec:
     shape: tuple[int, ...]
     axes: tuple[str, ...]  # logical axis names (`jlong.parallel.placement`)
     role: Role
+    # A layer parameter that only layers of this type have (stacked over those layers alone); None: every layer.
+    layer_type: str | None = None
+    # How it starts, when not as its role says: (key, shape, dtype) -> array.
+    init: Callable | None = None
+
+    def initial(self, key, shape, dtype):
+        """Its starting value, of `shape` (its own, or stacked over layers)."""
+        return (self.init or self.role.initial)(key, shape, dtype)
 
 
 def attention_matrices(model: ModelConfig) -> dict[str, ParamSpec]:

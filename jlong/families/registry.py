@@ -9,11 +9,12 @@ from jlong.errors import JlongError
 from jlong.families.base import Family
 from jlong.families.gemma3 import GEMMA3_TEXT
 from jlong.families.llama import LLAMA, QWEN2, QWEN3
+from jlong.families.qwen3_5 import QWEN3_5_TEXT
 
 if TYPE_CHECKING:
     from jlong.config import ModelConfig
 
-_FAMILIES: dict[str, Family] = {family.name: family for family in (LLAMA, QWEN2, QWEN3, GEMMA3_TEXT)}
+_FAMILIES: dict[str, Family] = {family.name: family for family in (LLAMA, QWEN2, QWEN3, GEMMA3_TEXT, QWEN3_5_TEXT)}
 
 
 def register(family: Family) -> Family:

@@ -105,18 +105,19 @@ def layer_runs(config: ModelConfig, options: ForwardOptions) -> list[tuple[int, 
 
 
 def _param(spec: ParamSpec, key, dtype) -> nnx.Param:
-    return nnx.Param(spec.role.initial(key, spec.shape, dtype), axes=spec.axes)
+    return nnx.Param(spec.initial(key, spec.shape, dtype), axes=spec.axes)
 
 
 class LayerStack(nnx.Module):
-    """All decoder layers' parameters, each stacked to [num_layers, ...]."""
+    """All decoder layers' parameters, each stacked to [layers, ...] over the
+    layers that have it: every layer, or those of its `layer_type`."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype):
-        L = config.num_hidden_layers
-        specs = family_of(config).layer_params(config)
+        family = family_of(config)
+        specs = family.layer_params(config)
         self.names = tuple(specs)
         for name, spec in specs.items():
-            value = spec.role.initial(rngs.params(), (L, *spec.shape), param_dtype)
+            value = spec.initial(rngs.params(), (family.layers_with(config, spec), *spec.shape), param_dtype)
             setattr(self, name, nnx.Param(value, axes=("layers", *spec.axes)))
 
     def arrays(self) -> dict[str, jax.Array]:
@@ -174,9 +175,11 @@ class Transformer(nnx.Module):
             return scan_layers(one_layer, x_BSD, stacked, policy, segment_options.layers_per_checkpoint)
 
         stacked = self.layers.arrays()
+        specs = family.layer_params(config)
         for first, last, run_options in layer_runs(config, options):  # each run scanned with its own options
-            layers = stacked if (first, last) == (0, config.num_hidden_layers) else \
-                jax.tree.map(lambda w: w[first:last], stacked)
+            layers = {name: w if (first, last) == (0, config.num_hidden_layers) else
+                      w[family.stack_index(config, specs[name], first):][:last - first]
+                      for name, w in stacked.items() if specs[name].layer_type in (None, run_options.layer_type)}
             x_BSD = layers_under(run_options, x_BSD, layers)
         return family.final_norm(x_BSD, self.final_norm.get_value(), config, options)
 

@@ -27,9 +27,10 @@ def rope_type(config: ModelConfig) -> str:
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> np.ndarray:
-    """Per-pair rotation rates [head_dim/2], scaled as model.rope_scaling says
+    """Per-pair rotation rates [rotary_dims/2] (every pair of a head, or the
+    first partial_rotary_factor of them), scaled as model.rope_scaling says
     (Hugging Face's definitions: `linear`, `llama3`, `yarn`)."""
-    dim = config.dim_per_head
+    dim = config.rotary_dims
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     scaling, kind = config.rope_scaling, rope_type(config)
     if kind == "linear":
@@ -95,8 +96,13 @@ def _yarn_scaled(inv_freq: np.ndarray, scaling: dict, theta: float, dim: int) ->
 
 
 def apply_rope(x_BSNd, positions_BS, inv_freq, scale: float = 1.0):
-    """Rotates the two halves of each head (the Hugging Face layout); `scale`
+    """Rotates the two halves of each head's first 2 x len(inv_freq)
+    dimensions (the Hugging Face layout; the rest pass unrotated); `scale`
     multiplies cos and sin (YaRN's attention factor)."""
+    rotary = 2 * len(inv_freq)
+    if rotary < x_BSNd.shape[-1]:
+        rotated = apply_rope(x_BSNd[..., :rotary], positions_BS, inv_freq, scale)
+        return jnp.concatenate([rotated, x_BSNd[..., rotary:]], axis=-1)
     angles = positions_BS.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, S, 1, d/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     if scale != 1.0:

@@ -52,6 +52,8 @@ LOGICAL_AXES: dict[str, AxisRule] = {
     "heads": AxisRule(GATHERED_AT_COMPUTE, rest_order=3),
     "kv_heads": AxisRule(GATHERED_AT_COMPUTE, rest_order=4),
     "head_dim": AxisRule(GATHERED_AT_COMPUTE),
+    "conv_channels": AxisRule(GATHERED_AT_COMPUTE, rest_order=5),  # linear attention's q, k, v channels
+    "conv_taps": AxisRule(GATHERED_AT_COMPUTE),
     "layers": AxisRule(GATHERED_AT_COMPUTE),  # the scan over layers takes one at a time
 }
 

@@ -88,13 +88,13 @@ def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, axis, size
     project = plan.stage_projection(projection, params, positions_Bs)
 
     def stage_output(x_input_BsD, sink_BsD, stage):
-        q_BsUd, k_Bsrd, v_Bsrd, sink_BsD = project(x_input_BsD, sink_BsD, stage)
+        q_BsUd, k_Bsrd, v_Bsrd, gate_BsUd, sink_BsD = project(x_input_BsD, sink_BsD, stage)
         if axis is None:
             o_BsUd = kernel.local(q_BsUd, k_Bsrd, v_Bsrd, segment_ids_Bs)
         else:
             o_BsUd = kernel.gathered(q_BsUd, gather(k_Bsrd), gather(v_Bsrd), segment_ids_Bs, k_segment_ids_BS,
                                      axis=axis, size=size)
-        return project_out(params, o_BsUd, stage * U, U), sink_BsD
+        return project_out(params, o_BsUd, stage * U, U, gate_BsUd), sink_BsD
 
     return sum_over_head_stages(stage_output, x_BsD, plan.num_stages, unroll=unroll_stages,
                                 add_to_input=add_to_input)

@@ -99,6 +99,16 @@ class SequenceParallelMethod:
         ranks = self.layout(config).ranks
         return config.train.seq_len if ranks == 1 else config.train.seq_len // (2 * ranks)
 
+    def check_linear_attention(self, config: Config, layer) -> None:
+        """Raises a one-line `JlongError` when this method cannot run the
+        model's linear-attention layers (`layer`: a `GatedDeltaNet`) on the mesh."""
+        raise JlongError(f"attention.sp_method={self.name} does not run linear-attention (Gated DeltaNet) layers, "
+                         f"which model.family={config.model.family} has: use attention.sp_method=ulysses")
+
+    def linear_attention(self, params, x_BSD, segment_ids_BS, *, layer, shards):
+        """x + the linear-attention layer `layer` (a `GatedDeltaNet`) of x [B, S, D]."""
+        raise JlongError(f"attention.sp_method={self.name} does not run linear-attention (Gated DeltaNet) layers")
+
     def attention(self, params, x_BSD, positions_BS, segment_ids_BS, *, projection, heads, kernel, shards,
                   unroll_stages=False, add_to_input=True):
         """x + attention of x [B, S, D] (its projection normalises x first; the

@@ -52,6 +52,7 @@ import numpy as np
 from jlong.attention.kernels import AttentionKernel
 from jlong.attention.methods.base import SequenceParallelMethod, sum_over_head_stages
 from jlong.attention.projection import QKVProjection, project_out
+from jlong.linear_attention.gated_deltanet import gated_deltanet_on_device
 from jlong.ops.shards import HIDDEN, REPLICATED, TOKENS, OneDevice, Shards
 from jlong.errors import JlongError
 from jlong.ops.zigzag import SequenceLayout, shard_token_index
@@ -108,17 +109,17 @@ class StagePlan:
     def stage_projection(self, projection: QKVProjection, params, positions_Bs, place_kv=lambda t: t):
         """(x, sink, stage) -> (q [B, s, U, d] of the stage's query heads, k and v
         repeated into the stage's kv slots and each passed through `place_kv`,
-        sink) for one device's tokens."""
+        the query heads' output gate or None, sink) for one device's tokens."""
         U = self.heads_per_stage
         width, first_kv, slots = self.kv_window
         first_kv, slots = jnp.asarray(first_kv), jnp.asarray(slots)
 
         def project(x_BsD, sink_BsD, stage):
-            q_BsUd, k_Bswd, v_Bswd, sink_BsD = projection.qkv(
+            q_BsUd, k_Bswd, v_Bswd, gate_BsUd, sink_BsD = projection.qkv(
                 params, x_BsD, positions_Bs, (stage * U, U), (first_kv[stage], width), sink_BsD
             )
             k, v = (place_kv(jnp.take(t, slots[stage], axis=2)) for t in (k_Bswd, v_Bswd))
-            return q_BsUd, k, v, sink_BsD
+            return q_BsUd, k, v, gate_BsUd, sink_BsD
 
         return project
 
@@ -173,9 +174,9 @@ def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, r
     project = plan.stage_projection(projection, params, positions_Bs, place_kv=to_heads)
 
     def stage_output(x_input_BsD, sink_BsD, stage):
-        q_BsUd, k_BSrd, v_BSrd, sink_BsD = project(x_input_BsD, sink_BsD, stage)
+        q_BsUd, k_BSrd, v_BSrd, gate_BsUd, sink_BsD = project(x_input_BsD, sink_BsD, stage)
         o_BSud = attend(to_heads(q_BsUd), k_BSrd, v_BSrd, segment_ids_BS)
-        return project_out(params, to_sequence(o_BSud), stage * U, U), sink_BsD
+        return project_out(params, to_sequence(o_BSud), stage * U, U, gate_BsUd), sink_BsD
 
     return sum_over_head_stages(stage_output, x_BsD, plan.num_stages, unroll=unroll_stages,
                                 add_to_input=add_to_input)
@@ -224,6 +225,27 @@ class Ulysses(SequenceParallelMethod):
 
     def layout(self, config: Config) -> SequenceLayout:
         return SequenceLayout(config.mesh.ring)
+
+    def check_linear_attention(self, config: Config, layer) -> None:
+        if config.mesh.ring > 1:
+            raise JlongError(f"mesh.ring={config.mesh.ring}: linear-attention (Gated DeltaNet) layers do not yet pass "
+                             "their state around a ring; use mesh.ring=1 (Ulysses over mesh.sp runs them)")
+        layer.head_plan(config.mesh.sp)
+
+    def linear_attention(self, params, x_BSD, segment_ids_BS, *, layer, shards):
+        """x + the linear-attention layer of x: its heads exchanged all-to-all
+        over sp, each device running the whole sequence for its heads."""
+        sp_axis = shards.axis("sp")
+        plan = layer.head_plan(shards.size("sp"))
+        to_heads = functools.partial(_exchange, axis=sp_axis, split=2, concat=1)
+        to_sequence = functools.partial(_exchange, axis=sp_axis, split=1, concat=2)
+
+        def run(params, x_BsD, segment_ids_Bs):
+            device = 0 if sp_axis is None else jax.lax.axis_index(sp_axis)
+            return gated_deltanet_on_device(params, x_BsD, _gather_sequence(segment_ids_Bs, sp_axis), layer=layer,
+                                            plan=plan, to_heads=to_heads, to_sequence=to_sequence, device=device)
+
+        return shards.map(run, (REPLICATED, HIDDEN, TOKENS), HIDDEN)(params, x_BSD, segment_ids_BS)
 
     def attention(self, params, x_BSD, positions_BS, segment_ids_BS, *, projection, heads, kernel, shards,
                   unroll_stages=False, add_to_input=True):
