@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 # Image-text checkpoints whose text model is a family jlong knows: model_type -> what it is.
 IMAGE_TEXT = {"gemma3": "Gemma 3", "qwen3_5": "Qwen3.5"}
-_noted: set[str] = set()
+_noted: set[tuple[str, str]] = set()
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
@@ -33,15 +33,23 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         raise JlongError(f"cannot parse {config_path}: {err.msg} at line {err.lineno}") from None
     model_type = hf.get("model_type")
     if model_type in IMAGE_TEXT and isinstance(hf.get("text_config"), dict):
-        if str(config_path) not in _noted:
-            _noted.add(str(config_path))
-            print(f"jlong: {config_path}: a {IMAGE_TEXT[model_type]} image-text checkpoint: reading its text model "
-                  "(text_config and the language model's tensors); the vision tower is left out", file=sys.stderr)
+        _note(config_path, f"a {IMAGE_TEXT[model_type]} image-text checkpoint: reading its text model "
+                           "(text_config and the language model's tensors); the vision tower is left out")
         hf = {"model_type": f"{model_type}_text", **hf["text_config"]}
         model_type = hf["model_type"]
     if model_type not in names():
         raise JlongError(f"{config_path}: model_type {model_type!r} is not supported (supported: {', '.join(names())})")
-    return family_named(model_type).hf_fields(hf, str(config_path))
+    family = family_named(model_type)
+    for part in family.hf_left_out(hf):
+        _note(config_path, f"{part} is left out")
+    return family.hf_fields(hf, str(config_path))
+
+
+def _note(config_path: Path, what: str) -> None:
+    """Says `what` on stderr, once per checkpoint and note."""
+    if (str(config_path), what) not in _noted:
+        _noted.add((str(config_path), what))
+        print(f"jlong: {config_path}: {what}", file=sys.stderr)
 
 
 def hf_config_dict(config: ModelConfig) -> dict[str, Any]:

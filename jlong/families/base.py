@@ -208,6 +208,10 @@ class Family:
                       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
         return fields
 
+    def hf_left_out(self, hf: dict[str, Any]) -> list[str]:
+        """What of a Hugging Face checkpoint jlong reads past, each said in a note."""
+        return []
+
     def hf_config(self, model: ModelConfig) -> dict[str, Any]:
         """config.json in the transformers 4 form, which both generations load."""
         return {

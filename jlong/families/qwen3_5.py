@@ -186,6 +186,10 @@ class Qwen3_5Family(Family):
             fields["full_attention_interval"] = int(hf["full_attention_interval"])
         return fields
 
+    def hf_left_out(self, hf: dict[str, Any]) -> list[str]:
+        layers = hf.get("mtp_num_hidden_layers")
+        return [f"its {layers} multi-token-prediction layer(s) (mtp.*)"] if layers else []
+
     def hf_config(self, model: ModelConfig) -> dict[str, Any]:
         hf = super().hf_config(model)
         rope = {"rope_type": "default", **(model.rope_scaling or {}), "rope_theta": hf.pop("rope_theta"),

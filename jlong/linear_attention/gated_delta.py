@@ -35,14 +35,16 @@ CHUNK = 64  # tokens related by one triangular solve
 CHUNKS_PER_BLOCK = 16  # chunks recomputed together in the backward pass (one saved state per block)
 
 
-def chunked(q, k, v, g, beta, segment_ids=None, initial_state=None, *, chunk: int = CHUNK,
+def chunked(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_before=None, *, chunk: int = CHUNK,
             chunks_per_block: int = CHUNKS_PER_BLOCK):
     """o [B, S, H, dv] and the final state [B, H, dk, dv], both float32.
 
     q, k [B, S, Hk, dk] (Hk dividing H: value head h reads key head h // (H / Hk)),
     v [B, S, H, dv], g (log decay, <= 0) and beta [B, S, H]; `segment_ids`
     [B, S] separate packed documents; `initial_state` [B, H, dk, dv] is the
-    state before the first token (zero when None)."""
+    state before the first token (zero when None), left by a token of
+    segment `segment_before` [B] (unset: the first token's own, so the first
+    token continues it; another segment starts afresh)."""
     B, S, H, dv = v.shape
     dk = k.shape[-1]
     if segment_ids is None:
@@ -55,7 +57,7 @@ def chunked(q, k, v, g, beta, segment_ids=None, initial_state=None, *, chunk: in
     q, k, v, g, beta = (pad(t.astype(jnp.float32)) for t in (q, k, v, g, beta))
     segment_ids = jnp.pad(segment_ids, [(0, 0), (0, padded - S)], mode="edge")  # padding joins the last document
     # The segment before the first token: the first token's own when it continues `initial_state`.
-    first = segment_ids[:, :1] if initial_state is not None else jnp.full((B, 1), -1, segment_ids.dtype)
+    first = _segment_before(segment_ids, initial_state, segment_before)
     previous = jnp.concatenate([first, segment_ids[:, :-1]], axis=1)
     state = jnp.zeros((B, H, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
     state = varying_like(state, v)  # inside shard_map, the carry varies over the devices as the tokens do
@@ -69,6 +71,13 @@ def chunked(q, k, v, g, beta, segment_ids=None, initial_state=None, *, chunk: in
     state, o = jax.lax.scan(run_block, state, tuple(map(by_block, (q, k, v, g, beta, segment_ids, previous))))
     o = jnp.moveaxis(o, 0, 1).reshape(B, padded, H, dv)[:, :S]
     return o, state
+
+
+def _segment_before(segment_ids, initial_state, segment_before):
+    """[B, 1]: the segment of the token before the first (-1: none, so no state to continue)."""
+    if initial_state is None:
+        return jnp.full_like(segment_ids[:, :1], -1)
+    return segment_ids[:, :1] if segment_before is None else segment_before[:, None].astype(segment_ids.dtype)
 
 
 def _pad_tokens(t, *, extra: int):
@@ -149,7 +158,7 @@ def unit_lower_inverse(strictly_lower):
     return inverse
 
 
-def recurrent(q, k, v, g, beta, segment_ids=None, initial_state=None):
+def recurrent(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_before=None):
     """The rule token by token: the same arguments and results as `chunked`."""
     B, S, H, dv = v.shape
     dk = k.shape[-1]
@@ -157,9 +166,8 @@ def recurrent(q, k, v, g, beta, segment_ids=None, initial_state=None):
     q, k = (jnp.repeat(t.astype(jnp.float32), group, axis=2) for t in (q, k))
     if segment_ids is None:
         segment_ids = jnp.zeros((B, S), jnp.int32)
-    starts = segment_ids != jnp.concatenate([segment_ids[:, :1] - 1, segment_ids[:, :-1]], axis=1)
-    if initial_state is not None:  # the first token continues the given state
-        starts = starts.at[:, 0].set(False)
+    first = _segment_before(segment_ids, initial_state, segment_before)
+    starts = segment_ids != jnp.concatenate([first, segment_ids[:, :-1]], axis=1)
     state = jnp.zeros((B, H, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
     state = varying_like(state, v)
 

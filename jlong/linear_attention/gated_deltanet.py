@@ -36,6 +36,7 @@ import numpy as np
 
 from jlong.errors import JlongError
 from jlong.linear_attention.gated_delta import KERNELS
+from jlong.linear_attention.ring import halo, ring_rule
 from jlong.ops.layers import rms_norm
 
 LINEAR_ATTENTION = "linear_attention"  # Hugging Face's name for these layers in `layer_types`
@@ -125,43 +126,76 @@ def _l2_normed(x):
 
 
 def gated_deltanet_on_device(p, x_BsD, segment_ids_BS, *, layer: GatedDeltaNet, plan: HeadPlan,
-                             to_heads: Callable, to_sequence: Callable, device):
+                             to_heads: Callable, to_sequence: Callable, device, ring=(None, 1)):
     """x + Gated DeltaNet(x) for one device's tokens x [B, s, D]; `to_heads`
     and `to_sequence` exchange [B, s, N, d] <-> [B, S, N/C, d] over the sp
     group (identity on one device); `device` is this device's index in it;
-    `segment_ids_BS` are the whole group's [B, S] (None: one document)."""
+    `segment_ids_BS` are the whole group's [B, S] (None: one document);
+    `ring` is (the ring's mesh axis or None, its size): with a ring, the
+    group holds its rank's two zigzag chunks (`jlong.linear_attention.ring`)."""
     dtype = x_BsD.dtype
     h_BsD = rms_norm(x_BsD, p["attn_norm"], layer.norm_eps)
     project = lambda w: jnp.einsum("bsd,d...->bs...", h_BsD, w)  # noqa: E731
     slots = jnp.asarray(plan.key_heads_of().reshape(plan.devices, plan.key_slots))[device]
     hv = plan.value_heads_per_device
-    heads = device * hv  # this device's first value head
 
     def own_values(w, axis):  # this device's value heads of a per-head parameter
-        return jax.lax.dynamic_slice_in_dim(w, heads, hv, axis)
+        return jax.lax.dynamic_slice_in_dim(w, device * hv, hv, axis)
 
     q, k, v = layer.split_heads(project(p["gdn_qkv"]))
     global_slots = jnp.asarray(plan.key_heads_of())
     q, k = (to_heads(jnp.take(t, global_slots, axis=2)) for t in (q, k))
     v = to_heads(v)
     b, a = (to_heads(project(p[name])[..., None])[..., 0] for name in ("gdn_b", "gdn_a"))
-
     taps_q, taps_k, taps_v = layer.split_heads(p["gdn_conv"])
-    conv = lambda t, taps: jax.nn.silu(causal_conv(t, taps, segment_ids_BS))  # noqa: E731
-    q = conv(q, jnp.take(taps_q, slots, axis=1))
-    k = conv(k, jnp.take(taps_k, slots, axis=1))
-    v = conv(v, own_values(taps_v, 1))
-    q = _l2_normed(q) * (q.shape[-1] ** -0.5)
-    k = _l2_normed(k)
+    taps = (jnp.take(taps_q, slots, axis=1), jnp.take(taps_k, slots, axis=1), own_values(taps_v, 1))
     beta = jax.nn.sigmoid(b.astype(jnp.float32))
     a_log, dt_bias = own_values(p["gdn_a_log"], 0), own_values(p["gdn_dt_bias"], 0)
     g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
-    o, _ = KERNELS[layer.kernel](q, k, v, g, beta, segment_ids_BS)
+    if segment_ids_BS is None:
+        segment_ids_BS = jnp.zeros(v.shape[:2], jnp.int32)
+    rule = KERNELS[layer.kernel]
+    if ring[0] is None:
+        q, k, v = (_conv_and_silu(t, w, segment_ids_BS) for t, w in zip((q, k, v), taps))
+        o, _ = rule(*_normed_qk(q, k), v, g, beta, segment_ids_BS)
+    else:
+        o = _on_ring(rule, (q, k, v), taps, g, beta, segment_ids_BS, ring)
     o_BsHd = to_sequence(o.astype(dtype))
 
     gated = rms_norm(o_BsHd, p["gdn_norm"], layer.norm_eps).astype(jnp.float32)
     gated = (gated * jax.nn.silu(project(p["gdn_z"]).astype(jnp.float32))).astype(dtype)
     return x_BsD + jnp.einsum("bshk,hkd->bsd", gated, p["gdn_out"])
+
+
+def _conv_and_silu(x, taps, segment_ids):
+    return jax.nn.silu(causal_conv(x, taps, segment_ids))
+
+
+def _normed_qk(q, k):
+    """q and k L2-normalised, q also scaled by dk^-1/2."""
+    return _l2_normed(q) * (q.shape[-1] ** -0.5), _l2_normed(k)
+
+
+def _on_ring(rule, qkv, taps, g, beta, segment_ids_BS, ring):
+    """The rule's output [B, S/R, H, dv] for the ring rank's two zigzag
+    chunks: each chunk's convolution continues from the tokens before it and
+    its rule from the state before it."""
+    axis, size = ring
+    pieces = lambda t: t.reshape(t.shape[0], 2, t.shape[1] // 2, *t.shape[2:])  # noqa: E731
+    segments = pieces(segment_ids_BS)
+    width = taps[0].shape[0] - 1
+    convolved = []
+    for x, w in zip(qkv, taps):
+        x = pieces(x)
+        before, before_segments = halo(x, segments, width, axis, size)
+        joined = jnp.concatenate([before, x], axis=2)
+        joined_segments = jnp.concatenate([before_segments, segments], axis=2)
+        out = jax.vmap(_conv_and_silu, in_axes=(1, None, 1), out_axes=1)(joined, w, joined_segments)
+        convolved.append(out[:, :, width:])
+    q, k, v = convolved
+    q, k = _normed_qk(q, k)
+    o = ring_rule(rule, q, k, v, pieces(g), pieces(beta), segments, before_segments[..., -1], axis=axis, size=size)
+    return o.reshape(o.shape[0], -1, *o.shape[3:])
 
 
 def conv_flops_per_token(layer_channels: int, taps: int) -> float:

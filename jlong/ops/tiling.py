@@ -45,9 +45,13 @@ def varying_like(params, x):
     """Inside shard_map the parameters are the same on every device, their
     gradients are not: marked varying like x, the custom backward passes may
     return this device's part, and the transpose of the mark sums the parts."""
-    if axes := tuple(sorted(jax.typeof(x).manual_axis_type.varying)):
-        return jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), params)
-    return params
+    axes = set(jax.typeof(x).manual_axis_type.varying)
+
+    def mark(p):  # over the axes p does not already vary over
+        missing = tuple(sorted(axes - set(jax.typeof(p).manual_axis_type.varying)))
+        return jax.lax.pcast(p, missing, to="varying") if missing else p
+
+    return jax.tree.map(mark, params) if axes else params
 
 
 def float32_zeros(params):
