@@ -30,6 +30,24 @@ def test_preset_numbers():
     assert load_config(None, ["model.preset=qwen2.5-14b"]).model.attention_bias
 
 
+@pytest.mark.parametrize("name, billions, layers", [("qwen3.5-0.8b", 0.75, 24), ("qwen3.5-9b", 8.95, 32),
+                                                    ("qwen3.5-27b", 26.9, 64)])
+def test_qwen3_5_presets_hold_their_published_sizes(name, billions, layers):
+    """Their text models' parameters (the vision tower left out) and a full-attention layer every fourth."""
+    import math
+
+    from jlong.families import family_of
+
+    model = load_config(None, [f"model.preset={name}"]).model
+    family = family_of(model)
+    total = sum(math.prod(s.shape) * family.layers_with(model, s) for s in family.layer_params(model).values())
+    total += sum(math.prod(s.shape) for s in family.outer_params(model).values())
+    assert total / 1e9 == pytest.approx(billions, abs=0.01)
+    assert family.layer_types(model) == ("linear_attention",) * 3 + ("full_attention",) + \
+        family.layer_types(model)[4:] and len(family.layer_types(model)) == layers
+    assert family.layer_types(model).count("full_attention") == layers // 4
+
+
 def test_inline_fields_override_the_preset(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("model:\n  preset: llama3.2-1b\n  num_hidden_layers: 2\ntrain:\n  seq_len: 4096\n")

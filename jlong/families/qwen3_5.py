@@ -172,6 +172,8 @@ class Qwen3_5Family(Family):
     def hf_fields(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
         if hf.get("attention_bias"):
             raise JlongError(f"{where}: attention_bias=true is not supported (Qwen3.5 has no attention biases)")
+        if hf.get("attn_output_gate") is False:
+            raise JlongError(f"{where}: attn_output_gate=false is not supported (every Qwen3.5 attention layer is gated)")
         if (activation := hf.get("hidden_act", "silu")) != "silu":
             raise JlongError(f"{where}: hidden_act={activation} is not supported (Qwen3.5's is silu)")
         rope = dict(hf.get("rope_parameters") or {})
