@@ -17,8 +17,10 @@ from jlong.families import family_of
 from jlong.hf import model_config_from_hf
 from jlong.linear_attention import gated_delta
 
+# Every second layer full attention: the layers repeat with a period of two (one loop over the periods).
 TINY = ["model.preset=tiny-qwen3.5", "model.vocab_size=128", "model.num_hidden_layers=4", "model.hidden_size=64",
-        "model.intermediate_size=128", "model.num_key_value_heads=2", "data.eos_id=7", "train.batch_size=2"]
+        "model.intermediate_size=128", "model.num_key_value_heads=2", "model.full_attention_interval=2",
+        "data.eos_id=7", "train.batch_size=2"]
 
 
 def _tiny(*overrides):
@@ -72,6 +74,24 @@ def test_logits_match_transformers_across_chunks_with_yarn(tmp_path):
     model = jlong.from_hf(tmp_path)
     assert model.config.rope_scaling["rope_type"] == "yarn" and model.config.partial_rotary_factor == 0.25
     tokens = np.random.default_rng(1).integers(0, 96, (2, 150))
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens))), hf_logits(hf_model, tokens), atol=1e-4)
+
+
+@pytest.mark.fast
+def test_layers_that_repeat_run_as_one_loop_over_periods_with_transformers_logits(tmp_path):
+    """Qwen3.5-27B's 64 layers compile as one loop of 16 four-layer periods;
+    a model scanned by its period gives transformers' logits."""
+    from jlong.config import load_config
+    from jlong.model.transformer import ForwardOptions, layer_groups
+
+    [group] = layer_groups(load_config(None, ["model.preset=qwen3.5-27b"]).model, ForwardOptions())
+    assert group.repeats == 16 and [o.layer_type for o in group.period] == ["linear_attention"] * 3 + [
+        "full_attention"]
+    hf_model = small_hf_model("qwen3.5", layer_types=["linear_attention", "full_attention"] * 2)
+    hf_model.save_pretrained(tmp_path)
+    model = jlong.from_hf(tmp_path)
+    assert len(layer_groups(model.config, ForwardOptions())) == 1
+    tokens = np.random.default_rng(1).integers(0, 96, (2, 70))
     np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens))), hf_logits(hf_model, tokens), atol=1e-4)
 
 

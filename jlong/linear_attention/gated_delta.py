@@ -37,7 +37,7 @@ CHUNKS_PER_BLOCK = 16  # chunks recomputed together in the backward pass (one sa
 
 def chunked(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_before=None, *, chunk: int = CHUNK,
             chunks_per_block: int = CHUNKS_PER_BLOCK):
-    """o [B, S, H, dv] and the final state [B, H, dk, dv], both float32.
+    """o [B, S, H, dv] in v's dtype and the final state [B, H, dk, dv] in float32.
 
     q, k [B, S, Hk, dk] (Hk dividing H: value head h reads key head h // (H / Hk)),
     v [B, S, H, dv], g (log decay, <= 0) and beta [B, S, H]; `segment_ids`
@@ -54,7 +54,7 @@ def chunked(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_befo
     padded = -(-S // block) * block
     # Padding at the end neither reads nor changes the state that earlier tokens see (k = beta = 0, g = 0).
     pad = functools.partial(_pad_tokens, extra=padded - S)
-    q, k, v, g, beta = (pad(t.astype(jnp.float32)) for t in (q, k, v, g, beta))
+    q, k, v, g, beta = map(pad, (q, k, v, g, beta))  # cast to float32 a block at a time
     segment_ids = jnp.pad(segment_ids, [(0, 0), (0, padded - S)], mode="edge")  # padding joins the last document
     # The segment before the first token: the first token's own when it continues `initial_state`.
     first = _segment_before(segment_ids, initial_state, segment_before)
@@ -90,6 +90,8 @@ def _pad_tokens(t, *, extra: int):
 def _block(state, inputs, *, chunk: int):
     """One block of chunks: (state in, (q, k, v, g, beta, segments, previous segments)) -> (state out, o)."""
     q, k, v, g, beta, seg, prev = inputs
+    dtype = v.dtype
+    q, k, v, g, beta = (t.astype(jnp.float32) for t in (q, k, v, g, beta))
     B, T, H, dv = v.shape
     group = H // k.shape[2]
     q, k = (jnp.repeat(t, group, axis=2) for t in (q, k))
@@ -133,7 +135,7 @@ def _block(state, inputs, *, chunk: int):
     along_chunks = [jnp.moveaxis(t, 2, 0) for t in (new_values, state_keys, intra, q_read, k_write)]
     state, o = jax.lax.scan(one_chunk, state, (*along_chunks, jnp.moveaxis(chunk_decay, 2, 0)))
     o = jnp.moveaxis(o, 0, 2)  # [B, H, n, C, dv]
-    return state, jnp.moveaxis(o, 1, 3).reshape(B, T, H, dv)
+    return state, jnp.moveaxis(o, 1, 3).reshape(B, T, H, dv).astype(dtype)
 
 
 def unit_lower_inverse(strictly_lower):
@@ -180,7 +182,7 @@ def recurrent(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_be
 
     xs = (q, k, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32), starts)
     state, o = jax.lax.scan(step, state, tuple(jnp.moveaxis(t, 1, 0) for t in xs))
-    return jnp.moveaxis(o, 0, 1), state
+    return jnp.moveaxis(o, 0, 1).astype(v.dtype), state
 
 
 KERNELS = {"chunked": chunked, "recurrent": recurrent}

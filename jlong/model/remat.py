@@ -140,3 +140,20 @@ def scan_layers(layer_fn, x, stacked_params: dict, policy: RematPolicy, layers_p
 
     grouped = jax.tree.map(lambda w: w.reshape(w.shape[0] // k, k, *w.shape[1:]), stacked_params)
     return jax.lax.scan(policy.wrap(group), x, grouped)[0]
+
+
+def scan_periods(layer_fns, x, stacked_params: dict, policies: list[RematPolicy], slots: list[dict[str, int]]):
+    """x through layers that repeat with a period: one scan over the leading
+    (repeats) axis of `stacked_params` ([repeats, per period, ...]) whose
+    body runs the period's layers in turn, layer i as `layer_fns[i](x, params)
+    -> (x, None)` under `policies[i]` with the parameters `slots[i]` names
+    (name -> index in the period's stack). Each layer is checkpointed on its
+    own, so the policies keep what they keep in a loop of single layers."""
+
+    def period(x, params):
+        for layer_fn, policy, slot in zip(layer_fns, policies, slots):
+            layer = policy.wrap(lambda x, p, fn=layer_fn: fn(name_layer_input(x), p))
+            x, _ = layer(x, {name: params[name][index] for name, index in slot.items()})
+        return x, None
+
+    return jax.lax.scan(period, x, stacked_params)[0]

@@ -28,7 +28,7 @@ from jlong.config import Config, ModelConfig
 from jlong.families import ParamSpec, family_of
 from jlong.families.base import FULL_ATTENTION
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy, token_scores
-from jlong.model.remat import remat_policy, scan_layers
+from jlong.model.remat import remat_policy, scan_layers, scan_periods
 from jlong.ops.shards import HIDDEN, OneDevice, Shards
 from jlong.options import DType, RematName, RematSegment
 
@@ -104,6 +104,50 @@ def layer_runs(config: ModelConfig, options: ForwardOptions) -> list[tuple[int, 
     return runs
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerGroup:
+    """Layers [first, first + repeats x len(period)) scanned as one loop of
+    `repeats` iterations over a body of len(period) layers, each run with
+    its options in `period`."""
+
+    first: int
+    repeats: int
+    period: tuple[ForwardOptions, ...]
+
+    @property
+    def last(self) -> int:
+        return self.first + self.repeats * len(self.period)
+
+
+def layer_groups(config: ModelConfig, options: ForwardOptions) -> list[LayerGroup]:
+    """The layers as loops: each run of `layer_runs` on its own (a body of one
+    layer), except where a remat segment's layers repeat with a period of
+    several layers (Qwen3.5: 3 Gated DeltaNet + 1 attention; Gemma 3: 5
+    sliding + 1 global): one loop over the periods, so a 64-layer hybrid
+    compiles one 4-layer body rather than 32 loops. A segment that keeps
+    one input per k > 1 layers keeps its runs."""
+    L = config.num_hidden_layers
+    runs = layer_runs(config, options)
+    per_layer = [run_options for first, last, run_options in runs for _ in range(first, last)]
+    segments = options.remat_segments or (RematSegment(options.remat, L, options.layers_per_checkpoint),)
+    groups, first = [], 0
+    for segment in segments:
+        end = first + segment.layers
+        period = _period(per_layer[first:end])
+        if segment.layers_per_checkpoint == 1 and 1 < period < end - first:
+            groups.append(LayerGroup(first, (end - first) // period, tuple(per_layer[first:first + period])))
+        else:
+            groups += [LayerGroup(start, last - start, (o,)) for start, last, o in runs if first <= start < end]
+        first = end
+    return groups
+
+
+def _period(items: list) -> int:
+    """The fewest leading items that, repeated, make up `items`."""
+    n = len(items)
+    return next(p for p in range(1, n + 1) if n % p == 0 and all(items[i] == items[i % p] for i in range(n)))
+
+
 def _param(spec: ParamSpec, key, dtype) -> nnx.Param:
     return nnx.Param(spec.initial(key, spec.shape, dtype), axes=spec.axes)
 
@@ -163,25 +207,52 @@ class Transformer(nnx.Module):
 
         layer_axes = {name: spec.axes for name, spec in family.layer_params(config).items()}
 
-        def layers_under(segment_options: ForwardOptions, x_BSD, stacked: dict):
+        def layer_under(layer_options: ForwardOptions):
             def one_layer(x_BSD, params):
                 # Cast, then constrain to the compute layout: under FSDP this is
                 # where each layer's weights are gathered (in the compute dtype).
                 params = {name: constrain(w.astype(dtype), layer_axes[name]) for name, w in params.items()}
-                x_BSD = family.block(params, x_BSD, positions_BS, segment_ids_BS, config, segment_options)
+                x_BSD = family.block(params, x_BSD, positions_BS, segment_ids_BS, config, layer_options)
                 return x_BSD, None
 
-            policy = remat_policy(segment_options.remat)
-            return scan_layers(one_layer, x_BSD, stacked, policy, segment_options.layers_per_checkpoint)
+            return one_layer
 
         stacked = self.layers.arrays()
         specs = family.layer_params(config)
-        for first, last, run_options in layer_runs(config, options):  # each run scanned with its own options
-            layers = {name: w if (first, last) == (0, config.num_hidden_layers) else
-                      w[family.stack_index(config, specs[name], first):][:last - first]
-                      for name, w in stacked.items() if specs[name].layer_type in (None, run_options.layer_type)}
-            x_BSD = layers_under(run_options, x_BSD, layers)
+
+        def of_group(group: LayerGroup):  # each parameter's layers in the group: [repeats, per period, ...]
+            types = {o.layer_type for o in group.period}
+            layers = {}
+            for name, w in stacked.items():
+                if specs[name].layer_type not in (None, *types):
+                    continue
+                count = sum(specs[name].layer_type in (None, o.layer_type) for o in group.period) * group.repeats
+                w = w if count == w.shape[0] else w[family.stack_index(config, specs[name], group.first):][:count]
+                layers[name] = w.reshape(group.repeats, count // group.repeats, *w.shape[1:])
+            return layers
+
+        for group in layer_groups(config, options):
+            layers = of_group(group)
+            if len(group.period) == 1:  # a run of one type
+                [run_options] = group.period
+                x_BSD = scan_layers(layer_under(run_options), x_BSD, jax.tree.map(lambda w: w[:, 0], layers),
+                                    remat_policy(run_options.remat), run_options.layers_per_checkpoint)
+            else:
+                x_BSD = scan_periods([layer_under(o) for o in group.period], x_BSD, layers,
+                                     [remat_policy(o.remat) for o in group.period], self._slots(group, specs))
         return family.final_norm(x_BSD, self.final_norm.get_value(), config, options)
+
+    @staticmethod
+    def _slots(group: LayerGroup, specs: dict[str, ParamSpec]) -> list[dict[str, int]]:
+        """For each layer of the period, the index of its entry in each
+        parameter's per-period stack (the parameters it has)."""
+        slots = []
+        for i, layer_options in enumerate(group.period):
+            kind = layer_options.layer_type
+            earlier = [o.layer_type for o in group.period[:i]]
+            slots.append({name: i if spec.layer_type is None else earlier.count(kind)
+                          for name, spec in specs.items() if spec.layer_type in (None, kind)})
+        return slots
 
     def output_embedding(self):
         """The [D, vocab] matrix that maps hidden states to logits."""

@@ -50,6 +50,33 @@ def _split(tree: dict) -> tuple[dict, dict]:
     return tree[LAYERS], {key: value for key, value in tree.items() if key != LAYERS}
 
 
+def _stacks(layers: dict) -> dict[str, dict]:
+    """The layer parameters in groups stacked over the same layers, each run
+    through its own loop: one group (every layer) in most families; a hybrid's
+    parameters of one layer type are stacked over its layers alone. Keyed
+    by stack length, longest first; "" for a single group."""
+    groups: dict[int, dict] = {}
+    for name, w in layers.items():
+        groups.setdefault(w.shape[0], {})[name] = w
+    if len(groups) == 1:
+        return {"": layers}
+    return {f"stack_{n}": groups[n] for n in sorted(groups, reverse=True)}
+
+
+def _layer_states(state_layers, stacks: dict[str, dict]) -> dict:
+    """AdamW's layer state by stack (`_stacks`), from the stored form: the state
+    itself for a single group (as before hybrids), else keyed like the stacks."""
+    return {"": state_layers} if list(stacks) == [""] else state_layers
+
+
+def _stored(by_stack: dict):
+    return by_stack[""] if list(by_stack) == [""] else by_stack
+
+
+def _joined(by_stack: dict[str, dict]) -> dict:
+    return {name: w for group in by_stack.values() for name, w in group.items()}
+
+
 class HostAdamW:
     """The offloaded optimizer (`jlong.program.optimizer.Optimizer`), for a
     parameter dict whose `layers` entry holds stacked per-layer arrays. Its
@@ -70,13 +97,18 @@ class HostAdamW:
 
     def init(self, master: dict) -> dict:
         layers, rest = _split(master)
-        return {LAYERS: jax.vmap(self.adamw.init)(layers), "rest": self.adamw.init(rest)}
+        stacks = _stacks(layers)
+        self.stack_names = {key: tuple(group) for key, group in stacks.items()}  # for `state_shardings`
+        by_stack = {key: jax.vmap(self.adamw.init)(group) for key, group in stacks.items()}
+        return {LAYERS: _stored(by_stack), "rest": self.adamw.init(rest)}
 
     def state_shardings(self, state_shapes: dict, rest_shardings: dict, counters) -> dict:
         """Moments placed like their parameters (in host memory), counters on the devices."""
         layers, rest = _split(rest_shardings)
-        return {LAYERS: state_shardings(self.adamw, state_shapes[LAYERS], layers, counters),
-                "rest": state_shardings(self.adamw, state_shapes["rest"], rest, counters)}
+        stacks = {key: {name: layers[name] for name in group} for key, group in self.stack_names.items()}
+        shapes = _layer_states(state_shapes[LAYERS], stacks)
+        by_stack = {key: state_shardings(self.adamw, shapes[key], group, counters) for key, group in stacks.items()}
+        return {LAYERS: _stored(by_stack), "rest": state_shardings(self.adamw, state_shapes["rest"], rest, counters)}
 
     def compute_params(self, master: dict, device_shardings: dict) -> dict:
         """The master parameters on the devices in the compute dtype, one layer at a time."""
@@ -86,7 +118,7 @@ class HostAdamW:
         def one_layer(_, layer):
             return None, jax.tree.map(lambda w: jax.device_put(w, DEVICE).astype(dtype), layer)
 
-        _, layers = jax.lax.scan(one_layer, None, layers)
+        layers = _joined({key: jax.lax.scan(one_layer, None, group)[1] for key, group in _stacks(layers).items()})
         copy = {LAYERS: layers, **jax.tree.map(lambda w: jax.device_put(w, DEVICE).astype(dtype), rest)}
         return jax.lax.with_sharding_constraint(copy, device_shardings)
 
@@ -110,9 +142,14 @@ class HostAdamW:
         # into the donated ones: host memory holds a second copy of the layers'
         # states at the end of the step (an in-place update inside the loop
         # does not compile on XLA:GPU today). The plan counts it.
-        _, (master_layers, state_layers) = jax.lax.scan(one_layer, None, (grads_layers, state[LAYERS], master_layers))
+        stacks = _stacks(master_layers)
+        grads_by_stack, states = _stacks(grads_layers), _layer_states(state[LAYERS], stacks)
+        new_master, new_states = {}, {}
+        for key, group in stacks.items():
+            _, (new_master[key], new_states[key]) = jax.lax.scan(
+                one_layer, None, (grads_by_stack[key], states[key], group))
         master_rest, state_rest = step(grads_rest, state["rest"], master_rest)
-        return {LAYERS: master_layers, **master_rest}, {LAYERS: state_layers, "rest": state_rest}, grad_norm
+        return {LAYERS: _joined(new_master), **master_rest}, {LAYERS: _stored(new_states), "rest": state_rest}, grad_norm
 
     def _clipped(self, g, grad_norm):
         """optax's global-norm clipping, one gradient at a time."""
