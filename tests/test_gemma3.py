@@ -254,13 +254,17 @@ def test_the_text_model_of_an_image_text_checkpoint_matches_transformers(tmp_pat
 
 
 @pytest.mark.fast
-def test_the_planner_groups_layers_by_two_only_where_every_run_of_one_type_allows():
+def test_the_planner_groups_layers_by_two_only_where_every_loop_body_allows():
     """`jlong maxlen`'s most frugal settings keep one input per two layers
-    where k is free; Gemma 3's runs of 5 sliding and 1 global layer cannot
-    be grouped so, Llama's 32 layers can."""
+    where k is free and divides every loop's body: Gemma-3-12B's layers repeat
+    with a period of 6 (one loop over the periods), Llama's 32 layers are one
+    run; Gemma 3 with a layer count that breaks the period keeps runs of 5
+    and 1, which cannot be grouped so."""
     from helpers import REPO
 
     from jlong.planner.memory_choice import frugal
 
-    assert frugal(load_config(REPO / "configs" / "gemma3-12b-1m.yaml")).memory.layers_per_checkpoint == 1
+    assert frugal(load_config(REPO / "configs" / "gemma3-12b-1m.yaml")).memory.layers_per_checkpoint == 2
+    broken = load_config(REPO / "configs" / "gemma3-12b-1m.yaml", ["model.num_hidden_layers=46"])
+    assert frugal(broken).memory.layers_per_checkpoint == 1
     assert frugal(load_config(REPO / "configs" / "llama3-8b-5m.yaml")).memory.layers_per_checkpoint == 2

@@ -11,7 +11,7 @@ attention output is multiplied by sigmoid(gate) before Wo.
 
 The input's gradient never flows through the projection's own output: each
 call takes a gradient sink and adds its part of x's gradient into the sink's
-gradient in place (`_tiles_gradient_into`). The UPipe stages pass one sink
+gradient in place (`tiles_gradient_into`). The UPipe stages pass one sink
 along, so the stages' gradients of x add up in one [B, s, D] buffer per device.
 """
 
@@ -25,8 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jlong.ops.layers import apply_rope, rms_norm
-from jlong.ops.tiling import add_in_float32, cast_like, float32_zeros, join_tiles, put_tile, split_tiles, tile_at
-from jlong.ops.tiling import varying_like
+from jlong.ops.tiling import tiles_gradient_into, varying_like
 
 ATTENTION_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm")
 
@@ -67,7 +66,7 @@ class QKVProjection:
         counts = tuple(heads[1] for heads in ranges.values())
         normed_qkv = functools.partial(self._normed_qkv, counts=counts)
         tile, weights = self.tile or x_BSD.shape[1], varying_like(weights, x_BSD)
-        qkv, sink_BSD = _tiles_gradient_into(normed_qkv, tile, weights, x_BSD, positions_BS, sink_BSD)
+        qkv, sink_BSD = tiles_gradient_into(normed_qkv, tile, weights, x_BSD, positions_BS, sink_BSD)
         return *qkv, sink_BSD
 
     def _normed_qkv(self, w, x_BSD, positions_BS, *, counts):
@@ -110,43 +109,3 @@ def _heads(w, first, count, axis):
     if count == w.shape[axis]:
         return w
     return jax.lax.dynamic_slice_in_dim(w, first, count, axis)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _tiles_gradient_into(fn, tile, params, x, tokens, sink):
-    """(fn(params, x_tile, tokens_tile) for each sequence tile, joined along
-    the sequence; `sink` unchanged), where x's gradient goes into the sink's.
-
-    The backward pass recomputes one tile at a time and adds the tile's part
-    of x's gradient into the sink's gradient in place; x itself gets none.
-    `tokens` (per-token integers: positions) gets no gradient.
-    """
-
-    def one_tile(_, tiles):
-        return None, fn(params, *tiles)
-
-    _, outputs = jax.lax.scan(one_tile, None, (split_tiles(x, tile), split_tiles(tokens, tile)))
-    return jax.tree.map(join_tiles, outputs), sink
-
-
-def _gradient_into_forward(fn, tile, params, x, tokens, sink):
-    return _tiles_gradient_into(fn, tile, params, x, tokens, sink), (params, x, tokens)
-
-
-def _gradient_into_backward(fn, tile, saved, cotangents):
-    params, x, tokens = saved
-    d_outputs, d_sink = cotangents
-
-    def one_tile(i, carry):
-        d_sink, dparams = carry
-        tokens_tile = tile_at(tokens, i, tile)
-        _, pullback = jax.vjp(lambda p, x_tile: fn(p, x_tile, tokens_tile), params, tile_at(x, i, tile))
-        dparams_tile, dx_tile = pullback(jax.tree.map(lambda d: tile_at(d, i, tile), d_outputs))
-        dparams = jax.tree.map(add_in_float32, dparams, dparams_tile)
-        return put_tile(d_sink, tile_at(d_sink, i, tile) + dx_tile, i, tile), dparams
-
-    d_sink, dparams = jax.lax.fori_loop(0, x.shape[1] // tile, one_tile, (d_sink, float32_zeros(params)))
-    return cast_like(dparams, params), None, None, d_sink
-
-
-_tiles_gradient_into.defvjp(_gradient_into_forward, _gradient_into_backward)

@@ -147,15 +147,23 @@ def _check_layer_groups(config: Config) -> None:
         )
     runs = grouped_runs(config.model, in_runs)
     if k > 1 and any(run % k for run in runs):
-        raise JlongError(f"memory.layers_per_checkpoint ({k}) must divide each run of layers of one type "
+        raise JlongError(f"memory.layers_per_checkpoint ({k}) must divide each run of layers of one type, or their "
+                         "period where their types repeat "
                          f"({', '.join(map(str, runs))} layers in model.family={config.model.family})")
 
 
 def grouped_runs(model: ModelConfig, first: int = 0) -> list[int]:
-    """The lengths of the runs of one layer type from layer `first` on (after memory.remat_runs'): each is
-    scanned on its own, so memory.layers_per_checkpoint must divide every one."""
+    """The lengths of the layer loops' bodies from layer `first` on (after memory.remat_runs'): the layers'
+    period where their types repeat (one loop over the periods, `jlong.model.transformer.layer_groups`), else
+    each run of one type; memory.layers_per_checkpoint must divide every one."""
+    family = family_named(model.family)
+    kinds = family.layer_types(model)[first:]
+    period = next(p for p in range(1, len(kinds) + 1)
+                  if len(kinds) % p == 0 and all(kinds[i] == kinds[i % p] for i in range(len(kinds))))
+    if 1 < period < len(kinds):
+        return [period]
     runs, start = [], 0
-    for _, layers in family_named(model.family).layer_runs(model):
+    for _, layers in family.layer_runs(model):
         if start + layers > first:
             runs.append(start + layers - max(start, first))
         start += layers

@@ -143,7 +143,8 @@ class Qwen3_5Family(Family):
         p = {name: _scale(w) if name in OFFSET_NORMS else w for name, w in p.items()}
         if options.layer_type == LINEAR_ATTENTION:
             x_BSD = options.sequence_parallel.linear_attention(p, x_BSD, segment_ids_BS, layer=self.linear_layer(model),
-                                                               shards=options.shards)
+                                                               shards=options.shards, tile=options.mlp_tile,
+                                                               stages=options.head_stages)
         else:
             x_BSD = blocks.attention(p, x_BSD, positions_BS, segment_ids_BS, model, options,
                                      projection=_projection(model, options.mlp_tile))

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from jlong.ops.tiling import varying_like
 
-CHUNK = 64  # tokens related by one triangular solve
+CHUNK = 128  # tokens related by one triangular solve
 CHUNKS_PER_BLOCK = 16  # chunks recomputed together in the backward pass (one saved state per block)
 
 
@@ -64,12 +64,14 @@ def chunked(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_befo
 
     blocks = padded // block
 
-    def by_block(t):  # [B, S, ...] -> [blocks, B, block, ...]
+    def by_block(t):  # [B, S, ...] -> [blocks, B, block, ...] (a reshape alone for one sequence)
+        if B == 1:
+            return t.reshape(blocks, 1, block, *t.shape[2:])
         return jnp.moveaxis(t.reshape(B, blocks, block, *t.shape[2:]), 1, 0)
 
     run_block = jax.checkpoint(functools.partial(_block, chunk=chunk), prevent_cse=False)
     state, o = jax.lax.scan(run_block, state, tuple(map(by_block, (q, k, v, g, beta, segment_ids, previous))))
-    o = jnp.moveaxis(o, 0, 1).reshape(B, padded, H, dv)[:, :S]
+    o = (o if B == 1 else jnp.moveaxis(o, 0, 1)).reshape(B, padded, H, dv)[:, :S]
     return o, state
 
 

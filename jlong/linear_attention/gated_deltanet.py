@@ -28,16 +28,19 @@ k's, v's); `gdn_z` [D, Hv, dv]; `gdn_b`, `gdn_a` [D, Hv]; `gdn_a_log`,
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jlong.ops.head_stages import sum_over_head_stages
 from jlong.errors import JlongError
 from jlong.linear_attention.gated_delta import KERNELS
 from jlong.linear_attention.ring import halo, ring_rule
 from jlong.ops.layers import rms_norm
+from jlong.ops.tiling import join_tiles, split_tiles, tiles_gradient_into, varying_like
 
 LINEAR_ATTENTION = "linear_attention"  # Hugging Face's name for these layers in `layer_types`
 GDN_PARAMS = ("attn_norm", "gdn_qkv", "gdn_conv", "gdn_z", "gdn_b", "gdn_a", "gdn_a_log", "gdn_dt_bias", "gdn_norm",
@@ -68,42 +71,60 @@ class GatedDeltaNet:
         heads = lambda t, n, d: t.reshape(*t.shape[:-1], n, d)  # noqa: E731
         return heads(q, Hk, dk), heads(k, Hk, dk), heads(v, self.value_heads, self.value_dim)
 
-    def head_plan(self, devices: int) -> HeadPlan:
-        """Which heads each of `devices` sp devices runs; a one-line error when they cannot split them."""
+    def head_plan(self, devices: int, stages: int = 1) -> HeadPlan:
+        """Which heads each of `devices` sp devices runs, in up to `stages`
+        stages (the most that split its heads evenly and never straddle a key
+        head's group); a one-line error when the devices cannot split them."""
         Hk, Hv = self.key_heads, self.value_heads
         if Hv % devices:
             raise JlongError(f"model.linear_num_value_heads ({Hv}) must be divisible by mesh.sp ({devices}) for "
                              "Gated DeltaNet's heads to split over the sp devices")
         per_device, group = Hv // devices, Hv // Hk
-        if per_device % group and group % per_device:
+        if not _workable(per_device, group):
             raise JlongError(f"mesh.sp ({devices}) splits Gated DeltaNet's {Hv} value heads into {per_device} per "
                              f"device, which straddle the groups of {group} that share a key head; choose an sp "
                              f"degree giving a multiple or a divisor of {group} value heads per device")
-        return HeadPlan(Hk, Hv, devices)
+        stages = max(n for n in range(1, min(stages, per_device) + 1)
+                     if per_device % n == 0 and _workable(per_device // n, group))
+        return HeadPlan(Hk, Hv, devices, stages)
+
+
+def _workable(heads: int, group: int) -> bool:
+    """Whether runs of `heads` value heads (aligned to their count) never straddle two key heads' groups."""
+    return heads % group == 0 or group % heads == 0
 
 
 @dataclasses.dataclass(frozen=True)
 class HeadPlan:
-    """The heads of one device in an sp group of `devices` (static)."""
+    """The heads of each device of an sp group of `devices`, in `stages`
+    stages (static): device c runs its block of Hv / C value heads,
+    Hv / (C x stages) of them per stage, and the key heads they read."""
 
     key_heads: int
     value_heads: int
     devices: int
+    stages: int = 1
 
     @property
-    def value_heads_per_device(self) -> int:
-        return self.value_heads // self.devices
+    def value_heads_per_stage(self) -> int:
+        """Value heads one device runs in one stage."""
+        return self.value_heads // (self.devices * self.stages)
 
     @property
     def key_slots(self) -> int:
-        """Key heads each device holds (a key head some devices share is copied to each)."""
-        return max(1, self.value_heads_per_device * self.key_heads // self.value_heads)
+        """Key heads one device holds in one stage (a key head several devices read is copied to each)."""
+        return max(1, self.value_heads_per_stage * self.key_heads // self.value_heads)
+
+    def value_heads_of(self) -> np.ndarray:
+        """[stages, devices x heads per stage]: each stage's value heads, device-major."""
+        per_device, n = self.value_heads // self.devices, self.value_heads_per_stage
+        return np.array([[c * per_device + s * n + j for c in range(self.devices) for j in range(n)]
+                         for s in range(self.stages)])
 
     def key_heads_of(self) -> np.ndarray:
-        """The key head in each (device, slot), device-major: [devices * key_slots]."""
-        group = self.value_heads // self.key_heads
-        return np.array([c * self.value_heads_per_device // group + i
-                         for c in range(self.devices) for i in range(self.key_slots)])
+        """[stages, devices x key slots]: the key head in each (device, slot) of each stage."""
+        group, first = self.value_heads // self.key_heads, self.value_heads_of()[:, ::self.value_heads_per_stage]
+        return np.array([[f // group + i for f in firsts for i in range(self.key_slots)] for firsts in first])
 
 
 def causal_conv(x_BSCd, taps_KCd, segment_ids_BS):
@@ -126,45 +147,78 @@ def _l2_normed(x):
 
 
 def gated_deltanet_on_device(p, x_BsD, segment_ids_BS, *, layer: GatedDeltaNet, plan: HeadPlan,
-                             to_heads: Callable, to_sequence: Callable, device, ring=(None, 1)):
-    """x + Gated DeltaNet(x) for one device's tokens x [B, s, D]; `to_heads`
-    and `to_sequence` exchange [B, s, N, d] <-> [B, S, N/C, d] over the sp
-    group (identity on one device); `device` is this device's index in it;
-    `segment_ids_BS` are the whole group's [B, S] (None: one document);
-    `ring` is (the ring's mesh axis or None, its size): with a ring, the
-    group holds its rank's two zigzag chunks (`jlong.linear_attention.ring`)."""
-    dtype = x_BsD.dtype
-    h_BsD = rms_norm(x_BsD, p["attn_norm"], layer.norm_eps)
-    project = lambda w: jnp.einsum("bsd,d...->bs...", h_BsD, w)  # noqa: E731
-    slots = jnp.asarray(plan.key_heads_of().reshape(plan.devices, plan.key_slots))[device]
-    hv = plan.value_heads_per_device
-
-    def own_values(w, axis):  # this device's value heads of a per-head parameter
-        return jax.lax.dynamic_slice_in_dim(w, device * hv, hv, axis)
-
-    q, k, v = layer.split_heads(project(p["gdn_qkv"]))
-    global_slots = jnp.asarray(plan.key_heads_of())
-    q, k = (to_heads(jnp.take(t, global_slots, axis=2)) for t in (q, k))
-    v = to_heads(v)
-    b, a = (to_heads(project(p[name])[..., None])[..., 0] for name in ("gdn_b", "gdn_a"))
+                             to_heads: Callable, to_sequence: Callable, device, ring=(None, 1), tile: int = 0):
+    """x + Gated DeltaNet(x) for one device's tokens x [B, s, D], summed over
+    the plan's head stages; `to_heads` and `to_sequence` exchange [B, s, N, d]
+    <-> [B, S, N/C, d] over the sp group (identity on one device); `device`
+    is this device's index in it; `segment_ids_BS` are the whole group's
+    [B, S] (None: one document); `ring` is (the ring's mesh axis or None,
+    its size): with a ring, the group holds its rank's two zigzag chunks
+    (`jlong.linear_attention.ring`); `tile`: the tokens of the output's
+    norm and projection computed at a time (0: all), as the MLP's."""
+    tile = tile or x_BsD.shape[1]
+    values_of, keys_of = jnp.asarray(plan.value_heads_of()), jnp.asarray(plan.key_heads_of())
+    n, r = plan.value_heads_per_stage, plan.key_slots
+    w_q, w_k, w_v = layer.split_heads(p["gdn_qkv"])
     taps_q, taps_k, taps_v = layer.split_heads(p["gdn_conv"])
-    taps = (jnp.take(taps_q, slots, axis=1), jnp.take(taps_k, slots, axis=1), own_values(taps_v, 1))
-    beta = jax.nn.sigmoid(b.astype(jnp.float32))
-    a_log, dt_bias = own_values(p["gdn_a_log"], 0), own_values(p["gdn_dt_bias"], 0)
-    g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
     if segment_ids_BS is None:
-        segment_ids_BS = jnp.zeros(v.shape[:2], jnp.int32)
+        segment_ids_BS = jnp.zeros((x_BsD.shape[0], x_BsD.shape[1] * plan.devices * ring[1]), jnp.int32)
     rule = KERNELS[layer.kernel]
-    if ring[0] is None:
-        q, k, v = (_conv_and_silu(t, w, segment_ids_BS) for t, w in zip((q, k, v), taps))
-        o, _ = rule(*_normed_qk(q, k), v, g, beta, segment_ids_BS)
-    else:
-        o = _on_ring(rule, (q, k, v), taps, g, beta, segment_ids_BS, ring)
-    o_BsHd = to_sequence(o.astype(dtype))
 
-    gated = rms_norm(o_BsHd, p["gdn_norm"], layer.norm_eps).astype(jnp.float32)
-    gated = (gated * jax.nn.silu(project(p["gdn_z"]).astype(jnp.float32))).astype(dtype)
-    return x_BsD + jnp.einsum("bshk,hkd->bsd", gated, p["gdn_out"])
+    def stage_output(x_input_BsD, sink_BsD, stage):
+        values, keys = values_of[stage], keys_of[stage]
+        own_values = jax.lax.dynamic_slice_in_dim(values, device * n, n)
+        own_keys = jax.lax.dynamic_slice_in_dim(keys, device * r, r)
+        # One projection of the normed input for the stage's heads of every device: q, k, v, b, a and z,
+        # a tile at a time, x's gradient added into the stages' sink in place (`tiles_gradient_into`).
+        matrices = {"q": (w_q, keys), "k": (w_k, keys), "v": (w_v, values), "z": (p["gdn_z"], values),
+                    "b": (p["gdn_b"][..., None], values), "a": (p["gdn_a"][..., None], values)}
+        taken = {name: jnp.take(w, index, axis=1) for name, (w, index) in matrices.items()}
+        widths = [math.prod(w.shape[1:]) for w in taken.values()]
+        weights = varying_like({"norm": p["attn_norm"], "proj": jnp.concatenate(
+            [w.reshape(w.shape[0], -1) for w in taken.values()], axis=1)}, x_input_BsD)
+
+        def normed_projection(w, x_tile, _):
+            return jnp.einsum("bsd,dn->bsn", rms_norm(x_tile, w["norm"], layer.norm_eps), w["proj"])
+
+        tokens = jnp.zeros(x_input_BsD.shape[:2], jnp.int32)
+        projected, sink_BsD = tiles_gradient_into(normed_projection, tile, weights, x_input_BsD, tokens, sink_BsD)
+        parts = jnp.split(projected, np.cumsum(widths)[:-1], axis=-1)
+        q, k, v, z, b, a = (t.reshape(*t.shape[:2], *w.shape[1:]) for t, w in zip(parts, taken.values()))
+        q, k, v = (to_heads(t) for t in (q, k, v))
+        b, a = (to_heads(t)[..., 0] for t in (b, a))
+        taps = (jnp.take(taps_q, own_keys, axis=1), jnp.take(taps_k, own_keys, axis=1),
+                jnp.take(taps_v, own_values, axis=1))
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))
+        a_log, dt_bias = (jnp.take(p[name], own_values).astype(jnp.float32) for name in ("gdn_a_log", "gdn_dt_bias"))
+        g = -jnp.exp(a_log) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias)
+        if ring[0] is None:
+            q, k, v = (_conv_and_silu(t, w, segment_ids_BS) for t, w in zip((q, k, v), taps))
+            o, _ = rule(*_normed_qk(q, k), v, g, beta, segment_ids_BS)
+        else:
+            o = _on_ring(rule, (q, k, v), taps, g, beta, segment_ids_BS, ring)
+        o_BsHd = to_sequence(o.astype(x_input_BsD.dtype))
+        w_out = jnp.take(p["gdn_out"], values, axis=0)
+
+        def output(o_tile, z_tile):  # out_proj(norm(o) x SiLU(z)) of the stage's heads, a tile at a time
+            gated = rms_norm(o_tile, p["gdn_norm"], layer.norm_eps).astype(jnp.float32)
+            gated = (gated * jax.nn.silu(z_tile.astype(jnp.float32))).astype(o_tile.dtype)
+            return jnp.einsum("bshk,hkd->bsd", gated, w_out)
+
+        return _by_tiles(output, tile, o_BsHd, z), sink_BsD
+
+    return sum_over_head_stages(stage_output, x_BsD, plan.stages, policy=jax.checkpoint_policies.nothing_saveable,
+                                unroll=False, add_to_input=True)
+
+
+def _by_tiles(fn, tile: int, *arrays):
+    """fn of [B, s, ...] arrays, computed on sequence tiles of `tile` tokens one
+    after another and joined; the backward pass recomputes a tile at a time,
+    so no float32 intermediate spans the shard."""
+    if tile == arrays[0].shape[1]:
+        return fn(*arrays)
+    outputs = jax.lax.map(jax.checkpoint(lambda tiles: fn(*tiles)), tuple(split_tiles(t, tile) for t in arrays))
+    return jax.tree.map(join_tiles, outputs)
 
 
 def _conv_and_silu(x, taps, segment_ids):
@@ -172,8 +226,8 @@ def _conv_and_silu(x, taps, segment_ids):
 
 
 def _normed_qk(q, k):
-    """q and k L2-normalised, q also scaled by dk^-1/2."""
-    return _l2_normed(q) * (q.shape[-1] ** -0.5), _l2_normed(k)
+    """q and k L2-normalised, q also scaled by dk^-1/2 (in their dtype: the rule reads them in float32)."""
+    return (_l2_normed(q) * (q.shape[-1] ** -0.5)).astype(q.dtype), _l2_normed(k).astype(k.dtype)
 
 
 def _on_ring(rule, qkv, taps, g, beta, segment_ids_BS, ring):

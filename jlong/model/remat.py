@@ -142,18 +142,33 @@ def scan_layers(layer_fn, x, stacked_params: dict, policy: RematPolicy, layers_p
     return jax.lax.scan(policy.wrap(group), x, grouped)[0]
 
 
-def scan_periods(layer_fns, x, stacked_params: dict, policies: list[RematPolicy], slots: list[dict[str, int]]):
+def scan_periods(layer_fns, x, stacked_params: dict, policies: list[RematPolicy], slots: list[dict[str, int]],
+                 layers_per_checkpoint: int = 1):
     """x through layers that repeat with a period: one scan over the leading
     (repeats) axis of `stacked_params` ([repeats, per period, ...]) whose
     body runs the period's layers in turn, layer i as `layer_fns[i](x, params)
-    -> (x, None)` under `policies[i]` with the parameters `slots[i]` names
-    (name -> index in the period's stack). Each layer is checkpointed on its
-    own, so the policies keep what they keep in a loop of single layers."""
+    -> (x, None)` with the parameters `slots[i]` names (name -> index in the
+    period's stack). Each layer is checkpointed on its own under
+    `policies[i]`, so the policies keep what they keep in a loop of single
+    layers; with `layers_per_checkpoint` = k > 1 (k dividing the period),
+    each k consecutive layers are one checkpoint under the first one's
+    policy, as `scan_layers` groups them."""
+    k = layers_per_checkpoint
+
+    def run(i, x, params):
+        return layer_fns[i](x, {name: params[name][index] for name, index in slots[i].items()})[0]
 
     def period(x, params):
-        for layer_fn, policy, slot in zip(layer_fns, policies, slots):
-            layer = policy.wrap(lambda x, p, fn=layer_fn: fn(name_layer_input(x), p))
-            x, _ = layer(x, {name: params[name][index] for name, index in slot.items()})
+        for first in range(0, len(layer_fns), k):
+            def group(x, params, first=first):
+                x = name_layer_input(x)
+                if k == 1:
+                    return run(first, x, params)
+                for i in range(first, first + k):
+                    x = REMAT_POLICIES["full"].wrap(lambda x, p, i=i: run(i, x, p))(x, params)
+                return x
+
+            x = policies[first].wrap(group)(x, params)
         return x, None
 
     return jax.lax.scan(period, x, stacked_params)[0]

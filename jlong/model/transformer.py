@@ -125,7 +125,8 @@ def layer_groups(config: ModelConfig, options: ForwardOptions) -> list[LayerGrou
     several layers (Qwen3.5: 3 Gated DeltaNet + 1 attention; Gemma 3: 5
     sliding + 1 global): one loop over the periods, so a 64-layer hybrid
     compiles one 4-layer body rather than 32 loops. A segment that keeps
-    one input per k > 1 layers keeps its runs."""
+    one input per k > 1 layers is scanned by period where k divides the
+    period, else by its runs."""
     L = config.num_hidden_layers
     runs = layer_runs(config, options)
     per_layer = [run_options for first, last, run_options in runs for _ in range(first, last)]
@@ -134,7 +135,7 @@ def layer_groups(config: ModelConfig, options: ForwardOptions) -> list[LayerGrou
     for segment in segments:
         end = first + segment.layers
         period = _period(per_layer[first:end])
-        if segment.layers_per_checkpoint == 1 and 1 < period < end - first:
+        if 1 < period < end - first and period % segment.layers_per_checkpoint == 0:
             groups.append(LayerGroup(first, (end - first) // period, tuple(per_layer[first:first + period])))
         else:
             groups += [LayerGroup(start, last - start, (o,)) for start, last, o in runs if first <= start < end]
@@ -239,7 +240,8 @@ class Transformer(nnx.Module):
                                     remat_policy(run_options.remat), run_options.layers_per_checkpoint)
             else:
                 x_BSD = scan_periods([layer_under(o) for o in group.period], x_BSD, layers,
-                                     [remat_policy(o.remat) for o in group.period], self._slots(group, specs))
+                                     [remat_policy(o.remat) for o in group.period], self._slots(group, specs),
+                                     group.period[0].layers_per_checkpoint)
         return family.final_norm(x_BSD, self.final_norm.get_value(), config, options)
 
     @staticmethod

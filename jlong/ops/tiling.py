@@ -110,3 +110,43 @@ def per_sequence_tile(fn, params, x_BSD, *, shards, tile: int):
         return fn(params, x_BSD)
     per_device = functools.partial(map_tiles, fn, tile=tile)
     return shards.map(per_device, (REPLICATED, HIDDEN), HIDDEN)(params, x_BSD)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def tiles_gradient_into(fn, tile, params, x, tokens, sink):
+    """(fn(params, x_tile, tokens_tile) for each sequence tile, joined along
+    the sequence; `sink` unchanged), where x's gradient goes into the sink's.
+
+    The backward pass recomputes one tile at a time and adds the tile's part
+    of x's gradient into the sink's gradient in place; x itself gets none.
+    `tokens` (per-token integers: positions) gets no gradient.
+    """
+
+    def one_tile(_, tiles):
+        return None, fn(params, *tiles)
+
+    _, outputs = jax.lax.scan(one_tile, None, (split_tiles(x, tile), split_tiles(tokens, tile)))
+    return jax.tree.map(join_tiles, outputs), sink
+
+
+def _gradient_into_forward(fn, tile, params, x, tokens, sink):
+    return tiles_gradient_into(fn, tile, params, x, tokens, sink), (params, x, tokens)
+
+
+def _gradient_into_backward(fn, tile, saved, cotangents):
+    params, x, tokens = saved
+    d_outputs, d_sink = cotangents
+
+    def one_tile(i, carry):
+        d_sink, dparams = carry
+        tokens_tile = tile_at(tokens, i, tile)
+        _, pullback = jax.vjp(lambda p, x_tile: fn(p, x_tile, tokens_tile), params, tile_at(x, i, tile))
+        dparams_tile, dx_tile = pullback(jax.tree.map(lambda d: tile_at(d, i, tile), d_outputs))
+        dparams = jax.tree.map(add_in_float32, dparams, dparams_tile)
+        return put_tile(d_sink, tile_at(d_sink, i, tile) + dx_tile, i, tile), dparams
+
+    d_sink, dparams = jax.lax.fori_loop(0, x.shape[1] // tile, one_tile, (d_sink, float32_zeros(params)))
+    return cast_like(dparams, params), None, None, d_sink
+
+
+tiles_gradient_into.defvjp(_gradient_into_forward, _gradient_into_backward)

@@ -224,9 +224,8 @@ class Pricer:
         fused = self.module.computations[inst.called[0]]
         read = 0
         for operand, parameter in zip(operands, fused.parameters):
-            users = fused.users.get(parameter.name, [])
-            if users and all(u.operands[0] == parameter.name and (u.opcode in _SLICING or
-                                                                 u.opcode == "dynamic-update-slice") for u in users):
+            users = _through_bitcasts(fused, parameter.name)
+            if users and all(u.opcode in _SLICING or u.opcode == "dynamic-update-slice" for u in users):
                 # read as its slices; where it is updated in place, only the update is written
                 read += sum(u.bytes for u in users if u.opcode in _SLICING)
             else:
@@ -239,6 +238,24 @@ class Pricer:
             else:
                 written += root.bytes
         return read + written
+
+
+def _through_bitcasts(fused: Computation, name: str) -> list[Instruction] | None:
+    """The instructions that use value `name` of a fused computation as their
+    operand 0, looking through bitcasts (a loop body slices its stacked
+    input after reshaping it); None where any other use reads it."""
+    found = []
+    for user in fused.users.get(name, []):
+        if user.operands[0] != name:
+            return None
+        if user.opcode == "bitcast":
+            inner = _through_bitcasts(fused, user.name)
+            if inner is None:
+                return None
+            found += inner
+        else:
+            found.append(user)
+    return found
 
 
 @dataclasses.dataclass

@@ -16,14 +16,13 @@ backward pass.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import TYPE_CHECKING
 
 import jax
-import jax.numpy as jnp
 
 from jlong.attention.ring import ATTENTION_LSE, ATTENTION_OUT
 from jlong.errors import JlongError
+from jlong.ops import head_stages
 from jlong.ops.zigzag import SequenceLayout
 
 if TYPE_CHECKING:
@@ -105,8 +104,10 @@ class SequenceParallelMethod:
         raise JlongError(f"attention.sp_method={self.name} does not run linear-attention (Gated DeltaNet) layers, "
                          f"which model.family={config.model.family} has: use attention.sp_method=ulysses")
 
-    def linear_attention(self, params, x_BSD, segment_ids_BS, *, layer, shards):
-        """x + the linear-attention layer `layer` (a `GatedDeltaNet`) of x [B, S, D]."""
+    def linear_attention(self, params, x_BSD, segment_ids_BS, *, layer, shards, tile=0, stages=1):
+        """x + the linear-attention layer `layer` (a `GatedDeltaNet`) of x [B, S, D];
+        its per-token output projection `tile` tokens at a time on each device (0:
+        all), its heads in up to `stages` stages (`GatedDeltaNet.head_plan`)."""
         raise JlongError(f"attention.sp_method={self.name} does not run linear-attention (Gated DeltaNet) layers")
 
     def attention(self, params, x_BSD, positions_BS, segment_ids_BS, *, projection, heads, kernel, shards,
@@ -127,41 +128,6 @@ def check_seq_len(config: Config, granule: int, what: str) -> None:
 
 
 def sum_over_head_stages(stage_output, x_BsD, num_stages: int, *, unroll: bool, add_to_input: bool):
-    """Sum over stages of stage_output(x, sink, stage) -> (out [B, s, D], sink),
-    added into x itself (`add_to_input`) or into a zero-filled sum.
-
-    The projections read x without differentiating it; the stages pass a
-    gradient sink along instead (x's value, otherwise unused), into whose
-    gradient each stage's backward pass adds its part of x's gradient in
-    place (`jlong.attention.projection`): one [B, s, D] sum over the stages,
-    with no per-stage gradient of x beside it.
-    """
-    x_input_BsD = jax.lax.stop_gradient(x_BsD)
-
-    # The stream y goes in and out of the checkpointed stage so the stage
-    # output is added in place; the backward pass needs no copy of it.
-    @functools.partial(jax.checkpoint, policy=KEEP_ATTENTION_OUTPUT)
-    def add_stage(carry, stage):
-        y_BsD, sink_BsD = carry
-        out_BsD, sink_BsD = stage_output(x_input_BsD, sink_BsD, stage)
-        return (y_BsD + out_BsD, sink_BsD), None
-
-    # With `add_to_input` the stages add into the residual stream itself (no
-    # zero-filled sum, which XLA would share between the forward and backward
-    # pass and keep alive in between), in the compute dtype: a float32 sum
-    # would be the largest buffer of the layer at long context, for the
-    # rounding of a handful of additions.
-    #
-    # Unrolled, each stage's saved attention output is a value of the layer
-    # itself rather than a slice of the stage loop's stacked residual: the
-    # layer's remat policy can then move it to host memory, which XLA:GPU
-    # (jax 0.10.2) fails to compile for a residual stacked by a loop nested
-    # in the layer loop. The scan plans 1.3 GiB less per device (Llama3-8B,
-    # 1M tokens), so it stays the default.
-    carry = (x_BsD if add_to_input else jnp.zeros_like(x_BsD), x_BsD)
-    if unroll:
-        for stage in range(num_stages):
-            carry, _ = add_stage(carry, stage)
-        return carry[0]
-    (y_BsD, _), _ = jax.lax.scan(add_stage, carry, jnp.arange(num_stages))
-    return y_BsD
+    """`jlong.ops.head_stages.sum_over_head_stages` keeping each stage's attention output and log-sum-exp."""
+    return head_stages.sum_over_head_stages(stage_output, x_BsD, num_stages, policy=KEEP_ATTENTION_OUTPUT,
+                                            unroll=unroll, add_to_input=add_to_input)

@@ -229,13 +229,13 @@ class Ulysses(SequenceParallelMethod):
     def check_linear_attention(self, config: Config, layer) -> None:
         layer.head_plan(config.mesh.sp)
 
-    def linear_attention(self, params, x_BSD, segment_ids_BS, *, layer, shards):
+    def linear_attention(self, params, x_BSD, segment_ids_BS, *, layer, shards, tile=0, stages=1):
         """x + the linear-attention layer of x: its heads exchanged all-to-all
         over sp, each device running the sp group's tokens for its heads;
         with a ring, the state and the convolution's halo passed between
         the ring's ranks (`jlong.linear_attention.ring`)."""
         sp_axis, ring = shards.axis("sp"), (shards.axis("ring"), shards.size("ring"))
-        plan = layer.head_plan(shards.size("sp"))
+        plan = layer.head_plan(shards.size("sp"), stages)
         to_heads = functools.partial(_exchange, axis=sp_axis, split=2, concat=1)
         to_sequence = functools.partial(_exchange, axis=sp_axis, split=1, concat=2)
 
@@ -243,7 +243,7 @@ class Ulysses(SequenceParallelMethod):
             device = 0 if sp_axis is None else jax.lax.axis_index(sp_axis)
             return gated_deltanet_on_device(params, x_BsD, _gather_sequence(segment_ids_Bs, sp_axis), layer=layer,
                                             plan=plan, to_heads=to_heads, to_sequence=to_sequence, device=device,
-                                            ring=ring)
+                                            ring=ring, tile=tile)
 
         return shards.map(run, (REPLICATED, HIDDEN, TOKENS), HIDDEN)(params, x_BSD, segment_ids_BS)
 
