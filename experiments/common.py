@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jlong
@@ -18,6 +19,18 @@ GIB = 2**30
 # The default stack on configs/llama3-8b-5m.yaml, whose memory settings are the planner's (memory.remat=auto,
 # attention.heads_per_stage=auto): every layer's input in host memory, attention recomputed, U = sp.
 DEFAULT_STACK = ["memory.remat=offload_inputs", "memory.remat_runs={}", "attention.heads_per_stage=null"]
+
+
+def timed(fn, *args):
+    """(fn(*args), the seconds it took)."""
+    started = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - started
+
+
+def per_gpu(result) -> float:
+    """A plan's estimated tokens/s per GPU."""
+    return result.cost.tokens_per_s / result.cost.devices
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:

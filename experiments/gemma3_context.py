@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import jlong
-from common import GIB, ROOT, add_target_argument, estimate_assumptions, longest, invocation, markdown_table, plan, \
-    planning_target, provenance, write_result
+from common import GIB, ROOT, add_target_argument, estimate_assumptions, invocation, longest, markdown_table, per_gpu, \
+    plan, planning_target, provenance, timed, write_result
 
 LLAMA = ROOT / "configs" / "llama3-8b-5m.yaml"
 GEMMA_12B = ROOT / "configs" / "gemma3-12b-1m.yaml"
@@ -28,22 +27,12 @@ GEMMA_12B = ROOT / "configs" / "gemma3-12b-1m.yaml"
 MESHES = {"27b-1node": ["mesh.sp=8", "memory.optimizer_offload=true"], "27b-4nodes": ["mesh.sp=8", "mesh.ring=4"]}
 
 
-def per_gpu(result) -> float:
-    return result.cost.tokens_per_s / result.cost.devices
-
-
 def row(name: str, result, seconds: float) -> list:
     cost, config = result.cost, result.config
     return [name, f"{config.train.seq_len:,}", f"{config.mesh.size}", "yes" if result.fits else "no",
             f"{cost.step_time_s:,.1f}", f"{per_gpu(result):,.1f}", f"{cost.mfu:.3f}",
             f"{cost.recompute_factor:.2f}", f"{result.device_bytes / GIB:.2f}",
             f"{result.host_bytes_per_node / GIB:,.0f}", f"{seconds:.0f}"]
-
-
-def timed(fn, *args):
-    started = time.perf_counter()
-    result = fn(*args)
-    return result, time.perf_counter() - started
 
 
 def main(argv: list[str] | None = None) -> int:

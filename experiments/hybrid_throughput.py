@@ -14,19 +14,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import jlong
-from common import GIB, ROOT, add_target_argument, estimate_assumptions, invocation, longest, markdown_table, plan, \
-    planning_target, provenance, write_result
+from common import GIB, ROOT, add_target_argument, estimate_assumptions, invocation, longest, markdown_table, per_gpu, \
+    plan, planning_target, provenance, timed, write_result
 
 QWEN3_5 = ROOT / "configs" / "qwen3.5-27b-3m.yaml"
 DENSE = {"Qwen3-32B (qwen3-32b-3m.yaml's settings)": ROOT / "configs" / "qwen3-32b-3m.yaml",
          "Llama3-8B (llama3-8b-5m.yaml's settings)": ROOT / "configs" / "llama3-8b-5m.yaml"}
-
-
-def per_gpu(result) -> float:
-    return result.cost.tokens_per_s / result.cost.devices
 
 
 def row(name: str, result, seconds: float) -> list:
@@ -34,12 +29,6 @@ def row(name: str, result, seconds: float) -> list:
     return [name, f"{config.train.seq_len:,}", "yes" if result.fits else "no", f"{cost.step_time_s:,.0f}",
             f"{per_gpu(result):,.1f}", f"{cost.mfu:.3f}", f"{cost.recompute_factor:.2f}",
             f"{result.device_bytes / GIB:.2f}", f"{result.host_bytes_per_node / GIB:,.0f}", f"{seconds:.0f}"]
-
-
-def timed(fn, *args):
-    started = time.perf_counter()
-    result = fn(*args)
-    return result, time.perf_counter() - started
 
 
 def main(argv: list[str] | None = None) -> int:

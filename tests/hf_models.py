@@ -63,10 +63,14 @@ def small_hf_model(name: str, seed: int = 0, **overrides):
     if "rope_parameters" in fields:
         fields.pop("rope_theta")
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**fields)).eval()
-    with torch.no_grad():  # norms start at one and biases at zero: make them matter
-        for name_, param in model.named_parameters():
-            if "norm" in name_ or "bias" in name_:
+    return perturbed_norms(model_cls(config_cls(**fields)).eval())
+
+
+def perturbed_norms(model):
+    """`model` with its norms and biases moved off their starting values (one and zero), so they matter."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "bias" in name:
                 param.add_(0.2 * torch.randn_like(param))
     return model
 

@@ -120,7 +120,8 @@ def test_ring_attention_across_two_nodes_keeps_ulysses_inside_each():
 @pytest.mark.parametrize(
     "name, seq_len",
     [("llama3-8b-2m", 2 * 2**20), ("llama3-8b-5m", 5 * 2**20), ("llama3-8b-8m", 8 * 2**20),
-     ("qwen3-32b-3m", 3 * 2**20), ("llama3-8b-32m-4nodes", 32 * 2**20),
+     ("qwen3-32b-3m", 3 * 2**20), ("qwen3.5-27b-3m", 3 * 2**20), ("qwen3.5-9b-5m", 5 * 2**20),
+     ("llama3-8b-32m-4nodes", 32 * 2**20),
      ("llama3-8b-16m-2nodes", 16 * 2**20), ("qwen3-32b-8m-2nodes", 8 * 2**20)],
 )
 def test_the_long_context_configs_fit_their_default_budgets_on_h100(name, seq_len):
@@ -140,6 +141,11 @@ def test_the_long_context_configs_fit_their_default_budgets_on_h100(name, seq_le
     # (with fresh buffers for updated states that XLA does not update in place: at most one more copy).
     offloaded = saved_layer_input_bytes(config) + offloaded_attention_bytes(config)
     assert offloaded + result.host_states <= result.host_offload <= offloaded + 2 * result.host_states
+    if name == "qwen3.5-27b-3m":  # full attention in cuDNN; the Gated DeltaNet layers' chunk loops priced
+        cost = step_cost(step)
+        assert cudnn_attention_calls(step.compiled.as_text()) >= 2
+        assert cost.step_time_s > 0 and not cost.unpriced_custom_calls and not cost.unknown_trip_loops
+        assert cost.executed_flops >= cost.model_flops
     if name == "llama3-8b-2m":  # the attention forward pass runs once: the fastest setting that fits
         cost = step_cost(step)
         default_stack = load_config(REPO / "configs" / "llama3-8b-5m.yaml", [

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_same_result, loss_and_grads, small_config
-from hf_models import QWEN3_5, hf_logits, small_hf_model
+from hf_models import QWEN3_5, hf_logits, perturbed_norms, small_hf_model
 
 import jlong
 from jlong.errors import JlongError
@@ -105,11 +105,7 @@ def test_the_text_model_of_an_image_text_checkpoint_matches_transformers(tmp_pat
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14)
     config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
     torch.manual_seed(0)
-    hf_model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, param in hf_model.named_parameters():
-            if "norm" in name:
-                param.add_(0.2 * torch.randn_like(param))
+    hf_model = perturbed_norms(transformers.Qwen3_5ForConditionalGeneration(config).eval())
     hf_model.save_pretrained(tmp_path)
     capfd.readouterr()
     model = jlong.from_hf(tmp_path)

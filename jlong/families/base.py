@@ -152,6 +152,17 @@ class Family:
         """Every layer type this family has a block for."""
         return (FULL_ATTENTION,)
 
+    def check_layer_types(self, model: ModelConfig, label: str) -> None:
+        """One-line errors for layer types that do not name every layer or that
+        this family (`label` in the error) has no block for."""
+        layer_types = self.layer_types(model)
+        if len(layer_types) != model.num_hidden_layers:
+            raise JlongError(f"model.layer_types names {len(layer_types)} layers, but model.num_hidden_layers is "
+                             f"{model.num_hidden_layers}")
+        if unknown := sorted(set(layer_types) - set(self.known_layer_types)):
+            raise JlongError(f"model.layer_types: {', '.join(unknown)} is not a {label} layer type "
+                             f"({' or '.join(self.known_layer_types)})")
+
     def layers_with(self, model: ModelConfig, spec: ParamSpec) -> int:
         """How many layers have a layer parameter: every layer, or those of its type."""
         if spec.layer_type is None:
@@ -243,3 +254,20 @@ class Family:
             tensors["lm_head"] = HFTensor("lm_head.weight", **TRANSPOSED)
         return tensors
 
+
+@dataclasses.dataclass(frozen=True)
+class OffsetNormFamily(Family):
+    """A family whose RMSNorm weights are kept as offsets from one, x * (1 +
+    w) (Hugging Face's Gemma and Qwen3.5): the final norm's too."""
+
+    def outer_params(self, model: ModelConfig) -> dict[str, ParamSpec]:
+        specs = super().outer_params(model)
+        return {**specs, "final_norm": dataclasses.replace(specs["final_norm"], role=Role.NORM_OFFSET)}
+
+    def final_norm(self, x_BSD, weight, model: ModelConfig, options):
+        return super().final_norm(x_BSD, blocks.offset_scale(weight), model, options)
+
+
+def every_nth_layer(model: ModelConfig, every: int, kind: str, other: str) -> tuple[str, ...]:
+    """Layer types with every `every`-th layer of type `kind`, the rest `other`."""
+    return tuple(kind if (i + 1) % every == 0 else other for i in range(model.num_hidden_layers))

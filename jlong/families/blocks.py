@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 
+import jax.numpy as jnp
+
 from jlong.attention.projection import ATTENTION_PARAMS, QKVProjection
 from jlong.ops.layers import rms_norm, rope_attention_factor, rope_inverse_frequencies, swiglu
 from jlong.ops.tiling import per_sequence_tile
@@ -66,6 +68,12 @@ def residual_swiglu(p, x_BSD, model, options):
 def _residual_swiglu(p, x_BSD, *, eps):
     h_BSD = rms_norm(x_BSD, p["mlp_norm"], eps)
     return x_BSD + swiglu(h_BSD, p["w_gate"], p["w_up"], p["w_down"])
+
+
+def offset_scale(w):
+    """A norm weight kept as its offset from one (Gemma's and Qwen3.5's x * (1 + w)) as the
+    scale RMSNorm multiplies by: 1 + w, in float32."""
+    return 1.0 + w.astype(jnp.float32)
 
 
 def sequence_norm(x_BSD, weight, model, options):

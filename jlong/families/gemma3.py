@@ -30,7 +30,8 @@ import jax.numpy as jnp
 
 from jlong.errors import JlongError
 from jlong.families import blocks
-from jlong.families.base import FULL_ATTENTION, SHARED_HF_KEYS, Family, HFTensor, hf_projection_tensors
+from jlong.families.base import (FULL_ATTENTION, SHARED_HF_KEYS, HFTensor, OffsetNormFamily, every_nth_layer,
+                                 hf_projection_tensors)
 from jlong.families.params import ParamSpec, Role, attention_matrices, gated_mlp_matrices
 from jlong.ops.layers import geglu, rms_norm
 from jlong.ops.shards import HIDDEN
@@ -54,7 +55,7 @@ REFUSED = {
 
 
 @dataclasses.dataclass(frozen=True)
-class Gemma3Family(Family):
+class Gemma3Family(OffsetNormFamily):
     def config_defaults(self) -> dict[str, Any]:
         return {"qk_norm": True, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
                 "sliding_window": HF_DEFAULTS["sliding_window"]}
@@ -67,13 +68,7 @@ class Gemma3Family(Family):
         if not model.qk_norm or model.attention_bias:
             raise JlongError(f"model.family={self.name} has q/k norms and no attention biases: drop model.qk_norm "
                              "and model.attention_bias")
-        layer_types = self.layer_types(model)
-        if len(layer_types) != model.num_hidden_layers:
-            raise JlongError(f"model.layer_types names {len(layer_types)} layers, but model.num_hidden_layers is "
-                             f"{model.num_hidden_layers}")
-        if unknown := sorted(set(layer_types) - set(LAYER_TYPES)):
-            raise JlongError(f"model.layer_types: {', '.join(unknown)} is not a Gemma 3 layer type "
-                             f"({' or '.join(LAYER_TYPES)})")
+        self.check_layer_types(model, "Gemma 3")
 
     # ---------------------------------------------------------------- layout
 
@@ -90,18 +85,13 @@ class Gemma3Family(Family):
             "post_mlp_norm": ParamSpec((D,), ("embed",), norm),
         }
 
-    def outer_params(self, model: ModelConfig) -> dict[str, ParamSpec]:
-        specs = super().outer_params(model)
-        return {**specs, "final_norm": dataclasses.replace(specs["final_norm"], role=Role.NORM_OFFSET)}
-
     # ---------------------------------------------------------------- maths
 
     def layer_types(self, model: ModelConfig) -> tuple[str, ...]:
         if model.layer_types is not None:
             return tuple(model.layer_types)
         every = model.sliding_window_pattern or HF_DEFAULTS["sliding_window_pattern"]
-        return tuple(FULL_ATTENTION if (i + 1) % every == 0 else SLIDING_ATTENTION
-                     for i in range(model.num_hidden_layers))
+        return every_nth_layer(model, every, FULL_ATTENTION, SLIDING_ATTENTION)
 
     def attention_window(self, model: ModelConfig, layer_type: str) -> int:
         return model.sliding_window if layer_type == SLIDING_ATTENTION else 0
@@ -114,7 +104,7 @@ class Gemma3Family(Family):
         attention's stages add into a buffer of their own (the norm after it
         applies to their sum)."""
         constrain, eps = options.shards.constrain, model.rms_norm_eps
-        p = {name: _scale(w) if name in OFFSET_NORMS else w for name, w in p.items()}
+        p = {name: blocks.offset_scale(w) if name in OFFSET_NORMS else w for name, w in p.items()}
         projection = _projection(model, options.layer_type, options.mlp_tile)
         a_BSD = blocks.attention(p, x_BSD, positions_BS, segment_ids_BS, model, options, add_to_input=False,
                                  projection=projection)
@@ -123,9 +113,6 @@ class Gemma3Family(Family):
         x_BSD = per_sequence_tile(mlp, {n: p[n] for n in MLP_PARAMS}, x_BSD, shards=options.shards,
                                   tile=options.mlp_tile)
         return constrain(x_BSD, HIDDEN)
-
-    def final_norm(self, x_BSD, weight, model: ModelConfig, options):
-        return super().final_norm(x_BSD, _scale(weight), model, options)
 
     # ---------------------------------------------------------------- Hugging Face
 
@@ -172,11 +159,6 @@ class Gemma3Family(Family):
             "mlp_norm": HFTensor("pre_feedforward_layernorm.weight"),
             "post_mlp_norm": HFTensor("post_feedforward_layernorm.weight"),
         }
-
-
-def _scale(w):
-    """An offset norm weight as the scale RMSNorm multiplies by: 1 + w, in float32."""
-    return 1.0 + w.astype(jnp.float32)
 
 
 def _query_pre_attn_scalar(model: ModelConfig) -> float:

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 
 from jlong.errors import JlongError
 from jlong.families import blocks
-from jlong.families.base import FULL_ATTENTION, Family, HFTensor, TRANSPOSED, hf_projection_tensors
+from jlong.families.base import (FULL_ATTENTION, TRANSPOSED, HFTensor, OffsetNormFamily, every_nth_layer,
+                                 hf_projection_tensors)
 from jlong.families.params import ParamSpec, Role, gated_mlp_matrices
 from jlong.linear_attention.gated_deltanet import LINEAR_ATTENTION, GatedDeltaNet, rule_flops_per_token
 from jlong.linear_attention.gated_delta import CHUNK
@@ -66,7 +67,7 @@ def _ones(key, shape, dtype):
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3_5Family(Family):
+class Qwen3_5Family(OffsetNormFamily):
     @property
     def known_layer_types(self) -> tuple[str, ...]:
         return LAYER_TYPES
@@ -78,13 +79,7 @@ class Qwen3_5Family(Family):
         if not model.qk_norm or model.attention_bias:
             raise JlongError(f"model.family={self.name} has q/k norms and no attention biases: drop model.qk_norm "
                              "and model.attention_bias")
-        layer_types = self.layer_types(model)
-        if len(layer_types) != model.num_hidden_layers:
-            raise JlongError(f"model.layer_types names {len(layer_types)} layers, but model.num_hidden_layers is "
-                             f"{model.num_hidden_layers}")
-        if unknown := sorted(set(layer_types) - set(LAYER_TYPES)):
-            raise JlongError(f"model.layer_types: {', '.join(unknown)} is not a Qwen3.5 layer type "
-                             f"({' or '.join(LAYER_TYPES)})")
+        self.check_layer_types(model, "Qwen3.5")
         if model.linear_num_value_heads % model.linear_num_key_heads:
             raise JlongError(f"model.linear_num_value_heads ({model.linear_num_value_heads}) must be a multiple of "
                              f"model.linear_num_key_heads ({model.linear_num_key_heads})")
@@ -124,23 +119,18 @@ class Qwen3_5Family(Family):
             **gated_mlp_matrices(model),
         }
 
-    def outer_params(self, model: ModelConfig) -> dict[str, ParamSpec]:
-        specs = super().outer_params(model)
-        return {**specs, "final_norm": dataclasses.replace(specs["final_norm"], role=Role.NORM_OFFSET)}
-
     # ---------------------------------------------------------------- maths
 
     def layer_types(self, model: ModelConfig) -> tuple[str, ...]:
         if model.layer_types is not None:
             return tuple(model.layer_types)
         every = model.full_attention_interval or HF_DEFAULTS["full_attention_interval"]
-        return tuple(FULL_ATTENTION if (i + 1) % every == 0 else LINEAR_ATTENTION
-                     for i in range(model.num_hidden_layers))
+        return every_nth_layer(model, every, FULL_ATTENTION, LINEAR_ATTENTION)
 
     def block(self, p, x_BSD, positions_BS, segment_ids_BS, model, options):
         """x + token mixer(norm(x)), then + swiglu(norm(x)); the mixer is the layer type's."""
         constrain = options.shards.constrain
-        p = {name: _scale(w) if name in OFFSET_NORMS else w for name, w in p.items()}
+        p = {name: blocks.offset_scale(w) if name in OFFSET_NORMS else w for name, w in p.items()}
         if options.layer_type == LINEAR_ATTENTION:
             x_BSD = options.sequence_parallel.linear_attention(p, x_BSD, segment_ids_BS, layer=self.linear_layer(model),
                                                                shards=options.shards, tile=options.mlp_tile,
@@ -150,9 +140,6 @@ class Qwen3_5Family(Family):
                                      projection=_projection(model, options.mlp_tile))
         x_BSD = constrain(x_BSD, HIDDEN)
         return constrain(blocks.residual_swiglu(p, x_BSD, model, options), HIDDEN)
-
-    def final_norm(self, x_BSD, weight, model: ModelConfig, options):
-        return super().final_norm(x_BSD, _scale(weight), model, options)
 
     def flops_per_token(self, model: ModelConfig, seq_len: int) -> float:
         """As `Family.flops_per_token`, each layer counting its own type's
@@ -227,11 +214,6 @@ class Qwen3_5Family(Family):
             "mlp_norm": HFTensor("post_attention_layernorm.weight"),
             **{name: t for name, t in hf_projection_tensors(model).items() if name.startswith("w_")},
         }
-
-
-def _scale(w):
-    """An offset norm weight as the scale RMSNorm multiplies by: 1 + w, in float32."""
-    return 1.0 + w.astype(jnp.float32)
 
 
 @functools.lru_cache(maxsize=64)
