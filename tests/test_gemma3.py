@@ -183,7 +183,7 @@ def test_gemma3_on_sp_or_ring_alone_equals_one_device(mesh):
     (["mesh.ring=4"], "model.sliding_window (16) is longer than the 8 tokens of each zigzag chunk"),
     (["attention.sp_method=allgather", "mesh.sp=2"], "attention.sp_method=allgather has no sliding windows"),
     (["memory.remat=save_inputs", "memory.layers_per_checkpoint=2"],
-     "must divide each run of layers of one type (2, 1, 1 layers"),
+     "must divide each run of layers of one type, or their period where their types repeat (2, 1, 1 layers"),
 ])
 def test_window_config_mistakes_are_one_line(overrides, message):
     with pytest.raises(JlongError, match=message.replace("(", r"\(").replace(")", r"\)")):

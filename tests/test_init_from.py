@@ -56,8 +56,9 @@ def test_a_run_continues_another_runs_weights_at_a_longer_length_on_another_mesh
     assert [r["step"] for r in resumed] == [3]
 
 
-def test_hugging_face_weights_start_a_run_as_model_hf_path_does(tmp_path):
-    small_hf_model("llama").save_pretrained(tmp_path / "hf")
+@pytest.mark.parametrize("family", ["llama", "qwen3.5"])
+def test_hugging_face_weights_start_a_run_as_model_hf_path_does(family, tmp_path):
+    small_hf_model(family).save_pretrained(tmp_path / "hf")
     common = ["train.steps=1", "train.seq_len=32", "train.batch_size=2", "train.compute_dtype=float32",
               "data.source=synthetic", "mesh.fsdp=2", "mesh.sp=4"]
     by_hf_path = load_config(None, [*common, f"model.hf_path={tmp_path / 'hf'}"])

@@ -142,10 +142,10 @@ def test_packed_documents_equal_the_documents_run_alone(tmp_path):
     ["mesh.ring=4", "mesh.fsdp=2"],
 ], ids=["sp4-fsdp2-U4", "sp4-fsdp2-Uall", "ring2-sp2-fsdp2", "ring4-fsdp2"])
 def test_training_on_a_mesh_equals_one_device(layout):
-    """Loss and gradients of packed documents (data.eos_id) over 256 tokens,
-    so each ring rank's chunks span several of the rule's chunks."""
-    single = loss_and_grads(_tiny("train.seq_len=512"), jax.devices()[:1])
-    sharded = loss_and_grads(_tiny("train.seq_len=512", *layout), jax.devices())
+    """Loss and gradients of packed documents (data.eos_id) over 256 tokens
+    (the rule's chunks across chunk boundaries: test_the_chunked_rule_...)."""
+    single = loss_and_grads(_tiny("train.seq_len=256"), jax.devices()[:1])
+    sharded = loss_and_grads(_tiny("train.seq_len=256", *layout), jax.devices())
     assert_same_result(sharded, single)
     grads = sharded[1]["layers"]
     assert np.abs(grads["gdn_a_log"]).max() > 0 and np.abs(grads["wq"]).max() > 0
