@@ -15,6 +15,7 @@ from jlong.attention.kernels import check_impl
 from jlong.attention.methods import method_named
 from jlong.errors import JlongError
 from jlong.families import family_named
+from jlong.families.base import shortest_period
 from jlong.linear_attention.gated_deltanet import LINEAR_ATTENTION
 
 if TYPE_CHECKING:
@@ -158,8 +159,7 @@ def grouped_runs(model: ModelConfig, first: int = 0) -> list[int]:
     each run of one type; memory.layers_per_checkpoint must divide every one."""
     family = family_named(model.family)
     kinds = family.layer_types(model)[first:]
-    period = next(p for p in range(1, len(kinds) + 1)
-                  if len(kinds) % p == 0 and all(kinds[i] == kinds[i % p] for i in range(len(kinds))))
+    period = shortest_period(kinds)
     if 1 < period < len(kinds):
         return [period]
     runs, start = [], 0

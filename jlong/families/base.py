@@ -268,6 +268,12 @@ class OffsetNormFamily(Family):
         return super().final_norm(x_BSD, blocks.offset_scale(weight), model, options)
 
 
+def shortest_period(items) -> int:
+    """The fewest leading items that, repeated, make up `items` (their length when they do not repeat)."""
+    n = len(items)
+    return next(p for p in range(1, n + 1) if n % p == 0 and all(items[i] == items[i % p] for i in range(n)))
+
+
 def every_nth_layer(model: ModelConfig, every: int, kind: str, other: str) -> tuple[str, ...]:
     """Layer types with every `every`-th layer of type `kind`, the rest `other`."""
     return tuple(kind if (i + 1) % every == 0 else other for i in range(model.num_hidden_layers))

@@ -37,7 +37,8 @@ from jlong.families import blocks
 from jlong.families.base import (FULL_ATTENTION, TRANSPOSED, HFTensor, OffsetNormFamily, every_nth_layer,
                                  hf_projection_tensors)
 from jlong.families.params import ParamSpec, Role, gated_mlp_matrices
-from jlong.linear_attention.gated_deltanet import LINEAR_ATTENTION, GatedDeltaNet, rule_flops_per_token
+from jlong.linear_attention.gated_deltanet import (LINEAR_ATTENTION, GatedDeltaNet, conv_flops_per_token,
+                                                   rule_flops_per_token)
 from jlong.linear_attention.gated_delta import CHUNK
 from jlong.ops.shards import HIDDEN
 
@@ -151,7 +152,7 @@ class Qwen3_5Family(OffsetNormFamily):
             math.prod(s.shape) * self.layers_with(model, s) for s in specs.values() if s.role is Role.MATRIX)
         gdn = self.linear_layer(model)
         per_linear_layer = 3 * (rule_flops_per_token(gdn.value_heads, gdn.key_dim, gdn.value_dim, CHUNK)
-                                + 2 * gdn.channels * model.linear_conv_kernel_dim)
+                                + conv_flops_per_token(gdn.channels, model.linear_conv_kernel_dim))
         attention = 12 * model.num_attention_heads * model.dim_per_head * seq_len / 2
         return 6 * matmul_params + sum(attention if kind == FULL_ATTENTION else per_linear_layer for kind in kinds)
 

@@ -258,9 +258,11 @@ def conv_flops_per_token(layer_channels: int, taps: int) -> float:
 
 
 def rule_flops_per_token(value_heads: int, dk: int, dv: int, chunk: int) -> float:
-    """The chunked rule's floating-point work per token, forward: per value head
-    and chunk of C tokens, the C x C products and triangular solves (q k^T,
-    k_beta k^T, two solves of width dk and dv) and the state's reads and
+    """The chunked rule's floating-point work per token, forward, as model
+    FLOPs: per value head and chunk of C tokens, the C x C products (q k^T,
+    k_beta k^T, the intra-chunk attention times the new values), the
+    triangular system applied to widths dk and dv, counted as solves (C^2 x
+    width, whatever the kernel inverts it with), and the state's reads and
     update (C x dk x dv three times)."""
     C = chunk
     per_chunk = 2 * C * C * dk * 2 + C * C * (dk + dv) + 2 * C * C * dv + 2 * C * dk * dv * 3

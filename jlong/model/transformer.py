@@ -26,7 +26,7 @@ from jlong.attention.methods import SequenceParallelMethod, method_of
 from jlong.attention.methods.ulysses import ULYSSES
 from jlong.config import Config, ModelConfig
 from jlong.families import ParamSpec, family_of
-from jlong.families.base import FULL_ATTENTION
+from jlong.families.base import FULL_ATTENTION, shortest_period
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy, token_scores
 from jlong.model.remat import remat_policy, scan_layers, scan_periods
 from jlong.ops.shards import HIDDEN, OneDevice, Shards
@@ -114,10 +114,6 @@ class LayerGroup:
     repeats: int
     period: tuple[ForwardOptions, ...]
 
-    @property
-    def last(self) -> int:
-        return self.first + self.repeats * len(self.period)
-
 
 def layer_groups(config: ModelConfig, options: ForwardOptions) -> list[LayerGroup]:
     """The layers as loops: each run of `layer_runs` on its own (a body of one
@@ -134,19 +130,13 @@ def layer_groups(config: ModelConfig, options: ForwardOptions) -> list[LayerGrou
     groups, first = [], 0
     for segment in segments:
         end = first + segment.layers
-        period = _period(per_layer[first:end])
+        period = shortest_period(per_layer[first:end])
         if 1 < period < end - first and period % segment.layers_per_checkpoint == 0:
             groups.append(LayerGroup(first, (end - first) // period, tuple(per_layer[first:first + period])))
         else:
             groups += [LayerGroup(start, last - start, (o,)) for start, last, o in runs if first <= start < end]
         first = end
     return groups
-
-
-def _period(items: list) -> int:
-    """The fewest leading items that, repeated, make up `items`."""
-    n = len(items)
-    return next(p for p in range(1, n + 1) if n % p == 0 and all(items[i] == items[i % p] for i in range(n)))
 
 
 def _param(spec: ParamSpec, key, dtype) -> nnx.Param:
