@@ -46,8 +46,8 @@ def parameter_groups(model: torch.nn.Module, config: Config) -> list[dict]:
     """Decay where jlong decays: by each tensor's role in jlong's parameter
     layout (matrices, not norms or biases)."""
     role = family_of(config.model).roles(config.model)
-    roles = {tensor: role[keys[-1]] for keys, (tensors, _, _) in hf_tensor_names(config.model).items()
-             for tensor in tensors}
+    roles = {tensor: role[keys[-1]] for keys, stored in hf_tensor_names(config.model).items()
+             for tensor in stored.names}
     decay, plain = [], []
     for name, param in model.named_parameters():
         (decay if roles[name].decays else plain).append(param)

@@ -6,6 +6,8 @@ tensor name and layout is its family's (`jlong.families`).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Callable
@@ -21,6 +23,7 @@ from jlong.config import ModelConfig, model_config
 from jlong.errors import JlongError
 from jlong.files import with_normal_permissions
 from jlong.families import family_of
+from jlong.families.base import HFTensor
 from jlong.hf_config import hf_config_dict, read_hf_config
 from jlong.model.transformer import ForwardOptions, Transformer
 
@@ -39,17 +42,43 @@ def model_config_from_hf(path: str | Path) -> ModelConfig:
 # Tensor names and layouts
 
 
-def hf_tensor_names(config: ModelConfig) -> dict[tuple[str, ...], tuple[list[str], Callable, Callable]]:
-    """Each jlong parameter (its path in the parameter dict) -> the Hugging
-    Face tensors it is made of (one per layer for stacked layer parameters)
-    and the layout change of one tensor each way (to jlong, to HF)."""
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """Where one jlong parameter is in a Hugging Face checkpoint: for each
+    entry of its stack (each layer; one entry for a parameter outside the
+    layers), the tensors it is made of, and their layout."""
+
+    entries: list[list[str]]
+    tensor: HFTensor
+
+    @property
+    def names(self) -> list[str]:
+        return [name for entry in self.entries for name in entry]
+
+    def to_jlong(self, read: Callable[[str], np.ndarray], entry: list[str]) -> np.ndarray:
+        """One entry in jlong's layout from its tensors (`read` by name)."""
+        if self.tensor.parts:
+            return np.stack([self.tensor.to_jlong(read(name)) for name in entry])
+        return self.tensor.to_jlong(read(entry[0]))
+
+    def to_hf(self, value: np.ndarray) -> list[np.ndarray]:
+        """One entry's tensors in Hugging Face's layout."""
+        if self.tensor.parts:
+            return [self.tensor.to_hf(part) for part in value]
+        return [self.tensor.to_hf(value)]
+
+
+def hf_tensor_names(config: ModelConfig) -> dict[tuple[str, ...], Stored]:
+    """Each jlong parameter (its path in the parameter dict) -> its tensors
+    in a Hugging Face checkpoint (`Stored`)."""
     family = family_of(config)
-    names = {(name,): ([t.name], t.to_jlong, t.to_hf) for name, t in family.hf_outer_tensors(config).items()}
+    names = {(name,): Stored([t.part_names()], t) for name, t in family.hf_outer_tensors(config).items()}
     specs, kinds = family.layer_params(config), family.layer_types(config)
     for name, t in family.hf_layer_tensors(config).items():
         kind = specs[name].layer_type  # a parameter of one layer type's layers is stacked over those alone
-        layers = [f"model.layers.{i}.{t.name}" for i in range(config.num_hidden_layers) if kind in (None, kinds[i])]
-        names[("layers", name)] = (layers, t.to_jlong, t.to_hf)
+        layers = [t.part_names(f"model.layers.{i}.") for i in range(config.num_hidden_layers)
+                  if kind in (None, kinds[i])]
+        names[("layers", name)] = Stored(layers, t)
     return names
 
 
@@ -58,9 +87,10 @@ def _expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     specs = {("layers", n): s for n, s in family.layer_params(config).items()}
     specs.update({(n,): s for n, s in family.outer_params(config).items()})
     shapes = {}
-    for keys, (names, _, to_hf) in hf_tensor_names(config).items():
-        hf_shape = jax.eval_shape(to_hf, jax.ShapeDtypeStruct(specs[keys].shape, np.float32)).shape
-        shapes.update({name: hf_shape for name in names})
+    for keys, stored in hf_tensor_names(config).items():
+        shape = specs[keys].shape[1:] if stored.tensor.parts else specs[keys].shape
+        hf_shape = jax.eval_shape(stored.tensor.to_hf, jax.ShapeDtypeStruct(shape, np.float32)).shape
+        shapes.update({name: hf_shape for name in stored.names})
     return shapes
 
 
@@ -135,7 +165,7 @@ def load_hf_params(path: str | Path, config: ModelConfig, abstract_params: dict)
     cut into the pieces the devices hold and dropped."""
     checkpoint = _Checkpoint(Path(path), config)
     params: dict = {}
-    for keys, (names, to_jlong, _) in hf_tensor_names(config).items():
+    for keys, stored in hf_tensor_names(config).items():
         node = params
         for key in keys[:-1]:
             node = node.setdefault(key, {})
@@ -143,7 +173,8 @@ def load_hf_params(path: str | Path, config: ModelConfig, abstract_params: dict)
         for key in keys:
             target = target[key]
         stacked = keys[0] == "layers"
-        node[keys[-1]] = _placed(target, [lambda n=n: to_jlong(checkpoint.tensor(n)) for n in names], stacked)
+        read = [functools.partial(stored.to_jlong, checkpoint.tensor, entry) for entry in stored.entries]
+        node[keys[-1]] = _placed(target, read, stacked)
     return params
 
 
@@ -201,15 +232,14 @@ def from_hf(
 def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     tensors = {}
-    for keys, (names, _, to_hf) in hf_tensor_names(model.config).items():
+    for keys, stored in hf_tensor_names(model.config).items():
         value = params
         for key in keys:
             value = value[key]
         value = np.asarray(value)
-        if keys[0] == "layers":
-            tensors.update({name: to_hf(layer) for name, layer in zip(names, value)})
-        else:
-            tensors[names[0]] = to_hf(value)
+        entries = value if keys[0] == "layers" else [value]
+        for names, entry in zip(stored.entries, entries):
+            tensors.update(zip(names, stored.to_hf(entry)))
     return {name: np.ascontiguousarray(np.asarray(t)) for name, t in tensors.items()}
 
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 # Image-text checkpoints whose text model is a family jlong knows: model_type -> what it is.
-IMAGE_TEXT = {"gemma3": "Gemma 3", "qwen3_5": "Qwen3.5"}
+IMAGE_TEXT = {"gemma3": "Gemma 3", "qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE"}
 _noted: set[tuple[str, str]] = set()
 
 

@@ -1,5 +1,5 @@
 """Small random Hugging Face models (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM,
-Qwen3_5ForCausalLM)."""
+Qwen3_5ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5MoeForCausalLM)."""
 
 import torch
 import transformers
@@ -37,6 +37,13 @@ QWEN3_5 = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
 }
 
+# Mixtures of experts: Qwen3-MoE with a dense layer between sparse ones, its top-k probabilities renormalised or
+# not; Qwen3.5-MoE (always renormalised, a gated shared expert) on the hybrid layers above.
+QWEN3_MOE = {"num_hidden_layers": 3, "head_dim": 16, "moe_intermediate_size": 24, "num_experts": 8,
+             "num_experts_per_tok": 2, "mlp_only_layers": [1], "norm_topk_prob": True}
+QWEN3_5_MOE = {**QWEN3_5, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40, "num_experts": 8,
+               "num_experts_per_tok": 2}
+
 ARCHITECTURES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "llama3-scaled": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"rope_scaling": LLAMA3_SCALING}),
@@ -48,7 +55,12 @@ ARCHITECTURES = {
     "qwen3-yarn": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {**QWEN3, "rope_scaling": YARN}),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, GEMMA3),
     "qwen3.5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, QWEN3_5),
+    "qwen3-moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, QWEN3_MOE),
+    "qwen3-moe-unnormed": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                           {**QWEN3_MOE, "norm_topk_prob": False}),
+    "qwen3.5-moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM, QWEN3_5_MOE),
 }
+MIXTURES = ("qwen3-moe", "qwen3-moe-unnormed", "qwen3.5-moe")
 SCALED = ("llama3-scaled", "llama-yarn", "llama-linear", "qwen2-yarn", "qwen3-yarn")
 
 
@@ -67,11 +79,14 @@ def small_hf_model(name: str, seed: int = 0, **overrides):
 
 
 def perturbed_norms(model):
-    """`model` with its norms and biases moved off their starting values (one and zero), so they matter."""
+    """`model` with its norms and biases moved off their starting values (one and zero), so they matter, and
+    any router's weights scaled up so that no token's top-k is a near tie that rounding could decide."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name or "bias" in name:
                 param.add_(0.2 * torch.randn_like(param))
+            if name.endswith("mlp.gate.weight"):
+                param.mul_(50.0)
     return model
 
 

@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jlong"
 LAYERS = [
     "errors", "options", "files", "plots", "jax_private", "jax_startup",
     "ops",
-    "linear_attention",
+    "linear_attention", "moe",
     "attention",
     "families",
     "hf_config", "config",

@@ -127,6 +127,19 @@ class ModelConfig(_Section):
     linear_key_head_dim: optional(PositiveInt) = None
     linear_value_head_dim: optional(PositiveInt) = None
     linear_conv_kernel_dim: optional(PositiveInt) = None
+    # Mixture of experts (Qwen3-MoE, Qwen3.5-MoE): num_experts SwiGLU experts of moe_intermediate_size, each token
+    # routed to num_experts_per_tok of them, their router probabilities renormalised when norm_topk_prob. Qwen3-MoE's
+    # dense layers (an MLP of intermediate_size): those in mlp_only_layers, and all but every decoder_sparse_step-th.
+    # Qwen3.5-MoE's shared expert is an MLP of intermediate_size (its config.json's shared_expert_intermediate_size).
+    # output_router_logits: the training loss adds router_aux_loss_coef x the load-balancing loss.
+    num_experts: optional(PositiveInt) = None
+    num_experts_per_tok: optional(PositiveInt) = None
+    moe_intermediate_size: optional(PositiveInt) = None
+    norm_topk_prob: Flag = False
+    decoder_sparse_step: optional(PositiveInt) = None
+    mlp_only_layers: tuple[int, ...] | None = None
+    output_router_logits: Flag = False
+    router_aux_loss_coef: Number = 0.001
     preset: optional(Text) = None
     hf_path: optional(Text) = None
 

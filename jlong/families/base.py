@@ -44,12 +44,21 @@ SHARED_HF_KEYS = (
 
 @dataclasses.dataclass(frozen=True)
 class HFTensor:
-    """One parameter's Hugging Face tensor: its name (for a layer parameter,
-    what follows `model.layers.{i}.`) and the layout changes both ways."""
+    """One parameter's Hugging Face tensor (or tensors): its name (for a layer
+    parameter, what follows `model.layers.{i}.`) and the layout changes both ways."""
 
     name: str
     to_jlong: Callable = lambda w: w
     to_hf: Callable = lambda w: w
+    # > 0: the parameter's leading axis is this many tensors, one per entry (a mixture's experts), each
+    # named by `name` with `{part}` its index and laid out by to_jlong / to_hf.
+    parts: int = 0
+
+    def part_names(self, prefix: str = "") -> list[str]:
+        """The tensor names of one parameter (of one layer, after `prefix`)."""
+        if not self.parts:
+            return [prefix + self.name]
+        return [prefix + self.name.format(part=part) for part in range(self.parts)]
 
 
 TRANSPOSED = {"to_jlong": lambda w: w.T, "to_hf": lambda w: w.T}
@@ -183,19 +192,28 @@ class Family:
         """The sliding windows its layers use (without 0)."""
         return {w for kind in set(self.layer_types(model)) if (w := self.attention_window(model, kind))}
 
+    def matmul_params_per_token(self, model: ModelConfig) -> float:
+        """The matrix parameters each token is multiplied by: every layer's
+        matrices (those of its own type), of a mixture's experts only the
+        share a token is routed to (num_experts_per_tok of num_experts), and
+        the output projection."""
+        total = model.hidden_size * model.vocab_size
+        for spec in self.layer_params(model).values():
+            if spec.role is Role.MATRIX:
+                routed = model.num_experts_per_tok / model.num_experts if spec.axes[0] == "experts" else 1
+                total += math.prod(spec.shape) * self.layers_with(model, spec) * routed
+        return total
+
     def flops_per_token(self, model: ModelConfig, seq_len: int) -> float:
         """Model FLOPs per training token: 6 x matmul parameters (forward 2,
-        backward 4: each layer's matrices and the output projection), plus
-        causal attention (QK^T and PV: 4 x d per head and visible key
-        forward, x3 with the backward pass; a query sees half the sequence on
-        average, or what its layer's window lets it, `mean_visible_keys`).
-        Recomputation is not counted."""
-        matrices = sum(math.prod(s.shape) for s in self.layer_params(model).values() if s.role is Role.MATRIX)
-        matmul_params = model.num_hidden_layers * matrices + model.hidden_size * model.vocab_size
+        backward 4: `matmul_params_per_token`), plus causal attention (QK^T
+        and PV: 4 x d per head and visible key forward, x3 with the backward
+        pass; a query sees half the sequence on average, or what its layer's
+        window lets it, `mean_visible_keys`). Recomputation is not counted."""
         per_key = 12 * model.num_attention_heads * model.dim_per_head
         attention = sum(per_key * mean_visible_keys(seq_len, self.attention_window(model, kind))
                         for kind in self.layer_types(model))
-        return 6 * matmul_params + attention
+        return 6 * self.matmul_params_per_token(model) + attention
 
     # ---------------------------------------------------------------- Hugging Face
 

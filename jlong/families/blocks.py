@@ -1,5 +1,6 @@
 """Pieces that decoder blocks are built from: the attention block over a
-sequence-parallel mesh, the SwiGLU MLP, RMSNorm over the residual stream.
+sequence-parallel mesh, the SwiGLU MLP, a mixture of SwiGLU experts, RMSNorm
+over the residual stream.
 
 Each takes the layer's parameters by name, the model config and the forward
 options (`jlong.model.transformer.ForwardOptions`: shards, kernel, head
@@ -13,6 +14,7 @@ import functools
 import jax.numpy as jnp
 
 from jlong.attention.projection import ATTENTION_PARAMS, QKVProjection
+from jlong.moe.experts import MixtureOfExperts
 from jlong.ops.layers import rms_norm, rope_attention_factor, rope_inverse_frequencies, swiglu
 from jlong.ops.tiling import per_sequence_tile
 
@@ -68,6 +70,15 @@ def residual_swiglu(p, x_BSD, model, options):
 def _residual_swiglu(p, x_BSD, *, eps):
     h_BSD = rms_norm(x_BSD, p["mlp_norm"], eps)
     return x_BSD + swiglu(h_BSD, p["w_gate"], p["w_up"], p["w_down"])
+
+
+def residual_experts(p, x_BSD, model, moe: MixtureOfExperts, options):
+    """(x + experts(norm(x)), the layer's routing statistics): `moe` on each
+    device's tokens, `mlp_tile` of them at a time (`jlong.moe.experts`).
+    The statistics carry gradients when the load-balancing loss is trained."""
+    settings = {"eps": model.rms_norm_eps, "shards": options.shards, "tile": options.mlp_tile}
+    statistics = moe.statistics(p, x_BSD, differentiable=model.output_router_logits, **settings)
+    return moe.residual(p, x_BSD, **settings), statistics
 
 
 def offset_scale(w):

@@ -57,10 +57,14 @@ class LlamaFamily(Family):
         return specs
 
     def block(self, p, x_BSD, positions_BS, segment_ids_BS, model, options):
-        """Pre-norm residual block: x + attention(norm(x)), then + swiglu(norm(x))."""
-        constrain = options.shards.constrain
-        x_BSD = constrain(blocks.attention(p, x_BSD, positions_BS, segment_ids_BS, model, options), HIDDEN)
-        return constrain(blocks.residual_swiglu(p, x_BSD, model, options), HIDDEN)
+        """Pre-norm residual block: x + attention(norm(x)), then the channel mixer."""
+        x_BSD = options.shards.constrain(
+            blocks.attention(p, x_BSD, positions_BS, segment_ids_BS, model, options), HIDDEN)
+        return self.channel_mixer(p, x_BSD, model, options)
+
+    def channel_mixer(self, p, x_BSD, model, options):
+        """x + swiglu(norm(x))."""
+        return options.shards.constrain(blocks.residual_swiglu(p, x_BSD, model, options), HIDDEN)
 
     def hf_fields(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
         fields = super().hf_fields(hf, where)
@@ -78,12 +82,17 @@ class LlamaFamily(Family):
         return hf
 
     def hf_layer_tensors(self, model: ModelConfig) -> dict[str, HFTensor]:
+        table = self.hf_tensor_table(model)
+        return {name: table[name] for name in self.layer_params(model)}
+
+    def hf_tensor_table(self, model: ModelConfig) -> dict[str, HFTensor]:
+        """Every layer parameter's tensor this family's models may have."""
         H, K, d = model.num_attention_heads, model.kv_heads, model.dim_per_head
 
         def heads(name, n):
             return HFTensor(name, lambda b: b.reshape(n, d), lambda b: b.reshape(n * d))
 
-        table = {
+        return {
             **hf_projection_tensors(model),
             "attn_norm": HFTensor("input_layernorm.weight"),
             "mlp_norm": HFTensor("post_attention_layernorm.weight"),
@@ -93,7 +102,6 @@ class LlamaFamily(Family):
             "q_norm": HFTensor("self_attn.q_norm.weight"),
             "k_norm": HFTensor("self_attn.k_norm.weight"),
         }
-        return {name: table[name] for name in self.layer_params(model)}
 
 
 LLAMA = LlamaFamily("llama", "LlamaForCausalLM")

@@ -79,3 +79,16 @@ def gated_mlp_matrices(model: ModelConfig) -> dict[str, ParamSpec]:
         "w_up": ParamSpec((D, F), ("embed", "mlp"), Role.MATRIX),
         "w_down": ParamSpec((F, D), ("mlp", "embed"), Role.MATRIX),
     }
+
+
+def expert_matrices(model: ModelConfig, layer_type: str | None = None) -> dict[str, ParamSpec]:
+    """A mixture of experts' router [D, E] and its SwiGLU experts' gate, up
+    and down projections [E, D, F], [E, F, D] (`jlong.moe.experts`), for
+    every layer or those of `layer_type`."""
+    D, E, F = model.hidden_size, model.num_experts, model.moe_intermediate_size
+    return {
+        "router": ParamSpec((D, E), ("embed", "experts"), Role.MATRIX, layer_type),
+        "expert_gate": ParamSpec((E, D, F), ("experts", "embed", "mlp"), Role.MATRIX, layer_type),
+        "expert_up": ParamSpec((E, D, F), ("experts", "embed", "mlp"), Role.MATRIX, layer_type),
+        "expert_down": ParamSpec((E, F, D), ("experts", "mlp", "embed"), Role.MATRIX, layer_type),
+    }

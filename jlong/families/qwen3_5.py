@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -129,8 +128,7 @@ class Qwen3_5Family(OffsetNormFamily):
         return every_nth_layer(model, every, FULL_ATTENTION, LINEAR_ATTENTION)
 
     def block(self, p, x_BSD, positions_BS, segment_ids_BS, model, options):
-        """x + token mixer(norm(x)), then + swiglu(norm(x)); the mixer is the layer type's."""
-        constrain = options.shards.constrain
+        """x + token mixer(norm(x)), the mixer the layer type's, then the channel mixer."""
         p = {name: blocks.offset_scale(w) if name in OFFSET_NORMS else w for name, w in p.items()}
         if options.layer_type == LINEAR_ATTENTION:
             x_BSD = options.sequence_parallel.linear_attention(p, x_BSD, segment_ids_BS, layer=self.linear_layer(model),
@@ -139,22 +137,23 @@ class Qwen3_5Family(OffsetNormFamily):
         else:
             x_BSD = blocks.attention(p, x_BSD, positions_BS, segment_ids_BS, model, options,
                                      projection=_projection(model, options.mlp_tile))
-        x_BSD = constrain(x_BSD, HIDDEN)
-        return constrain(blocks.residual_swiglu(p, x_BSD, model, options), HIDDEN)
+        return self.channel_mixer(p, options.shards.constrain(x_BSD, HIDDEN), model, options)
+
+    def channel_mixer(self, p, x_BSD, model, options):
+        """x + swiglu(norm(x))."""
+        return options.shards.constrain(blocks.residual_swiglu(p, x_BSD, model, options), HIDDEN)
 
     def flops_per_token(self, model: ModelConfig, seq_len: int) -> float:
-        """As `Family.flops_per_token`, each layer counting its own type's
-        matrices; the linear-attention layers add the chunked rule's work
-        (linear in the length: `rule_flops_per_token`, x3 with the backward
-        pass) and the convolution's, the full-attention layers attention's."""
-        specs, kinds = self.layer_params(model), self.layer_types(model)
-        matmul_params = model.hidden_size * model.vocab_size + sum(
-            math.prod(s.shape) * self.layers_with(model, s) for s in specs.values() if s.role is Role.MATRIX)
+        """As `Family.flops_per_token`; the linear-attention layers add the
+        chunked rule's work (linear in the length: `rule_flops_per_token`, x3
+        with the backward pass) and the convolution's, the full-attention
+        layers attention's."""
         gdn = self.linear_layer(model)
         per_linear_layer = 3 * (rule_flops_per_token(gdn.value_heads, gdn.key_dim, gdn.value_dim, CHUNK)
                                 + conv_flops_per_token(gdn.channels, model.linear_conv_kernel_dim))
         attention = 12 * model.num_attention_heads * model.dim_per_head * seq_len / 2
-        return 6 * matmul_params + sum(attention if kind == FULL_ATTENTION else per_linear_layer for kind in kinds)
+        return 6 * self.matmul_params_per_token(model) + sum(
+            attention if kind == FULL_ATTENTION else per_linear_layer for kind in self.layer_types(model))
 
     # ---------------------------------------------------------------- Hugging Face
 

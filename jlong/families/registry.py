@@ -10,11 +10,14 @@ from jlong.families.base import Family
 from jlong.families.gemma3 import GEMMA3_TEXT
 from jlong.families.llama import LLAMA, QWEN2, QWEN3
 from jlong.families.qwen3_5 import QWEN3_5_TEXT
+from jlong.families.qwen3_5_moe import QWEN3_5_MOE_TEXT
+from jlong.families.qwen3_moe import QWEN3_MOE
 
 if TYPE_CHECKING:
     from jlong.config import ModelConfig
 
-_FAMILIES: dict[str, Family] = {family.name: family for family in (LLAMA, QWEN2, QWEN3, GEMMA3_TEXT, QWEN3_5_TEXT)}
+_FAMILIES: dict[str, Family] = {family.name: family for family in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, GEMMA3_TEXT,
+                                                                 QWEN3_5_TEXT, QWEN3_5_MOE_TEXT)}
 
 
 def register(family: Family) -> Family:

@@ -126,20 +126,22 @@ def name_layer_input(x):
 
 
 def scan_layers(layer_fn, x, stacked_params: dict, policy: RematPolicy, layers_per_checkpoint: int = 1):
-    """x through every layer: `layer_fn(x, params) -> (x, None)` scanned over
+    """x through every layer: `layer_fn(x, params) -> (x, out)` scanned over
     the leading (layers) axis of `stacked_params`, under `policy`, with one
-    kept input per `layers_per_checkpoint` layers."""
+    kept input per `layers_per_checkpoint` layers. Returns (x, each layer's
+    `out` stacked on a leading layers axis)."""
     k = layers_per_checkpoint
     if k == 1:
         body = policy.wrap(lambda x, params: layer_fn(name_layer_input(x), params))
-        return jax.lax.scan(body, x, stacked_params)[0]
+        return jax.lax.scan(body, x, stacked_params)
     each_layer = REMAT_POLICIES["full"].wrap(layer_fn)
 
     def group(x, group_params):
-        return jax.lax.scan(each_layer, name_layer_input(x), group_params)[0], None
+        return jax.lax.scan(each_layer, name_layer_input(x), group_params)
 
     grouped = jax.tree.map(lambda w: w.reshape(w.shape[0] // k, k, *w.shape[1:]), stacked_params)
-    return jax.lax.scan(policy.wrap(group), x, grouped)[0]
+    x, outs = jax.lax.scan(policy.wrap(group), x, grouped)
+    return x, jax.tree.map(lambda o: o.reshape(o.shape[0] * k, *o.shape[2:]), outs)
 
 
 def scan_periods(layer_fns, x, stacked_params: dict, policies: list[RematPolicy], slots: list[dict[str, int]],
@@ -147,28 +149,34 @@ def scan_periods(layer_fns, x, stacked_params: dict, policies: list[RematPolicy]
     """x through layers that repeat with a period: one scan over the leading
     (repeats) axis of `stacked_params` ([repeats, per period, ...]) whose
     body runs the period's layers in turn, layer i as `layer_fns[i](x, params)
-    -> (x, None)` with the parameters `slots[i]` names (name -> index in the
+    -> (x, out)` with the parameters `slots[i]` names (name -> index in the
     period's stack). Each layer is checkpointed on its own under
     `policies[i]`, so the policies keep what they keep in a loop of single
     layers; with `layers_per_checkpoint` = k > 1 (k dividing the period),
     each k consecutive layers are one checkpoint under the first one's
-    policy, as `scan_layers` groups them."""
+    policy, as `scan_layers` groups them. Returns (x, for each layer of the
+    period, its `out` stacked over the repeats)."""
     k = layers_per_checkpoint
 
     def run(i, x, params):
-        return layer_fns[i](x, {name: params[name][index] for name, index in slots[i].items()})[0]
+        return layer_fns[i](x, {name: params[name][index] for name, index in slots[i].items()})
 
     def period(x, params):
+        outs = []
         for first in range(0, len(layer_fns), k):
             def group(x, params, first=first):
                 x = name_layer_input(x)
                 if k == 1:
-                    return run(first, x, params)
+                    x, out = run(first, x, params)
+                    return x, [out]
+                group_outs = []
                 for i in range(first, first + k):
-                    x = REMAT_POLICIES["full"].wrap(lambda x, p, i=i: run(i, x, p))(x, params)
-                return x
+                    x, out = REMAT_POLICIES["full"].wrap(lambda x, p, i=i: run(i, x, p))(x, params)
+                    group_outs.append(out)
+                return x, group_outs
 
-            x = policies[first].wrap(group)(x, params)
-        return x, None
+            x, group_outs = policies[first].wrap(group)(x, params)
+            outs += group_outs
+        return x, outs
 
-    return jax.lax.scan(period, x, stacked_params)[0]
+    return jax.lax.scan(period, x, stacked_params)

@@ -29,6 +29,7 @@ from jlong.families import ParamSpec, family_of
 from jlong.families.base import FULL_ATTENTION, shortest_period
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy, token_scores
 from jlong.model.remat import remat_policy, scan_layers, scan_periods
+from jlong.moe.routing import expert_load_max_over_mean, load_balancing_loss
 from jlong.ops.shards import HIDDEN, OneDevice, Shards
 from jlong.options import DType, RematName, RematSegment
 
@@ -189,6 +190,12 @@ class Transformer(nnx.Module):
         zigzag over it (`jlong.ops.zigzag`: whoever places the batch
         lays it out). Without `positions`, each token's position is its index
         in the sequence."""
+        return self.hidden_states_and_routing(tokens_BS, segment_ids_BS, positions_BS)[0]
+
+    def hidden_states_and_routing(self, tokens_BS, segment_ids_BS=None, positions_BS=None):
+        """(`hidden_states`, the routing statistics of its mixture-of-experts
+        layers: each entry of `jlong.moe.routing`'s dict stacked over them, or
+        None for a model without)."""
         config, options = self.config, self.options
         constrain = options.shards.constrain
         dtype = jnp.dtype(options.compute_dtype)
@@ -203,8 +210,8 @@ class Transformer(nnx.Module):
                 # Cast, then constrain to the compute layout: under FSDP this is
                 # where each layer's weights are gathered (in the compute dtype).
                 params = {name: constrain(w.astype(dtype), layer_axes[name]) for name, w in params.items()}
-                x_BSD = family.block(params, x_BSD, positions_BS, segment_ids_BS, config, layer_options)
-                return x_BSD, None
+                out = family.block(params, x_BSD, positions_BS, segment_ids_BS, config, layer_options)
+                return out if isinstance(out, tuple) else (out, None)  # (x, routing statistics) from a MoE layer
 
             return one_layer
 
@@ -222,17 +229,24 @@ class Transformer(nnx.Module):
                 layers[name] = w.reshape(group.repeats, count // group.repeats, *w.shape[1:])
             return layers
 
+        routing = []  # each MoE layer's statistics, stacked over the layers of a loop
         for group in layer_groups(config, options):
             layers = of_group(group)
             if len(group.period) == 1:  # a run of one type
                 [run_options] = group.period
-                x_BSD = scan_layers(layer_under(run_options), x_BSD, jax.tree.map(lambda w: w[:, 0], layers),
-                                    remat_policy(run_options.remat), run_options.layers_per_checkpoint)
+                x_BSD, statistics = scan_layers(
+                    layer_under(run_options), x_BSD, jax.tree.map(lambda w: w[:, 0], layers),
+                    remat_policy(run_options.remat), run_options.layers_per_checkpoint)
+                routing.append(statistics)
             else:
-                x_BSD = scan_periods([layer_under(o) for o in group.period], x_BSD, layers,
-                                     [remat_policy(o.remat) for o in group.period], self._slots(group, specs),
-                                     group.period[0].layers_per_checkpoint)
-        return family.final_norm(x_BSD, self.final_norm.get_value(), config, options)
+                x_BSD, statistics = scan_periods(
+                    [layer_under(o) for o in group.period], x_BSD, layers,
+                    [remat_policy(o.remat) for o in group.period], self._slots(group, specs),
+                    group.period[0].layers_per_checkpoint)
+                routing += statistics
+        routing = [statistics for statistics in routing if statistics is not None]
+        routing = jax.tree.map(lambda *each: jnp.concatenate(each), *routing) if routing else None
+        return family.final_norm(x_BSD, self.final_norm.get_value(), config, options), routing
 
     @staticmethod
     def _slots(group: LayerGroup, specs: dict[str, ParamSpec]) -> list[dict[str, int]]:
@@ -260,18 +274,36 @@ class Transformer(nnx.Module):
         return output_logits(hidden_BSD, self.output_weights(hidden_BSD.dtype))
 
     def loss(self, batch: dict):
-        """Mean next-token cross-entropy of a batch (`inputs`, `targets`, and
-        optionally `loss_mask`, `segment_ids`, `positions`, each [B, S]); with
-        `loss_tile`, without the whole logits. A mean over tokens: the same
-        in any layout of the sequence."""
-        hidden_BSD = self.hidden_states(batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
+        """The training loss of a batch (`loss_and_metrics`)."""
+        return self.loss_and_metrics(batch)[0]
+
+    def loss_and_metrics(self, batch: dict):
+        """(training loss, metrics) of a batch (`inputs`, `targets`, and
+        optionally `loss_mask`, `segment_ids`, `positions`, each [B, S]).
+
+        The loss is the mean next-token cross-entropy (with `loss_tile`,
+        computed without the whole logits; a mean over tokens, the same in
+        any layout of the sequence), plus, for a mixture of experts with
+        `model.output_router_logits`, `router_aux_loss_coef` x the
+        load-balancing loss. Metrics: for a mixture of experts,
+        `expert_load_max_over_mean` (and `router_aux_loss` when it is trained)."""
+        hidden_BSD, routing = self.hidden_states_and_routing(
+            batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
         targets_BS, mask_BS = batch["targets"], batch.get("loss_mask")
         if tile := self.options.loss_tile:
-            return tiled_cross_entropy(
+            loss = tiled_cross_entropy(
                 hidden_BSD, self.output_weights(hidden_BSD.dtype), targets_BS, mask_BS, tile=tile,
                 shards=self.options.shards,
             )
-        return cross_entropy(self.logits(hidden_BSD), targets_BS, mask_BS)
+        else:
+            loss = cross_entropy(self.logits(hidden_BSD), targets_BS, mask_BS)
+        if routing is None:
+            return loss, {}
+        metrics = {"expert_load_max_over_mean": expert_load_max_over_mean(routing)}
+        if self.config.output_router_logits:
+            metrics["router_aux_loss"] = load_balancing_loss(routing)
+            loss = loss + self.config.router_aux_loss_coef * metrics["router_aux_loss"]
+        return loss, metrics
 
     def token_scores(self, batch: dict):
         """[B, S, 2] float32 per target token, in the batch's layout: its

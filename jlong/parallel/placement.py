@@ -54,6 +54,7 @@ LOGICAL_AXES: dict[str, AxisRule] = {
     "head_dim": AxisRule(GATHERED_AT_COMPUTE),
     "conv_channels": AxisRule(GATHERED_AT_COMPUTE, rest_order=5),  # linear attention's q, k, v channels
     "conv_taps": AxisRule(GATHERED_AT_COMPUTE),
+    "experts": AxisRule(GATHERED_AT_COMPUTE, rest_order=6),  # a mixture's experts
     "layers": AxisRule(GATHERED_AT_COMPUTE),  # the scan over layers takes one at a time
 }
 

@@ -69,11 +69,10 @@ class TrainProgram:
             key: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
             for key, (shape, dtype) in batch_layout(config).items()
         }
-        metrics_sharding = {"loss": replicated(mesh), "grad_norm": replicated(mesh)}
         self.step = jax.jit(
             self._step,
             in_shardings=(self.rest_shardings, self.opt_shardings, self.batch_sharding),
-            out_shardings=(self.rest_shardings, self.opt_shardings, metrics_sharding),
+            out_shardings=(self.rest_shardings, self.opt_shardings, replicated(mesh)),  # every metric whole
             donate_argnums=(0, 1),
         )
         # Forward only: (params, batch) -> [B, S, 2] per-token cross-entropy and argmax hits (`jlong.eval`).
@@ -121,14 +120,19 @@ class TrainProgram:
     # -- the step
 
     def loss(self, params: dict, batch: dict):
-        """The model's loss of a batch placed by `place_batch`."""
+        """The model's training loss of a batch placed by `place_batch`."""
         return self.bind(params).loss(batch)
 
+    def _loss_and_metrics(self, params: dict, batch: dict):
+        return self.bind(params).loss_and_metrics(batch)
+
     def _step(self, params, opt_state, batch):
+        """One optimizer step: the metrics are the loss, the gradient's norm and the model's own
+        (`Transformer.loss_and_metrics`)."""
         compute_params = self.optimizer.compute_params(params, self.param_shardings)
-        loss, grads = jax.value_and_grad(self.loss)(compute_params, batch)
+        (loss, metrics), grads = jax.value_and_grad(self._loss_and_metrics, has_aux=True)(compute_params, batch)
         params, opt_state, grad_norm = self.optimizer.update(grads, opt_state, params)
-        return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, **metrics}
 
     def _token_scores(self, params, batch):
         return self.bind(self.optimizer.compute_params(params, self.param_shardings)).token_scores(batch)

@@ -195,9 +195,9 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
                     _enter_stage(run, stage, len(stages))
                 batches, evaluation = inputs[stage.number]
                 stops.step_started(step, recorder.expected_step_seconds())
-                loss, grad_norm, seconds = _update(run, batches, step)
+                loss, grad_norm, model_metrics, seconds = _update(run, batches, step)
                 _check_finite(step, loss, grad_norm, checkpoints)
-                measured = {**batches.drawn(step), **evaluation.at(step, run.program, run.params)}
+                measured = {**model_metrics, **batches.drawn(step), **evaluation.at(step, run.program, run.params)}
                 recorder.record(step, loss, grad_norm, seconds, {"stage": stage.number, **measured} if staged
                                 else measured, stage.config)
                 every = config.checkpoint.every
@@ -311,16 +311,17 @@ def _say(text: str) -> None:
         print(text, flush=True)
 
 
-def _update(run: Started, batches: Batches, step: int) -> tuple[float, float, float]:
-    """One optimizer step on `run`: (loss, grad_norm, seconds)."""
+def _update(run: Started, batches: Batches, step: int) -> tuple[float, float, dict[str, float], float]:
+    """One optimizer step on `run`: (loss, grad_norm, the model's other metrics, seconds)."""
     program = run.program
     batch = program.place_batch(batches.batch(step))
     began = time.perf_counter()
     with explained_out_of_memory(program.config, program.mesh, f"at step {step}"):
         run.params, run.opt_state, metrics = run.compiled(run.params, run.opt_state, batch)
-        loss, grad_norm = local_value(metrics["loss"]), local_value(metrics["grad_norm"])
+        values = {name: local_value(value) for name, value in metrics.items()}
     run.step = step
-    return loss, grad_norm, time.perf_counter() - began
+    loss, grad_norm = values.pop("loss"), values.pop("grad_norm")
+    return loss, grad_norm, values, time.perf_counter() - began
 
 
 def _check_finite(step: int, loss: float, grad_norm: float, checkpoints: Checkpoints | None) -> None:

@@ -1,0 +1,11 @@
+"""Mixture-of-experts channel mixers: each token runs through the few
+experts a router picks for it rather than through one wide MLP.
+
+- `routing`: the softmax router's top-k choice per token, the order that
+  groups (token, expert) pairs by expert, and the statistics of a layer's
+  routing (load per expert, the load-balancing loss);
+- `grouped_matmul`: the kernels that multiply each expert's group of rows by
+  that expert's matrix (`KERNELS`);
+- `experts`: the routed SwiGLU experts (and a gated shared expert), run on
+  one device's tokens a sequence tile at a time.
+"""

@@ -1,0 +1,82 @@
+"""Token-choice routing (as Qwen3-MoE and Qwen3.5-MoE route): a linear
+router scores every expert for each token, a softmax in float32 makes the
+scores probabilities, and each token goes to its `top_k` most likely
+experts, weighted by their probabilities (renormalised to sum to one when
+the model says so).
+
+A token's k choices are k (token, expert) pairs; `group_by_expert` sorts the
+pairs by expert (stably, so a group keeps its tokens in order) and counts
+each group, which is what a grouped matmul takes.
+
+Each MoE layer also reports its routing over the whole batch, its
+statistics (a dict of `EXPERT_TOKENS`, `EXPERT_PROBABILITIES`,
+`ROUTED_TOKENS`): the pairs each expert received, the sum of each expert's
+probabilities, and the tokens routed. Two things are computed from every
+layer's: the load-balancing loss (Switch Transformer's, arXiv 2101.03961, as
+transformers computes it for these models: each expert's share of the pairs
+and its mean probability, each averaged over all MoE layers before their
+product is summed and multiplied by the number of experts), and
+`expert_load_max_over_mean`, the busiest expert's pairs over the mean, in
+the worst layer (1.0 is a perfect balance).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+EXPERT_TOKENS = "expert_tokens"  # [E] (token, expert) pairs each expert received
+EXPERT_PROBABILITIES = "expert_probabilities"  # [E] the sum over tokens of each expert's router probability
+ROUTED_TOKENS = "routed_tokens"  # [] tokens routed
+
+
+def route(h_TD, router_DE, *, top_k: int, normalize: bool):
+    """(probabilities [T, E] float32, weights [T, k] float32, experts [T, k] int32)
+    of tokens h [T, D] under the router's weights [D, E]."""
+    logits_TE = jnp.einsum("td,de->te", h_TD, router_DE)
+    probabilities_TE = jax.nn.softmax(logits_TE.astype(jnp.float32), axis=-1)
+    weights_Tk, experts_Tk = jax.lax.top_k(probabilities_TE, top_k)
+    if normalize:
+        weights_Tk = weights_Tk / jnp.sum(weights_Tk, axis=-1, keepdims=True)
+    return probabilities_TE, weights_Tk, experts_Tk
+
+
+def group_by_expert(experts_Tk, num_experts: int):
+    """(order [T*k], group sizes [E] int32): the (token, expert) pairs, pair p
+    being token p // k's (p % k)-th choice, sorted by expert, and how many
+    pairs each expert has."""
+    experts_P = experts_Tk.reshape(-1)
+    order_P = jnp.argsort(experts_P, stable=True)
+    group_sizes_E = jnp.zeros((num_experts,), jnp.int32).at[experts_P].add(1)
+    return order_P, group_sizes_E
+
+
+def no_statistics(num_experts: int) -> dict:
+    """Routing statistics of no tokens: what sums start from."""
+    zeros_E = jnp.zeros((num_experts,), jnp.float32)
+    return {EXPERT_TOKENS: zeros_E, EXPERT_PROBABILITIES: zeros_E, ROUTED_TOKENS: jnp.zeros((), jnp.float32)}
+
+
+def tile_statistics(probabilities_TE, experts_Tk) -> dict:
+    """One tile's routing statistics: pairs per expert, probability sums, tokens."""
+    num_experts = probabilities_TE.shape[-1]
+    pairs_E = jnp.zeros((num_experts,), jnp.float32).at[experts_Tk.reshape(-1)].add(1.0)
+    return {EXPERT_TOKENS: pairs_E, EXPERT_PROBABILITIES: jnp.sum(probabilities_TE, axis=0),
+            ROUTED_TOKENS: jnp.asarray(probabilities_TE.shape[0], jnp.float32)}
+
+
+def load_balancing_loss(statistics: dict) -> jax.Array:
+    """Switch Transformer's auxiliary loss over every MoE layer's statistics
+    (each entry [layers, ...]): E x sum_e f_e P_e, where f_e is the share of
+    tokens whose top-k include expert e and P_e its mean probability, both
+    over all layers' tokens: top_k when perfectly balanced."""
+    rows = jnp.sum(statistics[ROUTED_TOKENS])
+    fraction_E = jnp.sum(statistics[EXPERT_TOKENS], axis=0) / rows
+    probability_E = jnp.sum(statistics[EXPERT_PROBABILITIES], axis=0) / rows
+    return fraction_E.shape[0] * jnp.sum(fraction_E * probability_E)
+
+
+def expert_load_max_over_mean(statistics: dict) -> jax.Array:
+    """The busiest expert's pairs over the mean expert's, in the MoE layer where that is largest."""
+    tokens_LE = statistics[EXPERT_TOKENS]
+    return jnp.max(jnp.max(tokens_LE, axis=-1) / jnp.mean(tokens_LE, axis=-1))

@@ -1,0 +1,127 @@
+"""Mixtures of experts: the load-balancing loss and the expert load against
+transformers' router logits, sequence tiles against whole shards, and every
+sequence-parallel layout against one device (logits against transformers:
+test_hf_parity)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from helpers import assert_same_result, small_config
+from hf_models import small_hf_model
+
+import jlong
+from jlong.data.sources import Batches
+from jlong.errors import JlongError
+from jlong.families import family_of
+from jlong.parallel.placement import make_mesh
+from jlong.program.train_program import TrainProgram
+
+QWEN3_MOE = ["model.preset=tiny-qwen3-moe", "model.vocab_size=128", "model.hidden_size=64",
+             "model.intermediate_size=96", "model.moe_intermediate_size=32", "model.num_hidden_layers=3",
+             "model.mlp_only_layers=[1]", "model.output_router_logits=true", "model.router_aux_loss_coef=0.1",
+             "data.eos_id=7", "train.batch_size=2", "train.seq_len=256"]
+QWEN3_5_MOE = ["model.preset=tiny-qwen3.5-moe", "model.vocab_size=128", "model.hidden_size=64",
+               "model.intermediate_size=48", "model.moe_intermediate_size=32", "model.num_key_value_heads=2",
+               "model.full_attention_interval=2", "model.output_router_logits=true",
+               "model.router_aux_loss_coef=0.1", "data.eos_id=7", "train.batch_size=2", "train.seq_len=256"]
+
+
+def _routing_reference(hf_model, tokens, top_k):
+    """transformers' loss and auxiliary loss with output_router_logits, and the
+    worst layer's busiest expert over the mean, counted from its router logits."""
+    with torch.no_grad():
+        out = hf_model(torch.as_tensor(tokens), labels=torch.as_tensor(tokens), output_router_logits=True)
+    worst = 0.0
+    for logits in out.router_logits:
+        chosen = torch.topk(logits.softmax(-1), top_k, dim=-1).indices.reshape(-1).numpy()
+        pairs = np.bincount(chosen, minlength=logits.shape[-1])
+        worst = max(worst, pairs.max() / pairs.mean())
+    return float(out.loss), float(out.aux_loss), worst
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen3-moe-unnormed", "qwen3.5-moe"])
+def test_load_balancing_loss_and_expert_load_match_transformers(name, tmp_path):
+    hf_model = small_hf_model(name, output_router_logits=True, router_aux_loss_coef=0.25)
+    hf_model.save_pretrained(tmp_path)
+    tokens = np.random.default_rng(3).integers(0, 96, (2, 70))
+    loss, aux_loss, worst = _routing_reference(hf_model, tokens, hf_model.config.num_experts_per_tok)
+    model = jlong.from_hf(tmp_path)
+    assert model.config.output_router_logits and model.config.router_aux_loss_coef == 0.25
+    # transformers predicts each token but the last from the ones before; all 70 are routed.
+    mask = np.ones(tokens.shape, np.float32)
+    mask[:, -1] = 0
+    batch = {"inputs": jnp.asarray(tokens), "targets": jnp.asarray(np.roll(tokens, -1, axis=1)),
+             "loss_mask": jnp.asarray(mask)}
+    got, metrics = jax.jit(lambda m, b: m.loss_and_metrics(b))(model, batch)
+    np.testing.assert_allclose(float(metrics["router_aux_loss"]), aux_loss, rtol=1e-5)
+    np.testing.assert_allclose(float(got), loss, rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["expert_load_max_over_mean"]), worst, rtol=1e-6)
+    assert aux_loss > model.config.num_experts_per_tok  # the random router is unbalanced: the loss has work
+
+
+def _loss_and_grads(config, devices):
+    """Loss and gradients of step 1's batch from seed-0 parameters whose routers
+    are scaled up, so that no token's top-k is a near tie rounding could flip."""
+    program = TrainProgram(config, make_mesh(config.mesh, devices))
+    params = program.init_params(seed=0)
+    params["layers"]["router"] = params["layers"]["router"] * 50.0
+    batch = program.place_batch(Batches.from_config(config).batch(1))
+    loss, grads = jax.jit(jax.value_and_grad(program.loss))(params, batch)
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_device(model: str):
+    return _loss_and_grads(small_config(*MODELS[model]), jax.devices()[:1])
+
+
+MODELS = {"qwen3-moe": QWEN3_MOE, "qwen3.5-moe": QWEN3_5_MOE}
+TILED = ["memory.mlp_tile=32"]
+SP = ["mesh.sp=4", "mesh.fsdp=2"]
+RING = ["mesh.ring=2", "mesh.sp=2", "mesh.fsdp=2", "memory.remat=offload_inputs"]
+
+
+@pytest.mark.parametrize("model, layout", [
+    ("qwen3-moe", SP + TILED), ("qwen3-moe", RING), ("qwen3.5-moe", RING + TILED),
+], ids=["qwen3-moe-sp4-fsdp2-tiled", "qwen3-moe-ring2-sp2-fsdp2", "qwen3.5-moe-ring2-sp2-fsdp2-tiled"])
+def test_training_on_a_mesh_equals_one_device(model, layout):
+    """Loss (with the load-balancing loss) and gradients of packed documents;
+    the experts in sequence tiles of 32 tokens or a device's whole shard."""
+    sharded = _loss_and_grads(small_config(*MODELS[model], *layout), jax.devices())
+    assert_same_result(sharded, _one_device(model))
+    grads = sharded[1]["layers"]
+    assert np.abs(grads["router"]).max() > 0 and np.abs(grads["expert_down"]).max() > 0
+
+
+@pytest.mark.fast
+def test_flops_count_the_routed_experts_only():
+    """Model FLOPs count k of E experts per token: with more experts of the same
+    size, k fixed, a token's FLOPs do not change; the router's do."""
+    config = small_config(*QWEN3_MOE).model
+    family = family_of(config)
+    wider = config.model_copy(update={"num_experts": 4 * config.num_experts})
+    router = config.hidden_size * config.num_experts * 3  # three times the router per sparse layer...
+    extra = 2 * router  # ...in the two sparse layers, x6 FLOPs per parameter
+    assert family.flops_per_token(wider, 256) - family.flops_per_token(config, 256) == pytest.approx(6 * extra)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("overrides, message", [
+    (["model.num_experts_per_tok=9"], "more than model.num_experts"),
+    (["model.num_experts=null"], "set model.num_experts"),
+    (["model.layer_types=[moe,sliding_attention,moe]"], "not a Qwen3-MoE layer type"),
+])
+def test_expert_config_mistakes_are_one_line(overrides, message):
+    with pytest.raises(JlongError, match=message):
+        small_config(*QWEN3_MOE, *overrides)
+
+
+@pytest.mark.fast
+def test_qwen3_5_moe_always_renormalises():
+    with pytest.raises(JlongError, match="always renormalises"):
+        small_config(*QWEN3_5_MOE, "model.norm_topk_prob=false")
