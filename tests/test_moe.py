@@ -1,7 +1,8 @@
-"""Mixtures of experts: the load-balancing loss and the expert load against
-transformers' router logits, sequence tiles against whole shards, and every
-sequence-parallel layout against one device (logits against transformers:
-test_hf_parity)."""
+"""Mixtures of experts: the grouped matmul kernel against ragged_dot, the
+load-balancing loss and the expert load against transformers' router
+logits, every sequence-parallel layout against one device (logits against
+transformers: test_hf_parity), and the compiled h100 program: FLOPs for the
+routed tokens, temporaries that do not grow with the experts."""
 
 import functools
 
@@ -10,14 +11,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import assert_same_result, small_config
+from helpers import H100, REPO, assert_same_result, needs_gpu_compiler, small_config
 from hf_models import small_hf_model
 
 import jlong
 from jlong.data.sources import Batches
 from jlong.errors import JlongError
+from jlong.config import load_config
 from jlong.families import family_of
+from jlong.model.transformer import ForwardOptions
+from jlong.moe import grouped_matmul, grouped_matmul_triton
 from jlong.parallel.placement import make_mesh
+from jlong.planner.memory import compile_train_step, plan_of
+from jlong.planner.step_cost import step_cost
 from jlong.program.train_program import TrainProgram
 
 QWEN3_MOE = ["model.preset=tiny-qwen3-moe", "model.vocab_size=128", "model.hidden_size=64",
@@ -28,6 +34,61 @@ QWEN3_5_MOE = ["model.preset=tiny-qwen3.5-moe", "model.vocab_size=128", "model.h
                "model.intermediate_size=48", "model.moe_intermediate_size=32", "model.num_key_value_heads=2",
                "model.full_attention_interval=2", "model.output_router_logits=true",
                "model.router_aux_loss_coef=0.1", "data.eos_id=7", "train.batch_size=2", "train.seq_len=256"]
+
+
+# Groups of every kind: empty ones, one of a single row, one spanning several 64-row tiles, several in one
+# tile; 200 rows, not a whole number of tiles.
+GROUP_SIZES = [30, 0, 70, 1, 0, 64, 35, 0]
+
+
+@pytest.mark.fast
+def test_the_triton_grouped_matmul_equals_ragged_dot_with_its_gradients():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((200, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((8, 64, 32)), jnp.float32)
+    sizes = jnp.asarray(GROUP_SIZES, jnp.int32)
+
+    def loss(kernel, x, w):
+        return jnp.sum(jnp.sin(kernel(x, w, sizes)))
+
+    triton = functools.partial(grouped_matmul_triton.grouped_matmul, interpret=True)
+    want = jax.value_and_grad(functools.partial(loss, jax.lax.ragged_dot), argnums=(0, 1))(x, w)
+    got = jax.value_and_grad(functools.partial(loss, triton), argnums=(0, 1))(x, w)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-4)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("seed", range(3))
+def test_work_items_cover_every_row_once_within_their_bound(seed):
+    """Each real (group, tile) item's rows are that tile's rows of that group;
+    together they are every row once, in at most rows / 64 + G - 1 items."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.multinomial(1000, rng.dirichlet(np.full(16, 0.3)))
+    rows = 1024
+    group, tile, real = map(np.asarray, grouped_matmul_triton.work_items(jnp.asarray(sizes, jnp.int32), rows, 64))
+    assert len(group) == rows // 64 + 16 - 1 and real <= len(group)
+    ends = np.cumsum(sizes)
+    covered = np.zeros(rows, int)
+    for g, t in zip(group[:real], tile[:real]):
+        in_tile = np.arange(t * 64, (t + 1) * 64)
+        mine = in_tile[(in_tile >= ends[g] - sizes[g]) & (in_tile < ends[g])]
+        assert len(mine), (g, t)
+        covered[mine] += 1
+    assert (covered[:1000] == 1).all() and (covered[1000:] == 0).all()
+
+
+@pytest.mark.fast
+def test_a_model_on_the_triton_kernel_gives_the_ragged_dot_logits(tmp_path, monkeypatch):
+    """The kernel as the model runs it on a GPU (here interpreted): the tiny Qwen3.5-MoE's logits."""
+    monkeypatch.setitem(grouped_matmul.KERNELS, "triton",
+                        functools.partial(grouped_matmul_triton.grouped_matmul, interpret=True))
+    hf_model = small_hf_model("qwen3.5-moe", moe_intermediate_size=32)  # Triton's dots: multiples of 16
+    hf_model.save_pretrained(tmp_path)
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 96, (1, 40)))
+    reference = jlong.from_hf(tmp_path)(tokens)
+    on_triton = jlong.from_hf(tmp_path, options=ForwardOptions(grouped_matmul="triton"))(tokens)
+    np.testing.assert_allclose(np.asarray(on_triton), np.asarray(reference), rtol=0, atol=1e-4)
 
 
 def _routing_reference(hf_model, tokens, top_k):
@@ -125,3 +186,34 @@ def test_expert_config_mistakes_are_one_line(overrides, message):
 def test_qwen3_5_moe_always_renormalises():
     with pytest.raises(JlongError, match="always renormalises"):
         small_config(*QWEN3_5_MOE, "model.norm_topk_prob=false")
+
+
+def _compiled_moe(*overrides):
+    """Two layers of configs/qwen3-30b-a3b-1m.yaml at 32,768 tokens (4,096 per device: experts dominate),
+    compiled for 8 H100s."""
+    config = load_config(REPO / "configs" / "qwen3-30b-a3b-1m.yaml", [
+        "train.seq_len=32768", "model.num_hidden_layers=2", "memory.remat=offload_inputs", "memory.remat_runs={}",
+        *overrides])
+    return config, compile_train_step(config, H100)
+
+
+@needs_gpu_compiler
+def test_on_h100_the_experts_cost_their_routed_flops_in_static_loops():
+    _, step = _compiled_moe()
+    cost = step_cost(step)
+    assert step.compiled.as_text().count('custom_call_target="__gpu$xla.gpu.triton"') >= 3  # forward, dx, dw
+    assert not cost.unpriced_custom_calls and not cost.unknown_trip_loops
+    assert cost.model_flops <= cost.executed_flops <= 1.6 * cost.model_flops
+
+
+@needs_gpu_compiler
+def test_on_h100_temporaries_grow_with_the_experts_by_their_weights_only():
+    """Twice the experts add at most a layer's new experts in bf16 and their float32 gradients: no
+    [tokens, experts, ...] buffer (which would add 32,768 routed rows x 64 experts x 768 x 2 bytes,
+    3 GiB, per product)."""
+    config, step = _compiled_moe("model.num_experts=64")
+    _, doubled = _compiled_moe("model.num_experts=128")
+    model = config.model
+    new_experts = 64 * 3 * model.hidden_size * model.moe_intermediate_size  # parameters of one layer
+    growth = plan_of(doubled).temporaries - plan_of(step).temporaries
+    assert 0 < growth <= new_experts * (2 + 4)

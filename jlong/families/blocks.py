@@ -9,6 +9,7 @@ stages, tiles), and keeps [B, S, D] in the model's layout.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -74,8 +75,10 @@ def _residual_swiglu(p, x_BSD, *, eps):
 
 def residual_experts(p, x_BSD, model, moe: MixtureOfExperts, options):
     """(x + experts(norm(x)), the layer's routing statistics): `moe` on each
-    device's tokens, `mlp_tile` of them at a time (`jlong.moe.experts`).
+    device's tokens, `mlp_tile` of them at a time, with the options' grouped
+    matmul (`jlong.moe.experts`).
     The statistics carry gradients when the load-balancing loss is trained."""
+    moe = dataclasses.replace(moe, kernel=options.grouped_matmul)
     settings = {"eps": model.rms_norm_eps, "shards": options.shards, "tile": options.mlp_tile}
     statistics = moe.statistics(p, x_BSD, differentiable=model.output_router_logits, **settings)
     return moe.residual(p, x_BSD, **settings), statistics

@@ -29,6 +29,7 @@ from jlong.families import ParamSpec, family_of
 from jlong.families.base import FULL_ATTENTION, shortest_period
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy, token_scores
 from jlong.model.remat import remat_policy, scan_layers, scan_periods
+from jlong.moe.grouped_matmul import kernel_for
 from jlong.moe.routing import expert_load_max_over_mean, load_balancing_loss
 from jlong.ops.shards import HIDDEN, OneDevice, Shards
 from jlong.options import DType, RematName, RematSegment
@@ -50,6 +51,7 @@ class ForwardOptions:
     mlp_tile: int = 0  # tokens per sequence tile of the MLP on each device; 0 = untiled
     loss_tile: int = 0  # the same for the output projection and the loss
     layer_type: str = FULL_ATTENTION  # the type of the layers being run (`Family.layer_types`)
+    grouped_matmul: str = "ragged_dot"  # a mixture of experts' kernel (`jlong.moe.grouped_matmul.KERNELS`)
 
     @property
     def unroll_attention_stages(self) -> bool:
@@ -82,6 +84,7 @@ class ForwardOptions:
             remat_segments=config.remat_segments if len(config.remat_segments) > 1 else (),
             mlp_tile=config.memory.mlp_tile,
             loss_tile=config.memory.loss_tile,
+            grouped_matmul=kernel_for(platform),
         )
 
 

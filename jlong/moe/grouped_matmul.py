@@ -2,16 +2,21 @@
 multiplied by its own matrix, [M, K] x [G, K, N] -> [M, N], group g being
 the next group_sizes[g] rows.
 
-`KERNELS` holds them by name (`MixtureOfExperts.kernel`):
+`KERNELS` holds them by name (`MixtureOfExperts.kernel`); `kernel_for`
+picks one for a platform:
 
-- `ragged_dot`: `jax.lax.ragged_dot`, XLA's own. On the CPU it is the
-  reference; XLA:GPU in jax 0.10 lowers it to a product with every group's
-  matrix (G times the FLOPs), so GPU runs need a kernel of their own.
+- `ragged_dot`: `jax.lax.ragged_dot`, XLA's own: what the CPU runs, and the
+  reference. XLA:GPU in jax 0.10 lowers it to a product with every group's
+  matrix (G times the FLOPs), so GPUs run
+- `triton`: Pallas Triton kernels over tiles of sorted rows
+  (`jlong.moe.grouped_matmul_triton`), FLOPs for the rows each group has.
 """
 
 from __future__ import annotations
 
 import jax
+
+from jlong.moe import grouped_matmul_triton
 
 
 def ragged_dot(x_MK, w_GKN, group_sizes_G):
@@ -19,4 +24,9 @@ def ragged_dot(x_MK, w_GKN, group_sizes_G):
     return jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)
 
 
-KERNELS = {"ragged_dot": ragged_dot}
+KERNELS = {"ragged_dot": ragged_dot, "triton": grouped_matmul_triton.grouped_matmul}
+
+
+def kernel_for(platform: str) -> str:
+    """The grouped matmul a platform ("gpu" or "cpu") runs."""
+    return "triton" if platform == "gpu" else "ragged_dot"

@@ -230,15 +230,25 @@ def _called_computations(attributes: str) -> tuple[str, ...]:
 
 
 def _matching(text: str, start: int, open_char: str, close_char: str) -> int:
-    """The index of the bracket that closes the one at `start`."""
-    depth = 0
-    for index in range(start, len(text)):
-        if text[index] == open_char:
+    """The index of the bracket that closes the one at `start`, not counting
+    brackets inside quoted strings (a Triton call's kernel is one)."""
+    depth, index, quoted = 0, start, False
+    while index < len(text):
+        char = text[index]
+        if quoted:
+            if char == "\\":
+                index += 1  # the escaped character
+            elif char == '"':
+                quoted = False
+        elif char == '"':
+            quoted = True
+        elif char == open_char:
             depth += 1
-        elif text[index] == close_char:
+        elif char == close_char:
             depth -= 1
             if depth == 0:
                 return index
+        index += 1
     raise ValueError(f"unbalanced {open_char}{close_char} in HLO text: {text[start:start + 80]!r}")
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import math
 
 from jlong.attention.kernels import price_custom_call
+from jlong.moe.grouped_matmul_triton import call_flops
 from jlong.attention.step import CallCost
 from jlong.errors import JlongError
 from jlong.planner.hlo import Computation, HloModule, Instruction
@@ -121,7 +122,8 @@ class Pricer:
             target = (inst.attribute("custom_call_target") or "").strip('"')
             if (cost := kernel_call_cost(inst, computation)) is not None:
                 return "compute", self._attention(inst, computation, cost, tally)
-            if "cublas" not in target:  # its FLOPs are unknown: counted at its memory traffic, and reported
+            if "cublas" not in target and _grouped_matmul_flops(inst, computation) is None:
+                # its FLOPs are unknown: counted at its memory traffic, and reported
                 hbm = self._hbm_bytes(inst, computation)
                 tally.unpriced[target][0] += 1
                 tally.unpriced[target][1] += hbm
@@ -186,6 +188,8 @@ class Pricer:
         if inst.opcode == "custom-call" and "cublas" in (inst.attribute("custom_call_target") or ""):
             flops = _Flops(matmul=_cublas_flops(inst, computation))
             return flops, True
+        if inst.opcode == "custom-call" and (grouped := _grouped_matmul_flops(inst, computation)) is not None:
+            return _Flops(matmul=grouped), True
         if inst.opcode == "fusion":
             flops = self._fused_flops(inst.called[0])
             return flops, flops.matmul > 0
@@ -289,6 +293,13 @@ def _cublas_flops(inst: Instruction, computation: Computation) -> float:
     lhs = computation.by_name[inst.operands[0]].arrays[0]
     contracted = math.prod(lhs.dims[int(d)] for d in numbers.get("lhs_contracting_dimensions", []))
     return 2.0 * inst.arrays[0].elements * contracted
+
+
+def _grouped_matmul_flops(inst: Instruction, computation: Computation) -> float | None:
+    """A mixture of experts' grouped matmul kernel call, at its routed rows' FLOPs (None: another call)."""
+    target = (inst.attribute("custom_call_target") or "").strip('"')
+    return call_flops(target, inst.attributes, [a.dims for a in computation.operand_arrays(inst)],
+                      inst.arrays[0].dims)
 
 
 def _elementwise_flops(inst: Instruction) -> float:
