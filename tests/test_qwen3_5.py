@@ -12,10 +12,13 @@ from helpers import assert_same_result, loss_and_grads, small_config
 from hf_models import QWEN3_5, hf_logits, perturbed_norms, small_hf_model
 
 import jlong
+from jlong.data.sources import Batches
 from jlong.errors import JlongError
 from jlong.families import family_of
 from jlong.hf import model_config_from_hf
 from jlong.linear_attention import gated_delta
+from jlong.parallel.placement import make_mesh
+from jlong.program.train_program import TrainProgram
 
 # Every second layer full attention: the layers repeat with a period of two (one loop over the periods).
 TINY = ["model.preset=tiny-qwen3.5", "model.vocab_size=128", "model.num_hidden_layers=4", "model.hidden_size=64",
@@ -149,6 +152,17 @@ def test_training_on_a_mesh_equals_one_device(layout):
     assert_same_result(sharded, single)
     grads = sharded[1]["layers"]
     assert np.abs(grads["gdn_a_log"]).max() > 0 and np.abs(grads["wq"]).max() > 0
+
+
+def test_one_document_on_a_ring_x_sp_mesh_has_the_one_device_loss():
+    """Without data.eos_id (no segment ids), each ring rank's group holds its own tokens' segments."""
+    def loss(*overrides):
+        config = _tiny("train.seq_len=256", "data.eos_id=null", *overrides)
+        program = TrainProgram(config, make_mesh(config.mesh, jax.devices()[:config.mesh.size]))
+        batch = program.place_batch(Batches.from_config(config).batch(1))
+        return float(jax.jit(program.loss)(program.init_params(seed=0), batch))
+
+    assert loss("mesh.ring=2", "mesh.sp=4") == pytest.approx(loss(), rel=1e-5)
 
 
 @pytest.mark.fast

@@ -162,7 +162,7 @@ def gated_deltanet_on_device(p, x_BsD, segment_ids_BS, *, layer: GatedDeltaNet, 
     w_q, w_k, w_v = layer.split_heads(p["gdn_qkv"])
     taps_q, taps_k, taps_v = layer.split_heads(p["gdn_conv"])
     if segment_ids_BS is None:
-        segment_ids_BS = jnp.zeros((x_BsD.shape[0], x_BsD.shape[1] * plan.devices * ring[1]), jnp.int32)
+        segment_ids_BS = jnp.zeros((x_BsD.shape[0], x_BsD.shape[1] * plan.devices), jnp.int32)  # the group's tokens
     rule = KERNELS[layer.kernel]
 
     def stage_output(x_input_BsD, sink_BsD, stage):
