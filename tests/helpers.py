@@ -6,6 +6,7 @@ import importlib.util
 import io
 import json
 import os
+import struct
 import sys
 import time
 from dataclasses import dataclass
@@ -206,3 +207,18 @@ def load_experiment(name: str):
         sys.modules[module_name] = module
         spec.loader.exec_module(module)
     return sys.modules[module_name]
+
+
+def tensorboard_scalars(directory):
+    """(tag, step, value) of every scalar in the TensorBoard event files (TFRecord framing, Event protos)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    found = []
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = Event.FromString(data[at + 12 : at + 12 + length])
+            at += 12 + length + 4
+            found += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+    return found

@@ -48,6 +48,25 @@ def test_qwen3_5_presets_hold_their_published_sizes(name, billions, layers):
     assert family.layer_types(model).count("full_attention") == layers // 4
 
 
+@pytest.mark.parametrize("name, billions, active", [
+    ("qwen3-30b-a3b", 30.53, 3.35), ("qwen3-235b-a22b", 235.09, 22.19),
+    ("qwen3.5-35b-a3b", 34.66, 3.45), ("qwen3.5-122b-a10b", 122.11, 9.77), ("qwen3.5-397b-a17b", 396.35, 17.35)])
+def test_mixture_of_experts_presets_hold_their_published_sizes(name, billions, active):
+    """Their text models' parameters, and the active ones: the routed experts' share of each layer's experts, the
+    router, the rest, the output projection and the embedding (the sizes their names say)."""
+    import math
+
+    from jlong.families import family_of
+
+    model = load_config(None, [f"model.preset={name}"]).model
+    family = family_of(model)
+    total = sum(math.prod(s.shape) * family.layers_with(model, s) for s in family.layer_params(model).values())
+    total += sum(math.prod(s.shape) for s in family.outer_params(model).values())
+    assert total / 1e9 == pytest.approx(billions, abs=0.01)
+    embedding = model.vocab_size * model.hidden_size
+    assert (family.matmul_params_per_token(model) + embedding) / 1e9 == pytest.approx(active, abs=0.01)
+
+
 def test_inline_fields_override_the_preset(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("model:\n  preset: llama3.2-1b\n  num_hidden_layers: 2\ntrain:\n  seq_len: 4096\n")

@@ -4,13 +4,12 @@ scoring tells a model that retrieves the key from one that does not, and
 every metric reaches TensorBoard (and W&B) as it reaches metrics.jsonl."""
 
 import json
-import struct
 import sys
 
 import jax
 import numpy as np
 import pytest
-from helpers import SMALL_MODEL, run_cli
+from helpers import SMALL_MODEL, run_cli, tensorboard_scalars
 
 from jlong.config import load_config
 from jlong.data.prepare import prepare
@@ -126,21 +125,6 @@ def test_the_report_writes_what_it_summarises(tmp_path):
     assert text[-2:] == ["   0.00        0.25      0.50", "   1.00        0.50      0.75"]
 
 
-def _events(directory):
-    """(tag, step, value) of every scalar in the TensorBoard event files (TFRecord framing, Event protos)."""
-    from tensorboardX.proto.event_pb2 import Event
-
-    found = []
-    for path in sorted(directory.glob("events.out.tfevents.*")):
-        data, at = path.read_bytes(), 0
-        while at < len(data):
-            (length,) = struct.unpack("<Q", data[at : at + 8])
-            event = Event.FromString(data[at + 12 : at + 12 + length])
-            at += 12 + length + 4
-            found += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
-    return found
-
-
 class _WandbStandIn:
     """W&B is not installed here: a stand-in module records what jlong hands it."""
 
@@ -171,7 +155,7 @@ def test_eval_every_logs_the_loss_by_position_and_every_sink_reads_back_as_metri
     assert ["eval_loss" in r for r in records] == [False, True, False, True]
     logged = {(name, r["step"]): value for r in records for name, value in scalars(r).items()}
     assert "eval/loss_by_position/0-1" in {name for name, _ in logged}
-    events = {(tag, step): value for tag, step, value in _events(tmp_path / "run" / TENSORBOARD_DIR)}
+    events = {(tag, step): value for tag, step, value in tensorboard_scalars(tmp_path / "run" / TENSORBOARD_DIR)}
     assert events.keys() == logged.keys()
     for key, value in logged.items():
         assert events[key] == pytest.approx(value, rel=1e-6), key  # TensorBoard keeps float32

@@ -5,13 +5,14 @@ transformers: test_hf_parity), and the compiled h100 program: FLOPs for the
 routed tokens, temporaries that do not grow with the experts."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import H100, REPO, assert_same_result, needs_gpu_compiler, small_config
+from helpers import H100, REPO, assert_same_result, needs_gpu_compiler, small_config, tensorboard_scalars
 from hf_models import small_hf_model
 
 import jlong
@@ -25,6 +26,8 @@ from jlong.parallel.placement import make_mesh
 from jlong.planner.memory import compile_train_step, plan_of
 from jlong.planner.step_cost import step_cost
 from jlong.program.train_program import TrainProgram
+from jlong.training.loop import train
+from jlong.training.metric_sinks import TENSORBOARD_DIR
 
 QWEN3_MOE = ["model.preset=tiny-qwen3-moe", "model.vocab_size=128", "model.hidden_size=64",
              "model.intermediate_size=96", "model.moe_intermediate_size=32", "model.num_hidden_layers=3",
@@ -217,3 +220,18 @@ def test_on_h100_temporaries_grow_with_the_experts_by_their_weights_only():
     new_experts = 64 * 3 * model.hidden_size * model.moe_intermediate_size  # parameters of one layer
     growth = plan_of(doubled).temporaries - plan_of(step).temporaries
     assert 0 < growth <= new_experts * (2 + 4)
+
+
+def test_each_steps_expert_load_and_auxiliary_loss_reach_metrics_and_tensorboard(tmp_path):
+    """A short run of the tiny Qwen3-MoE on sp 4 x fsdp 2 with the load-balancing loss trained."""
+    config = small_config(*QWEN3_MOE, "train.steps=3", "train.seq_len=64", "mesh.sp=4", "mesh.fsdp=2",
+                          "train.log_to=[jsonl,tensorboard]", f"run_dir={tmp_path / 'run'}", "checkpoint.every=0")
+    train(config)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        assert record["expert_load_max_over_mean"] >= 1.0 and record["router_aux_loss"] > 0
+    events = {(tag, step): value for tag, step, value in tensorboard_scalars(tmp_path / "run" / TENSORBOARD_DIR)}
+    for record in records:
+        for name in ("expert_load_max_over_mean", "router_aux_loss"):
+            assert events[(f"train/{name}", record["step"])] == pytest.approx(record[name], rel=1e-6)
