@@ -35,7 +35,7 @@ QWEN3_MOE = ["model.preset=tiny-qwen3-moe", "model.vocab_size=128", "model.hidde
              "data.eos_id=7", "train.batch_size=2", "train.seq_len=256"]
 QWEN3_5_MOE = ["model.preset=tiny-qwen3.5-moe", "model.vocab_size=128", "model.hidden_size=64",
                "model.intermediate_size=48", "model.moe_intermediate_size=32", "model.num_key_value_heads=2",
-               "model.full_attention_interval=2", "model.output_router_logits=true",
+               "model.num_hidden_layers=2", "model.full_attention_interval=2", "model.output_router_logits=true",
                "model.router_aux_loss_coef=0.1", "data.eos_id=7", "train.batch_size=2", "train.seq_len=256"]
 
 
