@@ -201,6 +201,8 @@ def load_experiment(name: str):
     """experiments/NAME.py as a module, loaded from its file: the experiments
     are scripts, not on the import path (their names would read as modules')."""
     module_name = f"experiments.{name}"
+    if str(REPO / "experiments") not in sys.path:  # the scripts import their shared `common` module
+        sys.path.append(str(REPO / "experiments"))
     if module_name not in sys.modules:
         spec = importlib.util.spec_from_file_location(module_name, REPO / "experiments" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
