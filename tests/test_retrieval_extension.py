@@ -1,11 +1,10 @@
 """A guard on context extension (experiments/retrieval_extension.py, shortened): a tiny byte model trained
 at 128 tokens on passkey documents, then either extended to 256 (a larger RoPE base) or trained as long at
 128 (the control), on the same documents. Beyond the base length only the extended model keeps its loss:
-the longer context, not the extra training, is what helps. The margins hold across seeds (measured with train.seed 0-2 on
-this layout: control / extended beyond 128 tokens 1.84-2.00, the control's rise past 128 1.42-1.48, the
-extended model's 1.02-1.06)."""
+the longer context, not the extra training, is what helps. The margins hold across seeds (measured with
+train.seed 0-2 on this layout: control / extended beyond 128 tokens 1.84-2.00, the control's rise past 128
+1.42-1.48, the extended model's 1.02-1.06)."""
 
-import pytest
 from helpers import REPO, load_experiment
 
 import jlong
