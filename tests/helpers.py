@@ -56,10 +56,13 @@ def small_long(*overrides):
     return load_config(None, [*SMALL_LONG, *overrides])
 
 
-def loss_and_grads(config, devices):
-    """Loss and gradients of step 1's batch from seed-0 parameters, as numpy."""
+def loss_and_grads(config, devices, adjust=None):
+    """Loss and gradients of step 1's batch from seed-0 parameters (changed by `adjust(params)` first, if
+    given), as numpy."""
     program = TrainProgram(config, make_mesh(config.mesh, devices))
     params = program.init_params(seed=0)
+    if adjust:
+        params = adjust(params)
     batch = program.place_batch(Batches.from_config(config).batch(1))
     loss, grads = jax.jit(jax.value_and_grad(program.loss))(params, batch)
     return float(loss), jax.tree.map(np.asarray, grads)

@@ -2,10 +2,13 @@
 
 import json
 
+import math
+
 import pytest
 
 from jlong.config import load_config, preset_names
 from jlong.errors import JlongError
+from jlong.families import family_of
 
 pytestmark = pytest.mark.fast  # every test here is quick: the fast tier (pytest -m fast)
 
@@ -30,19 +33,20 @@ def test_preset_numbers():
     assert load_config(None, ["model.preset=qwen2.5-14b"]).model.attention_bias
 
 
+def _parameters(model) -> int:
+    """A model's parameters: each layer parameter over the layers that have it, and the outer ones."""
+    family = family_of(model)
+    total = sum(math.prod(s.shape) * family.layers_with(model, s) for s in family.layer_params(model).values())
+    return total + sum(math.prod(s.shape) for s in family.outer_params(model).values())
+
+
 @pytest.mark.parametrize("name, billions, layers", [("qwen3.5-0.8b", 0.75, 24), ("qwen3.5-9b", 8.95, 32),
                                                     ("qwen3.5-27b", 26.9, 64)])
 def test_qwen3_5_presets_hold_their_published_sizes(name, billions, layers):
     """Their text models' parameters (the vision tower left out) and a full-attention layer every fourth."""
-    import math
-
-    from jlong.families import family_of
-
     model = load_config(None, [f"model.preset={name}"]).model
     family = family_of(model)
-    total = sum(math.prod(s.shape) * family.layers_with(model, s) for s in family.layer_params(model).values())
-    total += sum(math.prod(s.shape) for s in family.outer_params(model).values())
-    assert total / 1e9 == pytest.approx(billions, abs=0.01)
+    assert _parameters(model) / 1e9 == pytest.approx(billions, abs=0.01)
     assert family.layer_types(model) == ("linear_attention",) * 3 + ("full_attention",) + \
         family.layer_types(model)[4:] and len(family.layer_types(model)) == layers
     assert family.layer_types(model).count("full_attention") == layers // 4
@@ -54,15 +58,9 @@ def test_qwen3_5_presets_hold_their_published_sizes(name, billions, layers):
 def test_mixture_of_experts_presets_hold_their_published_sizes(name, billions, active):
     """Their text models' parameters, and the active ones: the routed experts' share of each layer's experts, the
     router, the rest, the output projection and the embedding (the sizes their names say)."""
-    import math
-
-    from jlong.families import family_of
-
     model = load_config(None, [f"model.preset={name}"]).model
     family = family_of(model)
-    total = sum(math.prod(s.shape) * family.layers_with(model, s) for s in family.layer_params(model).values())
-    total += sum(math.prod(s.shape) for s in family.outer_params(model).values())
-    assert total / 1e9 == pytest.approx(billions, abs=0.01)
+    assert _parameters(model) / 1e9 == pytest.approx(billions, abs=0.01)
     embedding = model.vocab_size * model.hidden_size
     assert (family.matmul_params_per_token(model) + embedding) / 1e9 == pytest.approx(active, abs=0.01)
 

@@ -12,20 +12,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import H100, REPO, assert_same_result, needs_gpu_compiler, small_config, tensorboard_scalars
+from helpers import (H100, REPO, assert_same_result, loss_and_grads, needs_gpu_compiler, small_config,
+                     tensorboard_scalars)
 from hf_models import small_hf_model
 
 import jlong
-from jlong.data.sources import Batches
 from jlong.errors import JlongError
 from jlong.config import load_config
 from jlong.families import family_of
 from jlong.model.transformer import ForwardOptions
 from jlong.moe import grouped_matmul, grouped_matmul_triton
-from jlong.parallel.placement import make_mesh
 from jlong.planner.memory import compile_train_step, plan_of
 from jlong.planner.step_cost import step_cost
-from jlong.program.train_program import TrainProgram
 from jlong.training.loop import train
 from jlong.training.metric_sinks import TENSORBOARD_DIR
 
@@ -128,15 +126,14 @@ def test_load_balancing_loss_and_expert_load_match_transformers(name, tmp_path):
     assert aux_loss > model.config.num_experts_per_tok  # the random router is unbalanced: the loss has work
 
 
-def _loss_and_grads(config, devices):
-    """Loss and gradients of step 1's batch from seed-0 parameters whose routers
-    are scaled up, so that no token's top-k is a near tie rounding could flip."""
-    program = TrainProgram(config, make_mesh(config.mesh, devices))
-    params = program.init_params(seed=0)
+def _sharp_routers(params):
+    """The routers scaled up, so that no token's top-k is a near tie that rounding could flip."""
     params["layers"]["router"] = params["layers"]["router"] * 50.0
-    batch = program.place_batch(Batches.from_config(config).batch(1))
-    loss, grads = jax.jit(jax.value_and_grad(program.loss))(params, batch)
-    return float(loss), jax.tree.map(np.asarray, grads)
+    return params
+
+
+def _loss_and_grads(config, devices):
+    return loss_and_grads(config, devices, adjust=_sharp_routers)
 
 
 def _one_device(model: str):

@@ -53,8 +53,7 @@ def work_items(group_sizes_G, rows: int, block_m: int):
     """(group, tile) of each work item [W] int32, and how many are real: the
     (tile, group) pairs whose rows overlap, in order; W = rows / block_m + G - 1."""
     G = group_sizes_G.shape[0]
-    ends = jnp.cumsum(group_sizes_G)
-    starts = ends - group_sizes_G
+    starts, ends = _bounds(group_sizes_G)
     first_tile = starts // block_m
     tiles = jnp.where(group_sizes_G > 0, (ends - 1) // block_m - first_tile + 1, 0)
     item_ends = jnp.cumsum(tiles)
@@ -103,7 +102,6 @@ def _product_kernel(group_ref, tile_ref, real_ref, start_ref, end_ref, x_ref, w_
 
 def _product(x_MK, w, group_sizes_G, *, transpose_w: bool, interpret: bool):
     M, K = x_MK.shape
-    G = w.shape[0]
     N = w.shape[1] if transpose_w else w.shape[2]
     block_n, block_k = _block(N, BLOCK_N), _block(K, BLOCK_K)
     group, tile, real = work_items(group_sizes_G, M, BLOCK_M)
