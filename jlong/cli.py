@@ -142,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
         "end-of-document id, and writes OUT.npy with OUT.documents.npy (document offsets), OUT.documents.json "
         "(length summary) and OUT.documents.png (length histogram). With --shard-tokens or --shard-per-input, OUT "
         "is a directory of shards part-NNNNN.npy (each with its index), numbered after any already there; "
-        "data.path reads the directory as one corpus.",
+        "data.path reads the directory as one corpus. With --chat, each record's messages are a conversation, "
+        "rendered with the tokenizer directory's chat template, and OUT.mask.npy marks the ids to train on "
+        "(np.packbits, one bit per id); training on the file trains those alone.",
     )
     prepare.add_argument("output", help="the .npy file to write, or the shard directory")
     prepare.add_argument("inputs", nargs="+", help="files or directories")
@@ -152,7 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--tokenizer", help="a Hugging Face tokenizer.json or a directory holding one "
                          "(default: bytes)")
     prepare.add_argument("--eos-id", type=int, help="end-of-document id (bytes: 0; a tokenizer directory: its "
-                         "eos_token)")
+                         "eos_token; with --chat: the first of eos_token, pad_token and the end-of-text tokens that "
+                         "the chat template never writes)")
+    prepare.add_argument("--chat", action="store_true", help="conversations: each record's messages, a list of "
+                         "{role, content} turns, rendered with the chat template of --tokenizer (a directory)")
+    prepare.add_argument("--messages-field", default="messages", help="with --chat: the conversation's field or "
+                         "column (default: messages)")
+    prepare.add_argument("--train-on", default="assistant", choices=("assistant", "last", "all"),
+                         help="with --chat: the ids to train on: every assistant turn through the token that "
+                         "closes it (default), the last assistant turn only, or every id")
     prepare.add_argument("--max-tokens", type=int, help="stop after this many tokens (default: the whole corpus)")
     prepare.add_argument("--vocab-size", type=int, help="the model's vocabulary: refuse a tokenizer with more ids")
     prepare.add_argument("--shard-tokens", type=int, help="start a new shard once one holds this many tokens "
@@ -485,12 +495,23 @@ def _prepare(args) -> int:
     summary = prepare(
         args.output, args.inputs, pattern=args.glob, text_field=args.text_field, tokenizer_path=args.tokenizer,
         eos_id=args.eos_id, max_tokens=args.max_tokens, vocab_size=args.vocab_size, shard_tokens=args.shard_tokens,
-        shard_per_input=args.shard_per_input, workers=args.workers,
+        shard_per_input=args.shard_per_input, workers=args.workers, chat=args.chat,
+        messages_field=args.messages_field, train_on=args.train_on,
     )
     length = summary["length"]
     shards = summary.get("shards")
     where = (f"{args.output}: {len(shards)} shards ({Path(shards[0]).name} to {Path(shards[-1]).name})"
              if shards else args.output)
+    if args.chat:
+        skipped = summary["skipped_conversations"]
+        print(
+            f"wrote {where}: {summary['documents']:,} conversations, {summary['tokens']:,} tokens, "
+            f"{summary['trained_tokens']:,} trained (--train-on {args.train_on}); {skipped:,} conversations "
+            f"skipped (nothing to train); end-of-document id {summary['eos_id']}, recorded beside the tokens for "
+            f"training; conversation length median {length['median']:,.0f}, max {length['max']:,} tokens; mask "
+            f"and index beside {'each shard' if shards else 'it'} (.mask.npy, .documents.npy/.json/.png)"
+        )
+        return 0
     print(
         f"wrote {where}: {summary['tokens']:,} tokens in {summary['documents']:,} documents from "
         f"{summary['sources']} sources (vocab {summary['vocab_size']}, end-of-document id {summary['eos_id']}); "

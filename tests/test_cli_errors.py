@@ -84,7 +84,7 @@ CASES = {
     "log_to without run_dir": (["train", "{cfg}", "run_dir=null", "train.log_to=[tensorboard]"], "set run_dir"),
     "log_to a sink that is not one": (["train", "{cfg}", "train.log_to=[tensorbord]"], "did you mean 'tensorboard'"),
     "documents without an end id": (["train", "{cfg}", "data.source=tokens", "data.path={files}/short.npy",
-                                     "data.sampling=documents"], "it needs data.source=tokens and data.eos_id"),
+                                     "data.sampling=documents"], "records no end-of-document id: set data.eos_id"),
     "until-step 0": (["train", "{cfg}", "--until-step", "0"], "--until-step must be a step of the run (1 to"),
     "until-step -1 in a dry run": (["train", "{cfg}", "--until-step", "-1", "--dry-run"],
                                    "--until-step must be a step of the run"),

@@ -87,7 +87,8 @@ def test_a_resumed_run_reads_and_learns_exactly_as_an_uninterrupted_one(corpus, 
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["data.eos_id=null"], "data.sampling=documents packs documents of a token file: it needs data.source=tokens"),
+    (["data.source=synthetic", "data.path=null"],
+     "data.sampling=documents packs documents of a token file: it needs data.source=tokens"),
     (["data.long_document_weight=0.5"], "data.long_document_weight (0.5) must be at least 1"),
 ])
 @pytest.mark.fast

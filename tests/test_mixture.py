@@ -13,6 +13,7 @@ from helpers import MESH, SMALL_MODEL, assert_one_line_error, run_cli
 from jlong.config import load_config
 from jlong.data.mixture import Mixture
 from jlong.data.prepare import prepare
+from jlong.data.recorded import with_recorded_data
 from jlong.data.sources import Batches
 from jlong.errors import JlongError
 from jlong.training.loop import train
@@ -163,5 +164,9 @@ def test_a_bad_mixture_is_one_line(sources, tmp_path, mix, extra, message):
 def test_a_mixture_needs_token_data_and_end_ids_where_it_packs_documents(sources):
     with pytest.raises(JlongError, match="data.mix mixes token corpora: set data.source=tokens"):
         _mix(sources, ("long", {}), overrides=["data.source=synthetic"])
-    with pytest.raises(JlongError, match=r"data.mix\[0\] samples documents: set data.eos_id"):
-        _mix(sources, ("long", {"sampling": "documents"}), overrides=["data.eos_id=null"])
+    unrecorded = _mix(sources, ("stream", {"sampling": "documents"}), overrides=["data.eos_id=null"])
+    with pytest.raises(JlongError, match=r"data.mix\[0\].path samples documents, but .* records no end-of-document "
+                                         r"id: set data.eos_id"):
+        with_recorded_data(unrecorded)
+    recorded = with_recorded_data(_mix(sources, ("long", {"sampling": "documents"}), overrides=["data.eos_id=null"]))
+    assert recorded.data.eos_id == 0 and recorded.data.loss_mask is False  # as prepare recorded it

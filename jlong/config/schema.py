@@ -292,7 +292,11 @@ class DataConfig(_Section):
     # a weighted mixture of token corpora in place of path: a list of MixSource entries
     mix: optional(sequence_of(Mapping)) = None
     shuffle: Flag = False
-    eos_id: optional(Integer) = None  # set: packed documents split at this token
+    # set: packed documents split at this token; unset: the one `jlong prepare` recorded, for document sampling
+    # and conversations (`jlong.data.recorded`)
+    eos_id: optional(Integer) = None
+    # train only the ids a token file's mask marks (`jlong prepare --chat`); unset: when the files have masks
+    loss_mask: optional(Flag) = None
     # windows: contiguous windows of the token file; documents: sequences packed from whole documents
     sampling: Sampling = "windows"
     # documents: how many times as often as the others a document of at least train.seq_len tokens is drawn
@@ -305,9 +309,8 @@ class DataConfig(_Section):
         elif self.source == "tokens" and not self.path:
             raise JlongError("data.source=tokens needs data.path (a 1-D integer .npy of token ids, or a directory "
                              "of shards) or data.mix")
-        if self.sampling == "documents" and (self.source != "tokens" or self.eos_id is None):
-            raise JlongError("data.sampling=documents packs documents of a token file: it needs data.source=tokens "
-                             "and data.eos_id (the end-of-document id 'jlong prepare' printed)")
+        if self.sampling == "documents" and self.source != "tokens":
+            raise JlongError("data.sampling=documents packs documents of a token file: it needs data.source=tokens")
         if self.long_document_weight < 1:
             raise JlongError(f"data.long_document_weight ({self.long_document_weight:g}) must be at least 1")
         return self
@@ -320,9 +323,6 @@ class DataConfig(_Section):
         if not self.mix:
             raise JlongError("data.mix is empty: give at least one {path: ..., weight: ...} entry")
         for i, source in enumerate(self.mix_sources):
-            if (source.sampling or self.sampling) == "documents" and self.eos_id is None:
-                raise JlongError(f"data.mix[{i}] samples documents: set data.eos_id (it turns on document masking; "
-                                 "each entry may name its own eos_id)")
             if source.eos_id is not None and self.eos_id is None:
                 raise JlongError(f"data.mix[{i}].eos_id needs data.eos_id set too (it turns on document masking "
                                  "for the whole run)")

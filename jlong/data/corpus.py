@@ -10,6 +10,11 @@ as the same ids in one file. Shards whose summaries (`NAME.documents.json`)
 name other vocabularies or end ids, a prepare-numbered shard missing from
 its sequence, and a shard whose index is there without its token file are
 refused in one line.
+
+A token file that `jlong prepare --chat` wrote has a mask beside it,
+NAME.mask.npy: which ids are trained, one bool or uint8 per id or
+`np.packbits` of them (8 ids a byte, the first in the high bit). `trained`
+reads it like the ids; a file without one trains every id.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import numpy as np
 from jlong.errors import JlongError
 
 INDEX_SUFFIX = ".documents.npy"
+MASK_SUFFIX = ".mask.npy"
 SHARD_NAME = re.compile(r"part-(\d+)\.npy")  # the shards `jlong prepare` numbers
 
 
@@ -32,6 +38,12 @@ def index_paths(tokens_path: str | Path) -> dict[str, Path]:
     path = Path(tokens_path)
     stem = path.name.removesuffix(".npy")
     return {kind: path.with_name(f"{stem}.documents.{kind}") for kind in ("npy", "json", "png")}
+
+
+def mask_path(tokens_path: str | Path) -> Path:
+    """Where the mask of trained ids of a token file is."""
+    path = Path(tokens_path)
+    return path.with_name(path.name.removesuffix(".npy") + MASK_SUFFIX)
 
 
 def token_files(paths: str | Sequence[str], setting: str) -> list[Path]:
@@ -49,7 +61,8 @@ def token_files(paths: str | Sequence[str], setting: str) -> list[Path]:
 
 
 def _shards_in(directory: Path, setting: str) -> list[Path]:
-    shards = sorted(p for p in directory.glob("*.npy") if not p.name.endswith(INDEX_SUFFIX) and p.is_file())
+    shards = sorted(p for p in directory.glob("*.npy")
+                    if not p.name.endswith((INDEX_SUFFIX, MASK_SUFFIX)) and p.is_file())
     for index in sorted(directory.glob("*" + INDEX_SUFFIX)):
         shard = index.with_name(index.name.removesuffix(INDEX_SUFFIX) + ".npy")
         if not shard.is_file():
@@ -76,6 +89,8 @@ class TokenCorpus:
         self.arrays = [self._open(path) for path in self.files]
         self.offsets = np.concatenate([[0], np.cumsum([len(a) for a in self.arrays])]).astype(np.int64)
         self.dtype = np.result_type(*(a.dtype for a in self.arrays))
+        self.masks = [_open_mask(path, len(tokens), self.setting) for path, tokens in zip(self.files, self.arrays)]
+        self.masked = any(mask is not None for mask in self.masks)
         self.named = (f"{setting} {str(self.files[0])!r}" if isinstance(paths, (str, Path)) and len(self.files) == 1
                       else f"{setting} {_shown(paths)} ({len(self.files)} token files)")
         self._check_summaries()
@@ -128,6 +143,17 @@ class TokenCorpus:
             start, first = end, first + 1
         return np.concatenate(pieces) if len(pieces) != 1 else pieces[0]
 
+    def trained(self, span: slice) -> np.ndarray:
+        """[len] bool: which ids of the slice are trained (all, where a file has no mask)."""
+        start, stop, _ = span.indices(len(self))
+        pieces, first = [], int(np.searchsorted(self.offsets, start, side="right")) - 1
+        while start < stop:
+            begin = int(self.offsets[first])
+            end = min(stop, int(self.offsets[first + 1]))
+            pieces.append(_mask_slice(self.masks[first], start - begin, end - begin))
+            start, first = end, first + 1
+        return np.concatenate(pieces) if pieces else np.zeros(0, bool)
+
     def id_range(self, chunk: int = 1 << 24) -> tuple[int, int]:
         """(smallest, largest) id, read a chunk at a time."""
         lows, highs = [], []
@@ -142,6 +168,71 @@ class TokenCorpus:
         """Each document's first offset: from the indices `jlong prepare` wrote, or found from the end ids."""
         return np.concatenate([_starts_of(path, tokens, eos_id) + offset
                                for path, tokens, offset in zip(self.files, self.arrays, self.offsets)])
+
+
+class RowSampler:
+    """Rows of a token corpus drawn by index: a subclass gives `spans(i)`,
+    the [start, stop) slices of `tokens` that row i joins, and `batch_size`."""
+
+    tokens: TokenCorpus
+    batch_size: int
+
+    def spans(self, i: int) -> list[tuple[int, int]]:
+        raise NotImplementedError
+
+    def row(self, i: int) -> np.ndarray:
+        """The `i`-th row drawn (0-based, over all steps)."""
+        return np.concatenate([np.asarray(self.tokens[a:b], np.int32) for a, b in self.spans(i)])
+
+    def trained_row(self, i: int) -> np.ndarray:
+        """Which ids of row `i` are trained."""
+        return np.concatenate([self.tokens.trained(slice(a, b)) for a, b in self.spans(i)])
+
+    def sequences(self, step: int) -> np.ndarray:
+        """[B, S + 1] token rows of step `step` (1-based)."""
+        return np.stack([self.row(i) for i in self._rows_of(step)])
+
+    def trained(self, step: int) -> np.ndarray | None:
+        """[B, S + 1] which ids of step `step`'s rows are trained (None: all; the corpus has no mask)."""
+        return np.stack([self.trained_row(i) for i in self._rows_of(step)]) if self.tokens.masked else None
+
+    def _rows_of(self, step: int) -> range:
+        first = (step - 1) * self.batch_size
+        return range(first, first + self.batch_size)
+
+
+class _PackedMask:
+    """A mask of `count` ids stored as `np.packbits`."""
+
+    def __init__(self, packed: np.ndarray, count: int):
+        self.packed, self.count = packed, count
+
+
+def _open_mask(tokens_path: Path, count: int, setting: str):
+    """The mask beside a token file (None without one): a bool array, or a `_PackedMask`."""
+    path = mask_path(tokens_path)
+    if not path.is_file():
+        return None
+    try:
+        mask = np.load(path, mmap_mode="r")
+    except (ValueError, OSError) as err:
+        raise JlongError(f"{setting}: the mask {str(path)!r} is not a readable .npy file ({err})") from None
+    if mask.ndim == 1 and len(mask) == count and mask.dtype in (np.bool_, np.uint8):
+        return mask
+    if mask.ndim == 1 and len(mask) == -(-count // 8) and mask.dtype == np.uint8:
+        return _PackedMask(mask, count)
+    raise JlongError(f"{setting}: the mask {str(path)!r} holds {mask.shape} of {mask.dtype}, but its token file has "
+                     f"{count:,} ids: a mask is one bool or uint8 per id, or np.packbits of them "
+                     f"({-(-count // 8):,} bytes); prepare the data again")
+
+
+def _mask_slice(mask, start: int, stop: int) -> np.ndarray:
+    if mask is None:
+        return np.ones(stop - start, bool)
+    if isinstance(mask, _PackedMask):
+        bits = np.unpackbits(np.asarray(mask.packed[start // 8 : -(-stop // 8)]))
+        return bits[start % 8 : start % 8 + stop - start].astype(bool)
+    return np.asarray(mask[start:stop]).astype(bool)
 
 
 def _starts_of(path: Path, tokens: np.ndarray, eos_id: int) -> np.ndarray:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jlong.data.corpus import TokenCorpus
+from jlong.data.corpus import RowSampler, TokenCorpus
 from jlong.errors import JlongError
 
 
@@ -39,7 +39,7 @@ class Epoch:
     packed_ends: np.ndarray  # cumulative stream length after each short piece
 
 
-class PackedDocuments:
+class PackedDocuments(RowSampler):
     """The [B, S + 1] token rows of each step, packed from whole documents."""
 
     def __init__(self, tokens: TokenCorpus, *, seq_len: int, batch_size: int, seed: int, eos_id: int,
@@ -82,30 +82,25 @@ class PackedDocuments:
         order = ids[np.argsort(places, kind="stable")]
         return Epoch(order, self.piece_starts[drawn[full]], self.piece_starts[short], packed_ends)
 
-    def row(self, i: int) -> np.ndarray:
+    def spans(self, i: int) -> list[tuple[int, int]]:
         number, within = divmod(i, self.per_epoch)
         epoch = self.epoch(number)
         which = int(epoch.order[within])
         if which >= 0:
             start = int(epoch.full_starts[which])
-            return np.asarray(self.tokens[start : start + self.width], np.int32)
+            return [(start, start + self.width)]
         begin = (-1 - which) * self.width  # the sequence's span of the packed stream
         first = int(np.searchsorted(epoch.packed_ends, begin, side="right"))
-        parts, filled = [], begin
+        spans, filled = [], begin
         for piece in range(first, len(epoch.packed_ends)):
             piece_begin = int(epoch.packed_ends[piece - 1]) if piece else 0
             start = int(epoch.packed_starts[piece]) + (filled - piece_begin)
             take = min(int(epoch.packed_ends[piece]), begin + self.width) - filled
-            parts.append(np.asarray(self.tokens[start : start + take], np.int32))
+            spans.append((start, start + take))
             filled += take
             if filled == begin + self.width:
                 break
-        return np.concatenate(parts)
-
-    def sequences(self, step: int) -> np.ndarray:
-        """[B, S + 1] token rows of step `step` (1-based)."""
-        first = (step - 1) * self.batch_size
-        return np.stack([self.row(i) for i in range(first, first + self.batch_size)])
+        return spans
 
 
 def describe(source: PackedDocuments, path: str | Path) -> str:

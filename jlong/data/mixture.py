@@ -25,7 +25,7 @@ _REMAINDER_STREAM = 0x313C  # keeps the remainder's draws apart from the sampler
 @dataclasses.dataclass(frozen=True)
 class MixedSource:
     name: str
-    sampler: object  # row(i) -> [S + 1] ids: a TokenFile or PackedDocuments
+    sampler: object  # a RowSampler: a TokenFile or PackedDocuments
     weight: float
     eos_id: int | None
 
@@ -65,6 +65,15 @@ class Mixture:
         """[B, S + 1] token rows of step `step` (1-based)."""
         first, counts = self.drawn_before(step), self.counts(step)
         return np.stack([source.sampler.row(int(first[i]) + k)
+                         for i, source in enumerate(self.sources) for k in range(counts[i])])
+
+    def trained(self, step: int) -> np.ndarray | None:
+        """[B, S + 1] which ids of step `step`'s rows are trained (a source without a mask: all; None: every
+        source's all)."""
+        if not any(source.sampler.tokens.masked for source in self.sources):
+            return None
+        first, counts = self.drawn_before(step), self.counts(step)
+        return np.stack([source.sampler.trained_row(int(first[i]) + k)
                          for i, source in enumerate(self.sources) for k in range(counts[i])])
 
     def eos_ids(self, step: int) -> np.ndarray:

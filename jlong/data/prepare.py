@@ -3,7 +3,10 @@
 Documents come from text files, JSON Lines, Parquet or a `datasets`
 directory (`jlong.data.readers`); each is tokenized and followed by the
 end-of-document id (`jlong.data.encoder`: a Hugging Face tokenizer, or
-bytes with 0 as the end id). Documents are read in batches and each batch is
+bytes with 0 as the end id). With `chat`, each record's messages are a
+conversation, rendered with the tokenizer's chat template and written with
+the mask of the ids to train on (`jlong.data.chat`): NAME.mask.npy beside
+the ids, `np.packbits` of one bool per id. Documents are read in batches and each batch is
 encoded by the tokenizer's own batch encoding on every core while the next
 batch is read, so prepare runs at the tokenizer's speed.
 
@@ -36,9 +39,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from jlong.data.corpus import SHARD_NAME, index_paths
-from jlong.data.encoder import Encoder
-from jlong.data.readers import documents, sources
+from jlong.data.chat import ChatEncoder
+from jlong.data.corpus import SHARD_NAME, index_paths, mask_path
+from jlong.data.encoder import Encoded, Encoder, tokenizer_threads
+from jlong.data.readers import documents, records, sources
 from jlong.errors import JlongError
 from jlong.plots import pyplot
 
@@ -59,9 +63,13 @@ def prepare(
     shard_tokens: int | None = None,
     shard_per_input: bool = False,
     workers: int | None = None,
+    chat: bool = False,
+    messages_field: str = "messages",
+    train_on: str = "assistant",
 ) -> dict:
     """Writes the token file (or shards) and index; returns the summary
-    (documents, tokens, vocab, eos id, lengths; `shards`: the files written)."""
+    (documents, tokens, vocab, eos id, lengths; with `chat`, trained tokens
+    and skipped conversations; `shards`: the files written)."""
     if shard_tokens is not None and shard_tokens < 1:
         raise JlongError(f"shard_tokens must be positive, got {shard_tokens}", "shard_tokens")
     sharded = shard_tokens is not None or shard_per_input
@@ -76,7 +84,8 @@ def prepare(
     if max_tokens is not None and max_tokens < 1:
         raise JlongError(f"max_tokens must be positive, got {max_tokens} (leave it out to take the whole corpus)",
                          "max_tokens")
-    encoder = Encoder.load(tokenizer_path, eos_id, workers=workers)
+    tokenizer_threads(workers)
+    encoder = ChatEncoder.load(tokenizer_path, train_on, eos_id) if chat else Encoder.load(tokenizer_path, eos_id)
     if vocab_size is not None and encoder.vocab_size > vocab_size:
         raise JlongError(f"the tokenizer's vocabulary ({encoder.vocab_size:,}) exceeds --vocab-size {vocab_size:,} "
                          "(the model's): its ids would fall outside the embedding")
@@ -88,33 +97,40 @@ def prepare(
     created = [d for d in (directory, *directory.parents) if not d.exists()]  # removed again on failure
     directory.mkdir(parents=True, exist_ok=True)
     shards = _ShardNames(out) if sharded else iter([out])
-    writer, written, finished = None, [], False
+    writer, written, finished, skipped = None, [], False, 0
+    batches = (_batches(found, lambda source: records(source, messages_field), _conversation_characters) if chat
+               else _batches(found, lambda source: documents(source, text_field), len))
     try:
         with tqdm(desc="prepare", unit="tok", unit_scale=True, delay=1.0) as progress:  # quiet when quick
             total = 0
-            for source, flat, lengths in _encoded(_text_batches(found, text_field), encoder):
-                if max_tokens and total + len(flat) >= max_tokens:
-                    flat, lengths = _cut(flat, lengths, max_tokens - total)
+            for source, encoded in _encoded(batches, encoder):
+                skipped += encoded.skipped
+                if max_tokens and total + len(encoded.ids) >= max_tokens:
+                    encoded = encoded.head(max_tokens - total)
                 if writer is not None and shard_per_input and source != writer.first_source:
                     written.append(writer.finish())
                     writer = None
-                for part, part_lengths in _split(flat, lengths, writer.tokens if writer else 0, shard_tokens):
+                for part in _split(encoded, writer.tokens if writer else 0, shard_tokens):
                     if part is None:  # the shard is full: the next piece starts a new one
                         written.append(writer.finish())
                         writer = None
                         continue
                     writer = writer or _TokenFileWriter(next(shards), encoder, source)
-                    writer.add(part, part_lengths, source)
-                total += len(flat)
-                progress.update(len(flat))
+                    writer.add(part, source)
+                total += len(encoded.ids)
+                progress.update(len(encoded.ids))
                 if max_tokens and total >= max_tokens:
                     break
             if writer is not None:
                 written.append(writer.finish())
         if not written:
-            raise JlongError(f"the corpus under {', '.join(inputs)} holds no documents")
+            left_out = f" (all {skipped:,} conversations have nothing to train: see --train-on)" if skipped else ""
+            raise JlongError(f"the corpus under {', '.join(inputs)} holds no documents{left_out}")
         finished = True
-        summary = summarize(np.concatenate([w.lengths for w in written]), encoder, len(found))
+        summary = summarize(np.concatenate([w.lengths for w in written]), encoder, len(found),
+                            _trained_count(written))
+        if chat:
+            summary["skipped_conversations"] = skipped
         return {**summary, "shards": [str(w.path) for w in written]} if sharded else summary
     finally:
         if writer is not None:
@@ -127,13 +143,14 @@ def prepare(
                     path.rmdir()
 
 
-def _text_batches(found: list[Path], text_field: str) -> Iterator[tuple[int, list[str]]]:
-    """(source number, texts) in reading order, a batch at a time; a batch never spans two sources."""
+def _batches(found: list[Path], read, characters_of) -> Iterator[tuple[int, list]]:
+    """(source number, documents `read(source)` gives) in reading order, a batch
+    at a time; a batch never spans two sources."""
     for number, source in enumerate(found):
         batch, characters = [], 0
-        for text in documents(source, text_field):
-            batch.append(text)
-            characters += len(text)
+        for item in read(source):
+            batch.append(item)
+            characters += characters_of(item)
             if characters >= BATCH_CHARACTERS or len(batch) >= BATCH_DOCUMENTS:
                 yield number, batch
                 batch, characters = [], 0
@@ -141,8 +158,18 @@ def _text_batches(found: list[Path], text_field: str) -> Iterator[tuple[int, lis
             yield number, batch
 
 
-def _encoded(batches, encoder: Encoder) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-    """(source, ids, lengths) per batch: one batch is encoded (the tokenizer
+def _conversation_characters(record: tuple[object, str]) -> int:
+    """About how much text a conversation (messages, where read) holds."""
+    turns = record[0] if isinstance(record[0], list) else []
+    return sum(len(t["content"]) for t in turns if isinstance(t, dict) and isinstance(t.get("content"), str))
+
+
+def _trained_count(written: list[_TokenFileWriter]) -> int | None:
+    return None if written[0].trained_count is None else sum(w.trained_count for w in written)
+
+
+def _encoded(batches, encoder: Encoder | ChatEncoder) -> Iterator[tuple[int, Encoded]]:
+    """(source, encoded documents) per batch: one batch is encoded (the tokenizer
     releases the GIL and uses every core) while the next is read."""
     with ThreadPoolExecutor(1) as pool:
         pending = deque()
@@ -150,37 +177,27 @@ def _encoded(batches, encoder: Encoder) -> Iterator[tuple[int, np.ndarray, np.nd
             pending.append((source, pool.submit(encoder.encode_batch, texts)))
             if len(pending) > 1:
                 done, future = pending.popleft()
-                yield done, *future.result()
+                yield done, future.result()
         while pending:
             done, future = pending.popleft()
-            yield done, *future.result()
+            yield done, future.result()
 
 
-def _cut(flat: np.ndarray, lengths: np.ndarray, keep: int) -> tuple[np.ndarray, np.ndarray]:
-    """The first `keep` ids and the documents they start (the last one cut short)."""
-    starts = np.cumsum(lengths) - lengths
-    kept = int(np.searchsorted(starts, keep, side="left"))
-    lengths = lengths[:kept].copy()
-    lengths[-1] = min(lengths[-1], keep - starts[kept - 1])
-    return flat[:keep], lengths
-
-
-def _split(flat, lengths, filled: int, shard_tokens: int | None):
-    """(ids, lengths) pieces of whole documents, with (None, None) between
-    pieces where the shard (holding `filled` tokens) reaches `shard_tokens`."""
+def _split(encoded: Encoded, filled: int, shard_tokens: int | None):
+    """Pieces of whole documents, with None between pieces where the shard
+    (holding `filled` tokens) reaches `shard_tokens`."""
     if shard_tokens is None:
-        yield flat, lengths
+        yield encoded
         return
-    offset, first = 0, 0
+    lengths, first = encoded.lengths, 0
     while first < len(lengths):
         if filled >= shard_tokens:
-            yield None, None
+            yield None
             filled = 0
         ends = np.cumsum(lengths[first:])
         take = max(1, int(np.searchsorted(ends - lengths[first:], shard_tokens - filled, side="left")))
-        size = int(ends[take - 1])
-        yield flat[offset : offset + size], lengths[first : first + take]
-        offset, first, filled = offset + size, first + take, filled + size
+        yield encoded.documents(first, take)
+        first, filled = first + take, filled + int(ends[take - 1])
 
 
 class _ShardNames:
@@ -197,20 +214,30 @@ class _ShardNames:
 
 
 class _TokenFileWriter:
-    """One token file and its index, written under temporary names until `finish`."""
+    """One token file, its index and (for conversations) its mask, written under temporary names until `finish`."""
 
-    def __init__(self, path: Path, encoder: Encoder, first_source: int):
+    def __init__(self, path: Path, encoder: Encoder | ChatEncoder, first_source: int):
         self.path, self.encoder, self.first_source = path, encoder, first_source
+        self.masked = isinstance(encoder, ChatEncoder)
         self.finals = {"tokens": path, **index_paths(path)}
+        if self.masked:
+            self.finals["mask"] = mask_path(path)
         self.temporaries = {kind: p.with_name(p.name + ".tmp") for kind, p in self.finals.items()}
         self.temporaries["raw"] = path.with_name(path.name + ".tmp.bin")
         self.raw = self.temporaries["raw"].open("wb")
+        if self.masked:
+            self.temporaries["raw_mask"] = path.with_name(path.name + ".mask.tmp.bin")
+            self.raw_mask = self.temporaries["raw_mask"].open("wb")
         self.tokens, self.sources, self.parts = 0, {first_source}, []
+        self.trained_count = 0 if self.masked else None
 
-    def add(self, flat: np.ndarray, lengths: np.ndarray, source: int) -> None:
-        flat.tofile(self.raw)
-        self.tokens += len(flat)
-        self.parts.append(lengths)
+    def add(self, encoded: Encoded, source: int) -> None:
+        encoded.ids.tofile(self.raw)
+        if self.masked:
+            encoded.trained.astype(np.uint8).tofile(self.raw_mask)
+            self.trained_count += int(encoded.trained.sum())
+        self.tokens += len(encoded.ids)
+        self.parts.append(encoded.lengths)
         self.sources.add(source)
 
     @property
@@ -218,21 +245,31 @@ class _TokenFileWriter:
         return np.concatenate(self.parts) if self.parts else np.zeros(0, np.int64)
 
     def finish(self) -> _TokenFileWriter:
-        self.raw.close()
+        self._close()
         lengths, temporaries = self.lengths, self.temporaries
         _raw_to_npy(temporaries["raw"], temporaries["tokens"], self.encoder.dtype, self.tokens)
+        if self.masked:
+            _packed_mask(temporaries["raw_mask"], temporaries["mask"], self.tokens)
         with temporaries["npy"].open("wb") as f:
             np.save(f, np.cumsum(lengths) - lengths)
-        summary = summarize(lengths, self.encoder, len(self.sources))
+        summary = summarize(lengths, self.encoder, len(self.sources), self.trained_count)
         temporaries["json"].write_text(json.dumps(summary, indent=1) + "\n")
         plot_lengths(summary, temporaries["png"], title=self.path.name)
-        for kind in ("npy", "json", "png", "tokens"):  # the token file last: its presence means complete
+        # The token file last: its presence means complete.
+        for kind in [k for k in ("npy", "json", "png", "mask") if k in self.finals] + ["tokens"]:
             os.replace(temporaries[kind], self.finals[kind])
-        temporaries["raw"].unlink()
+        for kind in ("raw", "raw_mask"):
+            if kind in temporaries:
+                temporaries[kind].unlink()
         return self
 
-    def discard(self) -> None:
+    def _close(self) -> None:
         self.raw.close()
+        if self.masked:
+            self.raw_mask.close()
+
+    def discard(self) -> None:
+        self._close()
         for path in self.temporaries.values():
             path.unlink(missing_ok=True)
 
@@ -240,6 +277,14 @@ class _TokenFileWriter:
         """Removes a finished file again (a later part of the same run failed)."""
         for path in self.finals.values():
             path.unlink(missing_ok=True)
+
+
+def _packed_mask(raw: Path, npy: Path, count: int, block: int = 1 << 24) -> None:
+    """One byte per id (0/1) -> a .npy of `np.packbits` (8 ids a byte, the first in the high bit), in blocks."""
+    with npy.open("wb") as out, raw.open("rb") as bits:
+        np.lib.format.write_array_header_1_0(out, {"descr": "|u1", "fortran_order": False, "shape": (-(-count // 8),)})
+        while chunk := bits.read(8 * block):
+            np.packbits(np.frombuffer(chunk, np.uint8)).tofile(out)
 
 
 def _raw_to_npy(raw: Path, npy: Path, dtype: np.dtype, count: int) -> None:
@@ -250,9 +295,14 @@ def _raw_to_npy(raw: Path, npy: Path, dtype: np.dtype, count: int) -> None:
         shutil.copyfileobj(ids, out, length=1 << 24)
 
 
-def summarize(lengths: np.ndarray, encoder: Encoder, sources: int) -> dict:
-    return {"documents": len(lengths), "tokens": int(lengths.sum()), "vocab_size": encoder.vocab_size,
-            "eos_id": encoder.eos_id, "sources": sources, **length_summary(lengths)}
+def summarize(lengths: np.ndarray, encoder: Encoder | ChatEncoder, sources: int, trained: int | None = None) -> dict:
+    """What a token file holds; for conversations, the trained tokens and how the mask was made."""
+    summary = {"documents": len(lengths), "tokens": int(lengths.sum()), "vocab_size": encoder.vocab_size,
+               "eos_id": encoder.eos_id, "sources": sources}
+    if isinstance(encoder, ChatEncoder):
+        summary.update(trained_tokens=trained, chat={"template": Path(encoder.template.where).name,
+                                                     "train_on": encoder.train_on})
+    return {**summary, **length_summary(lengths)}
 
 
 def length_summary(lengths: np.ndarray) -> dict:

@@ -10,6 +10,8 @@
   by its kind as above.
 
 Nothing is read whole but a text file, so corpora larger than memory stream.
+`records` gives any field's values (conversations: lists of turns) with
+where each was read, for the messages.
 """
 
 from __future__ import annotations
@@ -45,24 +47,34 @@ def sources(inputs: list[str], pattern: str) -> list[Path]:
 
 def documents(source: Path, text_field: str) -> Iterator[str]:
     """The texts of one source, in order."""
+    if source.is_dir() or source.suffix in JSON_LINES + PARQUET:
+        for text, where in records(source, text_field):
+            yield _checked_text(text, text_field, where)
+        return
+    try:
+        yield source.read_text(encoding="utf-8", errors="replace")
+    except OSError as err:
+        raise JlongError(f"cannot read {str(source)!r}: {err.strerror or err}") from None
+
+
+def records(source: Path, field: str) -> Iterator[tuple[object, str]]:
+    """(value of `field`, where it was read) of each record of a JSON Lines,
+    Parquet or `datasets` source, in order."""
     if source.is_dir():
-        yield from _saved_dataset(source, text_field)
+        yield from _saved_dataset(source, field)
     elif source.suffix in JSON_LINES:
-        yield from _json_lines(source, text_field)
+        yield from _json_lines(source, field)
     elif source.suffix in PARQUET:
-        yield from _parquet(source, text_field)
+        yield from _parquet(source, field)
     else:
-        try:
-            yield source.read_text(encoding="utf-8", errors="replace")
-        except OSError as err:
-            raise JlongError(f"cannot read {str(source)!r}: {err.strerror or err}") from None
+        raise JlongError(f"{str(source)!r} holds no records: give JSON Lines, Parquet or a 'datasets' directory")
 
 
 def _is_saved_dataset(path: Path) -> bool:
     return (path / "dataset_info.json").is_file() or (path / "state.json").is_file()
 
 
-def _json_lines(path: Path, field: str) -> Iterator[str]:
+def _json_lines(path: Path, field: str) -> Iterator[tuple[object, str]]:
     try:
         with path.open(encoding="utf-8", errors="replace") as lines:
             for number, line in enumerate(lines, 1):
@@ -72,12 +84,16 @@ def _json_lines(path: Path, field: str) -> Iterator[str]:
                     record = json.loads(line)
                 except json.JSONDecodeError as err:
                     raise JlongError(f"{str(path)!r} line {number} is not JSON ({err.msg})") from None
-                yield _text_of(record, field, f"{str(path)!r} line {number}")
+                where = f"{str(path)!r} line {number}"
+                if not isinstance(record, dict) or field not in record:
+                    raise JlongError(f"{where} has no field {field!r}; name the text with --text-field "
+                                     "(conversations: --messages-field)")
+                yield record[field], where
     except OSError as err:
         raise JlongError(f"cannot read {str(path)!r}: {err.strerror or err}") from None
 
 
-def _parquet(path: Path, field: str) -> Iterator[str]:
+def _parquet(path: Path, field: str) -> Iterator[tuple[object, str]]:
     import pyarrow.parquet as pq
 
     try:
@@ -86,13 +102,15 @@ def _parquet(path: Path, field: str) -> Iterator[str]:
         raise JlongError(f"cannot read {str(path)!r} as Parquet ({err})") from None
     if field not in table.schema_arrow.names:
         raise JlongError(f"{str(path)!r} has no column {field!r} (its columns: {', '.join(table.schema_arrow.names)});"
-                         " name the text with --text-field")
+                         " name the text with --text-field (conversations: --messages-field)")
+    row = 0
     for batch in table.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[field]):
-        for row, text in enumerate(batch.column(0).to_pylist()):
-            yield _checked_text(text, field, f"{str(path)!r} row {row}")
+        for text in batch.column(0).to_pylist():
+            yield text, f"{str(path)!r} row {row}"
+            row += 1
 
 
-def _saved_dataset(path: Path, field: str) -> Iterator[str]:
+def _saved_dataset(path: Path, field: str) -> Iterator[tuple[object, str]]:
     try:
         import datasets
     except ImportError:
@@ -105,15 +123,9 @@ def _saved_dataset(path: Path, field: str) -> Iterator[str]:
         raise JlongError(f"{str(path)!r} holds several splits ({', '.join(dataset)}); give one split's directory")
     if field not in dataset.column_names:
         raise JlongError(f"{str(path)!r} has no column {field!r} (its columns: {', '.join(dataset.column_names)}); "
-                         "name the text with --text-field")
+                         "name the text with --text-field (conversations: --messages-field)")
     for row, record in enumerate(dataset.select_columns([field])):
-        yield _checked_text(record[field], field, f"{str(path)!r} row {row}")
-
-
-def _text_of(record, field: str, where: str) -> str:
-    if not isinstance(record, dict) or field not in record:
-        raise JlongError(f"{where} has no field {field!r}; name the text with --text-field")
-    return _checked_text(record[field], field, where)
+        yield record[field], f"{str(path)!r} row {row}"
 
 
 def _checked_text(text, field: str, where: str) -> str:

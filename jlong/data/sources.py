@@ -23,13 +23,13 @@ from pathlib import Path
 import numpy as np
 
 from jlong.config import Config
-from jlong.data.corpus import TokenCorpus
+from jlong.data.corpus import RowSampler, TokenCorpus
 from jlong.data.documents import PackedDocuments
 from jlong.data.mixture import MixedSource, Mixture
 from jlong.errors import JlongError
 
 
-class TokenFile:
+class TokenFile(RowSampler):
     """Windows of a token corpus (`jlong.data.corpus`: one .npy, or shards),
     memory-mapped (a 10 GB file costs no RAM)."""
 
@@ -57,19 +57,17 @@ class TokenFile:
         order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
         return int(order[within])
 
-    def window(self, sample: int) -> np.ndarray:
-        """Sample `sample`'s S + 1 tokens: tokens[sample*S : sample*S + S + 1]."""
+    def window_span(self, sample: int) -> tuple[int, int]:
+        """Where sample `sample`'s S + 1 tokens are: tokens[sample*S : sample*S + S + 1]."""
         start = sample * self.seq_len
-        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int32)
+        return start, start + self.seq_len + 1
 
-    def row(self, i: int) -> np.ndarray:
-        """The `i`-th sequence drawn (0-based, over all steps)."""
-        return self.window(self.sample_index(i))
+    def window(self, sample: int) -> np.ndarray:
+        start, stop = self.window_span(sample)
+        return np.asarray(self.tokens[start:stop], dtype=np.int32)
 
-    def sequences(self, step: int) -> np.ndarray:
-        """[B, S + 1] token windows of step `step` (1-based)."""
-        first = (step - 1) * self.batch_size
-        return np.stack([self.row(i) for i in range(first, first + self.batch_size)])
+    def spans(self, i: int) -> list[tuple[int, int]]:
+        return [self.window_span(self.sample_index(i))]
 
 
 class SyntheticTokens:
@@ -89,6 +87,10 @@ class SyntheticTokens:
             current = self.successor[current]
         return out
 
+    def trained(self, step: int) -> None:
+        """Every token is trained."""
+        return None
+
 
 def batch_layout(config: Config) -> dict[str, tuple[tuple[int, int], np.dtype]]:
     """(shape, dtype) of each array of a step's batch: what `Batches.batch`
@@ -97,7 +99,10 @@ def batch_layout(config: Config) -> dict[str, tuple[tuple[int, int], np.dtype]]:
     if config.data.eos_id is not None:
         keys += ["segment_ids", "positions"]
     shape = (config.train.batch_size, config.train.seq_len)
-    return {key: (shape, np.dtype(np.int32)) for key in keys}
+    layout = {key: (shape, np.dtype(np.int32)) for key in keys}
+    if config.data.loss_mask:
+        layout["loss_mask"] = (shape, np.dtype(np.bool_))
+    return layout
 
 
 def make_source(config: Config):
@@ -148,6 +153,9 @@ class Batches:
     def batch(self, step: int) -> dict[str, np.ndarray]:
         sequences = self.source.sequences(step)
         arrays = {"inputs": sequences[:, :-1], "targets": sequences[:, 1:]}
+        if "loss_mask" in self.layout:  # a target is trained where its id is
+            trained = self.source.trained(step)
+            arrays["loss_mask"] = np.ones(arrays["targets"].shape, bool) if trained is None else trained[:, 1:]
         if self.eos_id is not None:
             mixed = isinstance(self.source, Mixture)
             eos_id = self.source.eos_ids(step)[:, None] if mixed else self.eos_id  # each row's source's own

@@ -51,6 +51,7 @@ class Evaluator:
     def _batch(self, rows: np.ndarray, eos_ids: np.ndarray) -> dict[str, np.ndarray]:
         arrays = {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
         arrays.update(positions_of(arrays["inputs"], eos_ids if self.config.data.eos_id is not None else None))
+        arrays["loss_mask"] = np.ones(arrays["targets"].shape, bool)  # the program's input; scores ignore it
         return {key: arrays[key] for key in self.keys}
 
 
@@ -70,6 +71,7 @@ class HeldOut:
     source: np.ndarray  # [N] each row's index into names
     names: tuple[str, ...]  # eval.mix's entries (one, unnamed, for eval.path)
     eos_ids: np.ndarray  # [N, 1] each row's end-of-document id (-1: none)
+    trained: np.ndarray  # [N, S + 1] which ids count (a token file's mask, `jlong prepare --chat`; else all)
 
 
 def held_out_rows(config: Config) -> HeldOut:
@@ -80,14 +82,25 @@ def held_out_rows(config: Config) -> HeldOut:
                          "or eval.mix")
     default_eos = _run_eos_id(config)
     if config.eval.path:
-        rows = _windows(config, config.eval.path, "eval.path", config.eval.sequences)
-        return HeldOut(rows, np.zeros(len(rows), np.int64), ("eval.path",), np.full((len(rows), 1), default_eos))
+        rows, trained = _windows(config, config.eval.path, "eval.path", config.eval.sequences)
+        _check_counted(trained, "eval.path")
+        return HeldOut(rows, np.zeros(len(rows), np.int64), ("eval.path",), np.full((len(rows), 1), default_eos),
+                       trained)
     entries = config.eval.mix_sources
     counts = sequences_per_source([e.weight for e in entries], config.eval.sequences)
     parts = [_windows(config, e.path, f"eval.mix[{i}].path", n) for i, (e, n) in enumerate(zip(entries, counts))]
+    for i, (_, trained) in enumerate(parts):
+        _check_counted(trained, f"eval.mix[{i}].path")
     eos = [default_eos if e.eos_id is None else e.eos_id for e in entries]
-    sources = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
-    return HeldOut(np.concatenate(parts), sources, tuple(e.label for e in entries), np.array(eos)[sources, None])
+    sources = np.repeat(np.arange(len(parts)), [len(rows) for rows, _ in parts])
+    return HeldOut(np.concatenate([rows for rows, _ in parts]), sources, tuple(e.label for e in entries),
+                   np.array(eos)[sources, None], np.concatenate([trained for _, trained in parts]))
+
+
+def _check_counted(trained: np.ndarray, setting: str) -> None:
+    if not trained[:, 1:].any():
+        raise JlongError(f"the held-out windows of {setting} hold no trained token (its mask marks none there): "
+                         "hold out conversations with assistant turns, or more of them (eval.sequences)")
 
 
 def _run_eos_id(config: Config) -> int:
@@ -95,10 +108,12 @@ def _run_eos_id(config: Config) -> int:
     return -1 if config.data.eos_id is None else config.data.eos_id
 
 
-def _windows(config: Config, path, setting: str, count: int) -> np.ndarray:
+def _windows(config: Config, path, setting: str, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first `count` windows of a token corpus and which of their ids are trained."""
     source = TokenFile(path, seq_len=config.train.seq_len, batch_size=1, vocab_size=config.model.vocab_size,
                        setting=setting)
-    return np.stack([source.window(i) for i in range(min(count, source.num_samples))])
+    windows = range(min(count, source.num_samples))
+    return np.stack([source.row(i) for i in windows]), np.stack([source.trained_row(i) for i in windows])
 
 
 def sequences_per_source(weights: list[float], total: int) -> list[int]:
@@ -111,14 +126,16 @@ def sequences_per_source(weights: list[float], total: int) -> list[int]:
 
 
 def position_losses(evaluator: Evaluator, params: dict, held: HeldOut) -> dict:
-    """The whole loss of the rows, its buckets by position, and (for eval.mix) each source's loss."""
+    """The whole loss of the rows' trained tokens, its buckets by position, and (for eval.mix) each source's loss."""
     losses = evaluator.scores(params, held.rows, held.eos_ids)[..., 0].astype(np.float64)
     eos_ids = held.eos_ids if evaluator.config.data.eos_id is not None else None
     positions = positions_of(held.rows[:, :-1], eos_ids)["positions"]
-    result = {"loss": float(losses.mean()), "tokens": int(losses.size),
-              "loss_by_position": loss_by_position(losses, positions, evaluator.config.train.seq_len)}
+    counted = held.trained[:, 1:]  # a target counts where its id is trained
+    result = {"loss": float(losses[counted].mean()), "tokens": int(counted.sum()),
+              "loss_by_position": loss_by_position(losses[counted], positions[counted], evaluator.config.train.seq_len)}
     if evaluator.config.eval.mix:
-        result["loss_by_source"] = {name: float(losses[held.source == i].mean()) for i, name in enumerate(held.names)}
+        result["loss_by_source"] = {name: float(losses[(held.source == i)[:, None] & counted].mean())
+                                    for i, name in enumerate(held.names)}
     return result
 
 

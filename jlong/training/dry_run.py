@@ -13,6 +13,7 @@ from jlong.config import Config
 from jlong.config.stages import StageRun, stage_runs
 from jlong.data.documents import PackedDocuments, describe as describe_documents
 from jlong.data.mixture import Mixture
+from jlong.data.recorded import with_recorded_data
 from jlong.data.sources import Batches, TokenFile
 from jlong.model.transformer import ForwardOptions
 from jlong.ops.shards import OneDevice
@@ -29,6 +30,7 @@ from jlong.training.run_dir import RunDir
 
 def describe(config: Config, until_step: int | None) -> str:
     """What `jlong train` would do with `config` on the devices this process sees."""
+    config = with_recorded_data(config)
     last = checked_last_step(config, until_step)  # the checks of a real run, first
     check_available(config.train.log_to)
     batches = Batches.from_config(config)
@@ -47,7 +49,9 @@ def describe(config: Config, until_step: int | None) -> str:
         f"{config.shard_tokens:,} tokens of each sequence per device",
         f"attention: {config.attention.sp_method} in {stages}, kernel "
         f"{describe_kernel(ForwardOptions.for_training(frugal(config), OneDevice(), devices[0].platform).attention)}",
-        f"data: {_data(config, batches, range(done + 1, max(last, done + 1) + 1))}",
+        f"data: {_data(config, batches, range(done + 1, max(last, done + 1) + 1))}"
+        + ("; the loss counts only the ids the token files' masks mark (data.loss_mask)" if config.data.loss_mask
+           else ""),
         f"steps: {done + 1}-{last} of train.steps={train.steps}, {train.batch_size} x {train.seq_len:,} tokens each"
         if done < last else f"steps: none left (checkpointed at step {done} of {last})",
         f"outputs: {_outputs(config, done)}",

@@ -15,6 +15,7 @@ import numpy as np
 from jlong.checkpoint import Checkpoints
 from jlong.config import Config, config_to_dict
 from jlong.config.stages import StageRun, stage_at, stage_runs
+from jlong.data.recorded import with_recorded_data
 from jlong.data.sources import Batches
 from jlong.errors import JlongError
 from jlong.planner.advice import is_out_of_memory, out_of_memory_error, over_budget_error
@@ -146,6 +147,7 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
     metric records. SIGTERM, SIGUSR1 or Ctrl-C (recorded by
     `stop_requests`, by default handlers installed for the call) stops it
     after the step under way, with a checkpoint."""
+    config = with_recorded_data(config)  # data.eos_id and data.loss_mask as the token files record them
     last = checked_last_step(config, until_step)
     check_available(config.train.log_to)
     stages = stage_runs(config)
@@ -195,9 +197,11 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
                     _enter_stage(run, stage, len(stages))
                 batches, evaluation = inputs[stage.number]
                 stops.step_started(step, recorder.expected_step_seconds())
-                loss, grad_norm, model_metrics, seconds = _update(run, batches, step)
+                batch = batches.batch(step)
+                loss, grad_norm, model_metrics, seconds = _update(run, batch, step)
                 _check_finite(step, loss, grad_norm, checkpoints)
-                measured = {**model_metrics, **batches.drawn(step), **evaluation.at(step, run.program, run.params)}
+                measured = {**model_metrics, "trained_tokens": trained_tokens(batch), **batches.drawn(step),
+                            **evaluation.at(step, run.program, run.params)}
                 recorder.record(step, loss, grad_norm, seconds, {"stage": stage.number, **measured} if staged
                                 else measured, stage.config)
                 every = config.checkpoint.every
@@ -311,10 +315,15 @@ def _say(text: str) -> None:
         print(text, flush=True)
 
 
-def _update(run: Started, batches: Batches, step: int) -> tuple[float, float, dict[str, float], float]:
-    """One optimizer step on `run`: (loss, grad_norm, the model's other metrics, seconds)."""
+def trained_tokens(batch: dict[str, np.ndarray]) -> int:
+    """The target tokens of a global batch that count in its loss."""
+    return int(batch["loss_mask"].sum()) if "loss_mask" in batch else int(batch["targets"].size)
+
+
+def _update(run: Started, batch: dict[str, np.ndarray], step: int) -> tuple[float, float, dict[str, float], float]:
+    """One optimizer step on `run` with the global `batch`: (loss, grad_norm, the model's other metrics, seconds)."""
     program = run.program
-    batch = program.place_batch(batches.batch(step))
+    batch = program.place_batch(batch)
     began = time.perf_counter()
     with explained_out_of_memory(program.config, program.mesh, f"at step {step}"):
         run.params, run.opt_state, metrics = run.compiled(run.params, run.opt_state, batch)

@@ -23,6 +23,13 @@ def summary(config: Config, records: list[dict], seconds: float, checkpoint_step
         f"(median {tokens_per_s:,.0f} tokens/s)",
         f"  loss         {first['loss']:.4f} at step {first['step']} -> {last['loss']:.4f} at step {last['step']}",
     ]
+    trained = sum(r.get("trained_tokens", 0) for r in records)
+    targets = sum(r["seq_len"] * config.train.batch_size for r in records)
+    if trained != targets:
+        lines.append(f"  trained      {trained:,} of {targets:,} target tokens ({trained / targets:.1%}; the rest "
+                     "masked out)")
+    else:
+        lines.append(f"  trained      {trained:,} target tokens")
     mixed = [r["tokens_by_source"] for r in records if "tokens_by_source" in r]
     if mixed:
         lines.append(f"  data mix     {realised_mix(mixed)}")
