@@ -5,9 +5,13 @@ conversations whose answer is a code stated somewhere in a long user turn
 answers "7"); held-out accuracy by the code's depth before and after
 fine-tuning. The code is one digit: copying a longer code needs an
 induction circuit, which this 2-layer model does not form in minutes of CPU
-training (a five-digit code stayed at chance after 2,000 steps). The pretraining documents are the same retrieval as plain
-text (the question answered in the text), so the fine-tuning teaches the
-chat format and retrieval at the full length.
+training (in a probe, a five-digit code copied from a random earlier place
+stayed at chance after 2,000 steps). The pretraining documents hold the
+same retrieval as plain text (the question answered in the text), but the
+answer is one token in hundreds and the extended model retrieves at chance;
+the fine-tuning, whose loss is the answer alone, runs two thirds of its
+steps on short conversations at 256 tokens and the rest on long ones at
+1,024.
 
 The tokenizer is byte-level (ids 0-255 are the bytes) with ChatML's special
 tokens added (<|im_start|> 256, <|im_end|> 257, <|endoftext|> 258) and a
@@ -17,7 +21,7 @@ masks all but the assistant's answer), `jlong.train` (the end-of-document
 id and the mask read from the token files), and the run's own forward pass
 to score held-out conversations.
 
-    python experiments/chat_finetune.py [--base-steps 1500] [--extend-steps 300] [--chat-steps 400]
+    python experiments/chat_finetune.py [--base-steps 1500] [--extend-steps 300] [--chat-steps 900]
 
 Writes experiments/results/chat-finetune.md (and .json) and runs under
 runs/chat-finetune/ (every run resumes a checkpoint it finds there).

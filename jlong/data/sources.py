@@ -3,7 +3,9 @@
 `source.batch(step)` returns the global batch of 1-based step `step` as numpy
 arrays: `inputs` and `targets` [B, S] (targets are inputs shifted by one),
 and, when `data.eos_id` is set, `segment_ids` and `positions` [B, S] so that
-attention and RoPE restart at every packed document. Because a batch depends
+attention and RoPE restart at every packed document; and, with
+`data.loss_mask`, `loss_mask` [B, S]: the targets whose ids the token
+files' masks mark as trained (`jlong prepare --chat`). Because a batch depends
 only on the step (and the seed), resuming needs no data-loader state.
 
 `tokens` semantics (data.shuffle=false): sample i is tokens[i*S : i*S + S + 1],
