@@ -114,6 +114,22 @@ def test_the_cli_summary_names_conversations_tokens_and_trained_tokens(tokenizer
 
 
 @pytest.mark.fast
+def test_shards_carry_their_own_masks_and_read_as_the_whole_file_does(tokenizers, tmp_path):
+    from jlong.data.corpus import TokenCorpus
+
+    source = _jsonl(tmp_path / "c.jsonl", conversations(40, seed=5))
+    options = {"tokenizer_path": str(tokenizers["chatml"]), "chat": True}
+    prepare(str(tmp_path / "whole.npy"), [str(source)], **options)
+    summary = prepare(str(tmp_path / "shards"), [str(source)], shard_tokens=500, **options)
+    assert len(summary["shards"]) > 2 and all(mask_path(shard).is_file() for shard in summary["shards"])
+    whole, shards = TokenCorpus(str(tmp_path / "whole.npy")), TokenCorpus(str(tmp_path / "shards"))
+    assert len(shards.files) == len(summary["shards"])  # the masks are not read as shards
+    assert np.array_equal(shards.trained(slice(0, len(shards))), whole.trained(slice(0, len(whole))))
+    for start, stop in [(3, 700), (499, 1203), (0, 1)]:  # slices across shards and packed bytes
+        assert np.array_equal(shards.trained(slice(start, stop)), _unpacked(tmp_path / "whole.npy", stop)[start:])
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("case", ["no template", "messages not a list", "unknown role", "no tokenizer"])
 def test_bad_chat_input_is_one_line_and_writes_nothing(tokenizers, tmp_path, case):
     directory = tokenizers["chatml"]
@@ -249,3 +265,16 @@ def test_training_logs_trained_tokens_and_evaluates_trained_tokens_only(packed_c
     scores = evaluator.scores(params, held.rows, held.eos_ids)[..., 0]
     counted = held.trained[:, 1:]
     assert position_losses(evaluator, params, held)["loss"] == pytest.approx(float(scores[counted].mean()), rel=1e-6)
+
+
+def test_packed_conversations_train_the_hybrid_mixture_of_experts_family_by_their_mask(packed_chats):
+    """Qwen3.5-MoE (a Gated DeltaNet layer, a gated attention layer, routed experts) on sp 4 x fsdp 2: the
+    state and the convolution restart at every conversation, and only the answers count."""
+    family = ["model.preset=tiny-qwen3.5-moe", "model.vocab_size=512", "model.hidden_size=64",
+              "model.intermediate_size=48", "model.moe_intermediate_size=32", "model.num_key_value_heads=2",
+              "model.num_hidden_layers=2", "model.full_attention_interval=2", "train.batch_size=2",
+              "train.seq_len=256", "mesh.sp=4", "mesh.fsdp=2"]
+    config = _chat_config(packed_chats, *family)
+    masked, _ = _reference_loss(config)
+    loss, _ = loss_and_grads(config, jax.devices())
+    np.testing.assert_allclose(loss, masked, rtol=1e-5)

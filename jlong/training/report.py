@@ -25,11 +25,9 @@ def summary(config: Config, records: list[dict], seconds: float, checkpoint_step
     ]
     trained = sum(r.get("trained_tokens", 0) for r in records)
     targets = sum(r["seq_len"] * config.train.batch_size for r in records)
-    if trained != targets:
+    if trained != targets:  # a token file's mask left some out (every metrics line has trained_tokens)
         lines.append(f"  trained      {trained:,} of {targets:,} target tokens ({trained / targets:.1%}; the rest "
                      "masked out)")
-    else:
-        lines.append(f"  trained      {trained:,} target tokens")
     mixed = [r["tokens_by_source"] for r in records if "tokens_by_source" in r]
     if mixed:
         lines.append(f"  data mix     {realised_mix(mixed)}")
