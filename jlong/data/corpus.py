@@ -134,24 +134,22 @@ class TokenCorpus:
             raise IndexError("a token corpus is read in contiguous slices")
         if len(self.arrays) == 1:
             return self.arrays[0][start:stop]
-        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
-        pieces = []
-        while start < stop:
-            begin = int(self.offsets[first])
-            end = min(stop, int(self.offsets[first + 1]))
-            pieces.append(self.arrays[first][start - begin : end - begin])
-            start, first = end, first + 1
+        pieces = [self.arrays[file][begin:end] for file, begin, end in self._within_files(start, stop)]
         return np.concatenate(pieces) if len(pieces) != 1 else pieces[0]
+
+    def _within_files(self, start: int, stop: int):
+        """(file, begin, end): the pieces of ids [start, stop) in each file they cross, in that file's offsets."""
+        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        while start < stop:
+            offset = int(self.offsets[first])
+            end = min(stop, int(self.offsets[first + 1]))
+            yield first, start - offset, end - offset
+            start, first = end, first + 1
 
     def trained(self, span: slice) -> np.ndarray:
         """[len] bool: which ids of the slice are trained (all, where a file has no mask)."""
         start, stop, _ = span.indices(len(self))
-        pieces, first = [], int(np.searchsorted(self.offsets, start, side="right")) - 1
-        while start < stop:
-            begin = int(self.offsets[first])
-            end = min(stop, int(self.offsets[first + 1]))
-            pieces.append(_mask_slice(self.masks[first], start - begin, end - begin))
-            start, first = end, first + 1
+        pieces = [_mask_slice(self.masks[file], begin, end) for file, begin, end in self._within_files(start, stop)]
         return np.concatenate(pieces) if pieces else np.zeros(0, bool)
 
     def id_range(self, chunk: int = 1 << 24) -> tuple[int, int]:
@@ -202,10 +200,10 @@ class RowSampler:
 
 
 class _PackedMask:
-    """A mask of `count` ids stored as `np.packbits`."""
+    """A mask stored as `np.packbits` of one bool per id."""
 
-    def __init__(self, packed: np.ndarray, count: int):
-        self.packed, self.count = packed, count
+    def __init__(self, packed: np.ndarray):
+        self.packed = packed
 
 
 def _open_mask(tokens_path: Path, count: int, setting: str):
@@ -220,7 +218,7 @@ def _open_mask(tokens_path: Path, count: int, setting: str):
     if mask.ndim == 1 and len(mask) == count and mask.dtype in (np.bool_, np.uint8):
         return mask
     if mask.ndim == 1 and len(mask) == -(-count // 8) and mask.dtype == np.uint8:
-        return _PackedMask(mask, count)
+        return _PackedMask(mask)
     raise JlongError(f"{setting}: the mask {str(path)!r} holds {mask.shape} of {mask.dtype}, but its token file has "
                      f"{count:,} ids: a mask is one bool or uint8 per id, or np.packbits of them "
                      f"({-(-count // 8):,} bytes); prepare the data again")

@@ -64,10 +64,6 @@ class TokenFile(RowSampler):
         start = sample * self.seq_len
         return start, start + self.seq_len + 1
 
-    def window(self, sample: int) -> np.ndarray:
-        start, stop = self.window_span(sample)
-        return np.asarray(self.tokens[start:stop], dtype=np.int32)
-
     def spans(self, i: int) -> list[tuple[int, int]]:
         return [self.window_span(self.sample_index(i))]
 

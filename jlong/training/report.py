@@ -23,11 +23,9 @@ def summary(config: Config, records: list[dict], seconds: float, checkpoint_step
         f"(median {tokens_per_s:,.0f} tokens/s)",
         f"  loss         {first['loss']:.4f} at step {first['step']} -> {last['loss']:.4f} at step {last['step']}",
     ]
-    trained = sum(r.get("trained_tokens", 0) for r in records)
-    targets = sum(r["seq_len"] * config.train.batch_size for r in records)
-    if trained != targets:  # a token file's mask left some out (every metrics line has trained_tokens)
-        lines.append(f"  trained      {trained:,} of {targets:,} target tokens ({trained / targets:.1%}; the rest "
-                     "masked out)")
+    if config.data.loss_mask:  # every metrics line has trained_tokens; the summary names them where masks count
+        trained = sum(r["trained_tokens"] for r in records)
+        lines.append(f"  trained      {trained:,} target tokens (the ones the token files' masks mark)")
     mixed = [r["tokens_by_source"] for r in records if "tokens_by_source" in r]
     if mixed:
         lines.append(f"  data mix     {realised_mix(mixed)}")
