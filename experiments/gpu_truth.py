@@ -1,6 +1,6 @@
 """What jlong promises against what one GPU does, in one command.
 
-    python experiments/gpu_truth.py [--out experiments/results]     # one GPU: about 4 minutes on an H100
+    python experiments/gpu_truth.py [--out experiments/results]     # one GPU: about 5 minutes on an H100
     python experiments/gpu_truth.py --rehearse --out DIR            # the same pipeline on 8 virtual CPU devices
 
 Writes gpu-truth.json and gpu-truth.md into --out:
@@ -9,17 +9,25 @@ Writes gpu-truth.json and gpu-truth.md into --out:
   off-diagonal, sliding window, backward given an external output and
   log-sum-exp), each output's worst error against the float32 blockwise
   kernel beside blockwise bf16's own;
-- training cases on one device (`configs/llama3.2-1b-one-gpu.yaml` at three
-  lengths under two memory settings): each a `jlong train` of a few steps in
-  its own process, its median step time after warm-up and the device's peak
-  bytes (`peak_bytes_in_use`), beside `jlong.plan` of the same config for
-  this GPU (planned bytes, estimated step time: the estimate is read from
-  the compiled program, the time is measured);
+- Qwen3.5's kernels (`experiments/gpu_kernels.py`): the Triton grouped
+  matmul of routed experts and the chunked gated delta rule, every output
+  against a float32 reference beside a bf16 yardstick;
+- training cases on one device (`configs/llama3.2-1b-one-gpu.yaml` with
+  three models: Llama 3.2 1B, Qwen3.5-0.8B's hybrid, and Qwen3.5-35B-A3B cut
+  to four layers of 128 experts; each under two memory settings): each a
+  `jlong train` of a few steps in its own process, its median step time
+  after warm-up and the device's peak bytes (`peak_bytes_in_use`), beside
+  `jlong.plan` of the same config for this GPU (planned bytes, estimated
+  step time: the estimate is read from the compiled program, the time is
+  measured);
 - the rates behind the planner's assumptions: a bf16 GEMM, cuDNN causal
   attention forward and backward at a long length (FLOPs counted as the
-  planner counts them), an elementwise kernel's device-memory traffic, and
-  copies between the device and pinned host memory, each beside the rate `jlong plan` assumes (data-sheet peak x its
-  default efficiency);
+  planner counts them), an elementwise kernel's device-memory traffic,
+  copies between the device and pinned host memory, the Triton grouped
+  matmul (and XLA's ragged_dot beside it), each beside the rate `jlong
+  plan` assumes (data-sheet peak x its default efficiency); and the chunked
+  gated delta rule's tokens/s beside the planner's estimate of that same
+  program;
 - `jlong train` as a user runs it (a small model on the learnable synthetic
   data): the loss finite and falling, `peak_bytes` in metrics.jsonl.
 
@@ -60,6 +68,22 @@ TRAIN_STEPS = 5  # the first two are warm-up (compilation, first touches); the m
 WARMUP_STEPS = 2
 
 
+# The training cases' models, each on the one-GPU config with its lengths and memory settings: the dense
+# model the stack was built on, the Qwen3.5 hybrid (Gated DeltaNet and gated attention), and a Qwen3.5-MoE cut
+# to one period of layers and half its experts so that it fits one GPU with its optimizer state.
+GPU_MODELS = {
+    "qwen3.5-0.8b": (["model.preset=qwen3.5-0.8b"], [8192]),
+    "qwen3.5-35b-a3b 4 layers 128 experts": (["model.preset=qwen3.5-35b-a3b", "model.num_hidden_layers=4",
+                                              "model.num_experts=128"], [8192]),
+    "llama3.2-1b": ([], [16384]),
+}
+REHEARSAL_MODELS = {
+    "tiny": ([], [128, 256]),
+    "tiny-qwen3.5": (["model.preset=tiny-qwen3.5"], [128]),
+    "tiny-qwen3.5-moe": (["model.preset=tiny-qwen3.5-moe"], [128]),
+}
+
+
 class Setup:
     """What one run of the script measures: the GPU's shapes, or the rehearsal's tiny ones."""
 
@@ -69,25 +93,31 @@ class Setup:
             self.config = str(ROOT / "configs" / "tiny.yaml")
             self.base = ["mesh.fsdp=1", "mesh.sp=1", "data.source=synthetic", "data.eos_id=null",
                          "attention.block_size=128"]
-            self.seq_lens = seq_lens or [128, 256, 512]
+            self.models = REHEARSAL_MODELS
             self.user_run = [str(ROOT / "configs" / "tiny.yaml"), "data.source=synthetic", "data.eos_id=null",
                              "train.steps=12", "train.warmup_steps=2", "train.seq_len=128"]
             self.kernel_args = ["--gemm", "256", "--attention-len", "1024", "--heads", "4", "--kv-heads", "2",
-                                "--head-dim", "32", "--copy-mib", "16"]
+                                "--head-dim", "32", "--copy-mib", "16", "--experts", "512", "64", "32", "8",
+                                "--linear-len", "512"]
         else:
             self.config = str(ROOT / "configs" / "llama3.2-1b-one-gpu.yaml")
             self.base = []
-            self.seq_lens = seq_lens or [8192, 16384, 32768]
+            self.models = GPU_MODELS
             self.user_run = [str(ROOT / "configs" / "tiny.yaml"), "mesh.fsdp=1", "mesh.sp=1", "data.source=synthetic",
                              "data.eos_id=null", "train.steps=30", "train.warmup_steps=3"]
+            # experts: 8,192 tokens routed to 8 of 128 experts of Qwen3.5-35B-A3B's shape (2,048 -> 512)
             self.kernel_args = ["--gemm", "8192", "--attention-len", "32768", "--heads", "32", "--kv-heads", "8",
-                                "--head-dim", "128", "--copy-mib", "1024"]
+                                "--head-dim", "128", "--copy-mib", "1024", "--experts", "65536", "2048", "512", "128",
+                                "--linear-len", "32768"]
+        self.seq_lens = seq_lens
         self.memory = memory
 
     def cases(self) -> list[dict]:
-        return [{"name": f"{Path(self.config).stem} {seq_len:,} {memory}", "seq_len": seq_len, "memory": memory,
-                 "overrides": [*self.base, f"train.seq_len={seq_len}", f"memory.remat={memory}"]}
-                for seq_len in self.seq_lens for memory in self.memory]
+        """The models' cases, each length under each memory setting (--seq-lens: these lengths for every model)."""
+        return [{"name": f"{model} {seq_len:,} {memory}", "model": model, "seq_len": seq_len, "memory": memory,
+                 "overrides": [*self.base, *overrides, f"train.seq_len={seq_len}", f"memory.remat={memory}"]}
+                for model, (overrides, lengths) in self.models.items()
+                for seq_len in self.seq_lens or lengths for memory in self.memory]
 
     def env(self) -> dict:
         """Every child's environment: jlong from this checkout, no preallocated pool (a run's
@@ -113,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-lens", type=int, nargs="+", help="lengths of the training cases")
     parser.add_argument("--memory", nargs="+", default=["save_attention", "offload_inputs"],
                         help="memory.remat of the training cases")
-    parser.add_argument("--deadline-s", type=float, default=250.0,
+    parser.add_argument("--deadline-s", type=float, default=330.0,
                         help="training cases not started by then are listed as skipped (a GPU lent for minutes)")
     args = parser.parse_args(argv)
     started = time.monotonic()
@@ -136,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.rehearse:
             note(started, "cuDNN checks")
             report.cudnn(child(setup, work / "cudnn.json", "cudnn", "--check-len", "4096"))
+        note(started, "Qwen3.5's kernels")
+        report.kernels(child(setup, work / "kernels.json", "kernels", *(["--small"] if args.rehearse else [])))
         note(started, "jlong train as a user runs it")
         report.user_run(train_run(setup, setup.user_run, work / "user-run"))
         measured = []
@@ -223,14 +255,17 @@ def child_main(part: str, out: Path, argv: list[str]) -> int:
         parser.add_argument("--cases", required=True)
     elif part == "rates":
         parser.add_argument("--target", required=True)
-        for flag in ("--gemm", "--attention-len", "--heads", "--kv-heads", "--head-dim", "--copy-mib"):
+        for flag in ("--gemm", "--attention-len", "--heads", "--kv-heads", "--head-dim", "--copy-mib", "--linear-len"):
             parser.add_argument(flag, type=int, required=True)
+        parser.add_argument("--experts", type=int, nargs=4, required=True, metavar=("ROWS", "K", "N", "GROUPS"))
+    elif part == "kernels":
+        parser.add_argument("--small", action="store_true")
     else:
         parser.add_argument("--check-len", type=int, required=True)
     args = parser.parse_args(argv)
     if part != "plans":
         start_backends()
-    result = {"plans": plan_cases, "rates": measure_rates, "cudnn": cudnn_checks}[part](args)
+    result = {"plans": plan_cases, "rates": measure_rates, "cudnn": cudnn_checks, "kernels": kernel_checks}[part](args)
     out.write_text(json.dumps(result, indent=1))
     return 0
 
@@ -302,6 +337,13 @@ def cudnn_checks(args) -> dict:
                         "blockwise_bf16_error": r["blockwise_bf16"], "ok": r["ok"]} for r in rows]}
 
 
+def kernel_checks(args) -> dict:
+    """gpu_kernels' checks: the Triton grouped matmul and the chunked gated delta rule against float32."""
+    from gpu_kernels import check_all
+
+    return {"checks": check_all(small=args.small)}
+
+
 def rates(args, on_gpu: bool) -> list[dict]:
     """Achieved rates beside the planner's assumed ones (data sheet x default efficiency)."""
     from jlong.planner.pricing import Efficiency
@@ -328,6 +370,8 @@ def rates(args, on_gpu: bool) -> list[dict]:
              to_host / gbs, f"links {eff.links} x PCIe {gpu.pcie_bytes_per_s / gbs:g}"),
         rate(f"pinned host -> device, {args.copy_mib:,} MiB, GB/s", gpu.pcie_bytes_per_s * eff.links / gbs,
              to_device / gbs, f"links {eff.links} x PCIe {gpu.pcie_bytes_per_s / gbs:g}"),
+        *grouped_matmul_rates(args, gpu.peak_bf16_flops * eff.gemm, f"gemm {eff.gemm} x {gpu.peak_bf16_flops / tflops:g}"),
+        gated_delta_rate(args, gpu, eff),
     ]
 
 
@@ -379,6 +423,77 @@ def attention_flops_per_s(args, on_gpu: bool) -> tuple[float, float]:
             flops(backward=True) / timed(backward, q, k, v, o, lse, do))
 
 
+def grouped_matmul_rates(args, assumed_flops: float, basis: str) -> list[dict]:
+    """The experts' grouped matmul as routed rows (ROWS rows of K in GROUPS groups of near-equal size, as a
+    balanced router leaves them), FLOPs counted for the routed rows only (as the planner counts the Triton
+    kernels): jlong's Triton kernels forward and backward (both gradients), and XLA's `ragged_dot` forward
+    on 8 of the groups (XLA:GPU may multiply every row by every group's matrix: at all the groups, minutes)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jlong.moe.grouped_matmul_triton import grouped_matmul
+
+    rows, k, n, groups = args.experts
+    interpret = jax.default_backend() != "gpu"
+    keys = jax.random.split(jax.random.key(2), 3)
+    x = jax.random.normal(keys[0], (rows, k), jnp.bfloat16)
+    w = jax.random.normal(keys[1], (groups, k, n), jnp.bfloat16)
+    dy = jax.random.normal(keys[2], (rows, n), jnp.bfloat16)
+
+    def balanced(groups):
+        return jnp.asarray(np.random.default_rng(0).multinomial(rows, np.full(groups, 1 / groups)), jnp.int32)
+
+    sizes, eight = balanced(groups), balanced(8)
+    triton = functools.partial(grouped_matmul, interpret=interpret)
+    forward = jax.jit(triton)
+    backward = jax.jit(lambda x, w, sizes, dy: jax.vjp(lambda x, w: triton(x, w, sizes), x, w)[1](dy))
+    xla = jax.jit(jax.lax.ragged_dot)
+    flops = 2.0 * rows * k * n
+    tflops = 1e12
+    shape = f"{rows:,} rows {k} -> {n}"
+    return [
+        rate(f"Triton grouped matmul forward, {shape}, {groups} groups, TFLOP/s", assumed_flops / tflops,
+             flops / timed(forward, x, w, sizes) / tflops, basis),
+        rate(f"Triton grouped matmul backward (dx, dw), {shape}, {groups} groups, TFLOP/s", assumed_flops / tflops,
+             2 * flops / timed(backward, x, w, sizes, dy) / tflops, basis),
+        rate(f"Triton grouped matmul forward, {shape}, 8 groups, TFLOP/s", assumed_flops / tflops,
+             flops / timed(forward, x, w[:8], eight) / tflops, basis),
+        rate(f"XLA ragged_dot forward, {shape}, 8 groups, TFLOP/s", assumed_flops / tflops,
+             flops / timed(xla, x, w[:8], eight, repeats=2) / tflops, basis),
+    ]
+
+
+def gated_delta_rate(args, gpu, eff) -> dict:
+    """The chunked gated delta rule forward and backward over --linear-len tokens of Qwen3.5-0.8B's linear
+    attention (16 heads of 128), in tokens/s: measured, beside the planner's estimate of the very program that
+    ran (priced as `jlong plan` prices a step: kernels, launches; on the rehearsal the CPU's program)."""
+    import jax
+    import jax.numpy as jnp
+
+    from gpu_kernels import gated_delta_inputs
+    from jlong.linear_attention.gated_delta import chunked
+    from jlong.planner.hlo import parse_module
+    from jlong.planner.step_cost import estimate
+
+    tokens = args.linear_len
+    inputs, segments, (do, dstate) = gated_delta_inputs(tokens, 16, 16, 128, 1)
+    inputs = tuple(t.astype(jnp.bfloat16) for t in inputs[:3]) + inputs[3:]
+
+    def forward_backward(inputs):
+        (o, state), pullback = jax.vjp(chunked, *inputs)
+        return pullback((do.astype(o.dtype), dstate))
+
+    step = jax.jit(forward_backward)
+    program = parse_module(step.lower(inputs).compile().as_text())
+    estimated = estimate(program, gpu=gpu, efficiency=eff, node_of=[0], tokens_per_step=tokens,
+                         model_flops_per_device=1.0)
+    return rate(f"chunked gated delta rule forward + backward, {tokens:,} tokens, 16 heads of 128, tokens/s",
+                estimated.tokens_per_s, tokens / timed(step, inputs),
+                f"jlong plan's estimate of this program ({estimated.kernels:,.0f} kernel launches "
+                f"at launch_us {eff.launch_us:g})")
+
+
 def hbm_bytes_per_s(mib: int) -> float:
     """Device memory read and written by one elementwise kernel (what the planner prices "other kernels" at)."""
     import jax
@@ -413,7 +528,8 @@ class Report:
         self.out = out
         self.data = {"command": command, "rehearsal": rehearse, "target": target, "commit": commit(),
                      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                     "device": None, "versions": None, "cudnn_checks": [], "rates": [], "cases": [],
+                     "device": None, "versions": None, "cudnn_checks": [], "kernel_checks": [], "rates": [],
+                     "cases": [],
                      "user_run": None, "wall_s": None}
         if rehearse:
             self.data["cudnn_checks"] = [{"path": path, "run": False, "why": "no GPU: cuDNN runs on NVIDIA GPUs only"}
@@ -424,6 +540,13 @@ class Report:
             self.data["rates_failed"] = result["failed"]
         else:
             self.data.update({key: result[key] for key in ("device", "versions", "rates")})
+        self.write()
+
+    def kernels(self, result: dict) -> None:
+        if "failed" in result:
+            self.data["kernels_failed"] = result["failed"]
+        else:
+            self.data["kernel_checks"] = result["checks"]
         self.write()
 
     def cudnn(self, result: dict) -> None:
@@ -445,7 +568,7 @@ class Report:
             self.data["plans_failed"] = plans["failed"]
         rows = []
         for case in measured:
-            row = {key: case.get(key) for key in ("name", "seq_len", "memory", "measured_peak_bytes",
+            row = {key: case.get(key) for key in ("name", "model", "seq_len", "memory", "measured_peak_bytes",
                                                     "measured_step_s", "step_times_s", "losses")}
             plan = plans.get(case["name"], {})
             row.update(planned_bytes=plan.get("planned_bytes"), estimated_step_s=plan.get("estimated_step_s"),
@@ -480,6 +603,10 @@ class Report:
         parts += ["## cuDNN against the float32 blockwise kernel", self._cudnn_table()]
         if d.get("cudnn_failed"):
             parts.append(f"The cuDNN checks FAILED: {d['cudnn_failed']}")
+        parts += ["## Qwen3.5's kernels against float32 references (`experiments/gpu_kernels.py`)",
+                  self._kernels_table()]
+        if d.get("kernels_failed"):
+            parts.append(f"The kernel checks FAILED: {d['kernels_failed']}")
         parts += ["## Training cases: planned against measured", self._cases_table()]
         if d.get("plans_failed"):
             parts.append(f"Plans failed: {d['plans_failed']}")
@@ -505,6 +632,11 @@ class Report:
                  "ok" if c["ok"] else "TOO FAR"] for c in checks]
         return markdown_table(["path", "output", "cuDNN error", "blockwise bf16 error", ""], rows)
 
+    def _kernels_table(self) -> str:
+        rows = [[c["kernel"], c["output"], f"{c['error']:.2e}", f"{c['yardstick']:.2e}", f"{c['scale']:.2e}",
+                 "ok" if c["ok"] else "TOO FAR"] for c in self.data["kernel_checks"]]
+        return markdown_table(["kernel", "output", "error", "yardstick", "output scale", ""], rows)
+
     def _cases_table(self) -> str:
         def gib(v):
             return f"{v / GIB:.2f}" if v else "-"
@@ -515,12 +647,12 @@ class Report:
         def ratio(a, b):
             return f"{a / b:.2f}" if a and b else "-"
 
-        rows = [[c["seq_len"], c["memory"], gib(c["planned_bytes"]), gib(c["measured_peak_bytes"]),
+        rows = [[c["model"], c["seq_len"], c["memory"], gib(c["planned_bytes"]), gib(c["measured_peak_bytes"]),
                  ratio(c["measured_peak_bytes"], c["planned_bytes"]), seconds(c["estimated_step_s"]),
                  seconds(c["measured_step_s"]), ratio(c["measured_step_s"], c["estimated_step_s"]),
                  c.get("failed") or c.get("skipped") or c.get("plan_failed") or ""]
                 for c in self.data["cases"]]
-        return markdown_table(["seq_len", "memory.remat", "planned GiB", "measured peak GiB", "measured / planned",
+        return markdown_table(["model", "seq_len", "memory.remat", "planned GiB", "measured peak GiB", "measured / planned",
                                "estimated s", "measured s", "measured / estimated", "note"], rows)
 
     def _rates_table(self) -> str:
