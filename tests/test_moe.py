@@ -23,6 +23,7 @@ from jlong.families import family_of
 from jlong.model.transformer import ForwardOptions
 from jlong.moe import grouped_matmul, grouped_matmul_triton
 from jlong.planner.memory import compile_train_step, plan_of
+from jlong.planner.pricing import Efficiency
 from jlong.planner.step_cost import step_cost
 from jlong.training.loop import train
 from jlong.training.metric_sinks import TENSORBOARD_DIR
@@ -203,6 +204,11 @@ def test_on_h100_the_experts_cost_their_routed_flops_in_static_loops():
     assert step.compiled.as_text().count('custom_call_target="__gpu$xla.gpu.triton"') >= 3  # forward, dx, dw
     assert not cost.unpriced_custom_calls and not cost.unknown_trip_loops
     assert cost.model_flops <= cost.executed_flops <= 1.6 * cost.model_flops
+    # priced at the Triton kernels' own measured share of the peak, apart from cuBLAS's matmuls
+    twice_as_fast = step_cost(step, Efficiency(grouped_matmul=2 * Efficiency().grouped_matmul))
+    grouped = cost.time_by_kind["grouped matmul"]
+    assert twice_as_fast.time_by_kind["grouped matmul"] == pytest.approx(grouped / 2, rel=0.02)
+    assert twice_as_fast.time_by_kind["matmul"] == cost.time_by_kind["matmul"]
 
 
 @needs_gpu_compiler

@@ -21,6 +21,9 @@ class Efficiency:
     """Shares of the data-sheet rates a step reaches; `launch_us` per kernel."""
 
     gemm: float = 0.70
+    # measured: 150-166 TFLOP/s, jlong's Triton grouped matmul (forward, both gradients) at Qwen3.5-35B-A3B's
+    # expert shapes, 65,536 routed rows over 128 experts, on an H100 SXM (experiments/results/gpu-truth.md)
+    grouped_matmul: float = 0.16
     attention_fwd: float = 0.60
     attention_bwd: float = 0.53  # measured: 522 TFLOP/s, cuDNN 9.19 causal backward at 32K on an H100 SXM
     hbm: float = 0.80
@@ -132,9 +135,12 @@ class Pricer:
         tally.hbm_bytes += hbm
         tally.flops["matmul"] += flops.matmul
         tally.flops["other"] += flops.other
-        rate = self.gpu.peak_bf16_flops * (self.eff.gemm if is_matmul else 1.0)
+        kind, efficiency = ("matmul", self.eff.gemm) if is_matmul else ("other kernels", 1.0)
+        if is_matmul and op == "custom-call" and _grouped_matmul_flops(inst, computation) is not None:
+            kind, efficiency = "grouped matmul", self.eff.grouped_matmul
+        rate = self.gpu.peak_bf16_flops * efficiency
         seconds = max(flops.total / rate, hbm / (self.gpu.hbm_bytes_per_s * self.eff.hbm))
-        tally.busy_s["matmul" if is_matmul else "other kernels"] += seconds
+        tally.busy_s[kind] += seconds
         return "compute", seconds
 
     def _attention(self, inst: Instruction, computation: Computation, cost: CallCost, tally: Tally) -> float:
