@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, load_experiment
+
+from jlong.config import load_config
 
 SCRIPT = REPO / "experiments" / "gpu_truth.py"
 
@@ -37,6 +39,16 @@ def test_the_gpu_only_kernel_scripts_refuse_without_a_gpu_in_one_line(script):
     assert result.returncode == 2 and len(lines) == 1, result.stderr
 
 
+@pytest.mark.fast
+def test_every_gpu_case_is_a_valid_config_of_its_model():
+    """The GPU run's cases (which the rehearsal replaces by the tiny model's) load as configs of their models."""
+    setup = load_experiment("gpu_truth").Setup(False, None, None)
+    cases = setup.cases()
+    assert {case["model"] for case in cases} == {"qwen3.5-0.8b", "qwen3.5-35b-a3b 4 layers 128 experts", "llama3.2-1b"}
+    families = {load_config(setup.config, case["overrides"]).model.family for case in cases}
+    assert families == {"llama", "qwen3_5_text", "qwen3_5_moe_text"}
+
+
 def test_the_rehearsal_plans_trains_and_measures_what_the_gpu_run_does(tmp_path):
     result = run_script("--rehearse", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr[-2000:]
@@ -50,7 +62,6 @@ def test_the_rehearsal_plans_trains_and_measures_what_the_gpu_run_does(tmp_path)
     assert all(c["ok"] and c["error"] > 0 for c in checks), checks
 
     cases = data["cases"]
-    assert {case["model"] for case in cases} == {"tiny", "tiny-qwen3.5", "tiny-qwen3.5-moe"}
     for case in cases:
         assert {"name", "model", "seq_len", "memory", "planned_bytes", "measured_peak_bytes", "estimated_step_s",
                 "measured_step_s"} <= case.keys()

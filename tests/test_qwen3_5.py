@@ -2,6 +2,7 @@
 token, the model against transformers, packed documents against documents
 run alone, and every sequence-parallel layout against one device."""
 
+import functools
 import json
 
 import jax
@@ -138,6 +139,12 @@ def test_packed_documents_equal_the_documents_run_alone(tmp_path):
         start += n
 
 
+@functools.cache
+def _one_device_at_256():
+    """The reference every layout is compared with, computed once per test process."""
+    return loss_and_grads(_tiny("train.seq_len=256"), jax.devices()[:1])
+
+
 @pytest.mark.parametrize("layout", [
     ["mesh.sp=4", "mesh.fsdp=2", "attention.heads_per_stage=4"],
     ["mesh.sp=4", "mesh.fsdp=2", "attention.heads_per_stage=all", "memory.remat=save_attention"],
@@ -146,9 +153,8 @@ def test_packed_documents_equal_the_documents_run_alone(tmp_path):
 def test_training_on_a_mesh_equals_one_device(layout):
     """Loss and gradients of packed documents (data.eos_id) over 256 tokens
     (the rule's chunks across chunk boundaries: test_the_chunked_rule_...)."""
-    single = loss_and_grads(_tiny("train.seq_len=256"), jax.devices()[:1])
     sharded = loss_and_grads(_tiny("train.seq_len=256", *layout), jax.devices())
-    assert_same_result(sharded, single)
+    assert_same_result(sharded, _one_device_at_256())
     grads = sharded[1]["layers"]
     assert np.abs(grads["gdn_a_log"]).max() > 0 and np.abs(grads["wq"]).max() > 0
 
