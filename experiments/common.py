@@ -85,8 +85,11 @@ def today() -> str:
 
 
 def commit() -> str | None:
-    """The checkout's commit, "+changes" where its tracked files differ from it (a copy carried to
-    another machine may bring a stale history along)."""
+    """The checkout's commit, "+changes" where its tracked files differ from it; JLONG_SOURCE_COMMIT, where
+    set, instead: a copy carried to another machine (a GPU lent for minutes) may bring a stale history along,
+    so the command that carries it names the commit, `JLONG_SOURCE_COMMIT=$(git rev-parse --short HEAD)`."""
+    if os.environ.get("JLONG_SOURCE_COMMIT"):
+        return os.environ["JLONG_SOURCE_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
                               timeout=10).stdout.strip()

@@ -83,3 +83,13 @@ def test_the_rehearsal_plans_trains_and_measures_what_the_gpu_run_does(tmp_path)
     assert run["loss_finite"] and run["loss_falling"], run
     text = (tmp_path / "gpu-truth.md").read_text()
     assert "rehearsal" in text and str(tmp_path) not in text  # no absolute path of this machine
+
+
+@pytest.mark.fast
+def test_a_carried_copy_names_its_commit_when_told(monkeypatch):
+    """The GPU machine's copy of the checkout may carry a stale git history; the command names the commit."""
+    common = load_experiment("common")
+    monkeypatch.delenv("JLONG_SOURCE_COMMIT", raising=False)
+    own = common.commit()
+    monkeypatch.setenv("JLONG_SOURCE_COMMIT", "abc1234")
+    assert common.commit() == "abc1234" and own and own != "abc1234"
