@@ -28,6 +28,21 @@ def timed(fn, *args):
     return result, time.perf_counter() - started
 
 
+def median_seconds(fn, *args, repeats: int = 5) -> float:
+    """Median seconds of fn(*args) after one warm-up call, each call waited for (jax's asynchronous dispatch)."""
+    import statistics
+
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
 def per_gpu(result) -> float:
     """A plan's estimated tokens/s per GPU."""
     return result.cost.tokens_per_s / result.cost.devices

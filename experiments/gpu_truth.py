@@ -62,7 +62,7 @@ from jlong.jax_startup import import_jax_quietly, start_backends
 
 import_jax_quietly()  # before anything imports jax: no CUDA plugin's "no driver" lines on a CPU machine
 
-from common import GIB, ROOT, commit, machine, markdown_table, portable  # noqa: E402 (imports jax)
+from common import GIB, ROOT, commit, machine, markdown_table, median_seconds, portable  # noqa: E402 (imports jax)
 
 HERE = Path(__file__).resolve()
 TRAIN_STEPS = 5  # the first two are warm-up (compilation, first touches); the median of the rest is the step time
@@ -378,25 +378,12 @@ def rate(name: str, assumed: float, measured: float, basis: str) -> dict:
             "measured_over_assumed": round(measured / assumed, 3), "assumed_from": basis}
 
 
-def timed(fn, *args, repeats: int = 5) -> float:
-    """Median seconds of fn(*args) after one warm-up call, each waited for."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
-
-
 def gemm_flops_per_s(n: int) -> float:
     import jax
     import jax.numpy as jnp
 
     a, b = (jax.random.normal(key, (n, n), jnp.bfloat16) for key in jax.random.split(jax.random.key(0)))
-    return 2 * n**3 / timed(jax.jit(lambda a, b: a @ b), a, b)
+    return 2 * n**3 / median_seconds(jax.jit(lambda a, b: a @ b), a, b)
 
 
 def attention_flops_per_s(args, on_gpu: bool) -> tuple[float, float]:
@@ -417,8 +404,8 @@ def attention_flops_per_s(args, on_gpu: bool) -> tuple[float, float]:
     o, lse = forward(q, k, v)
     backward = jax.jit(lambda q, k, v, o, lse, do: kernel.backward(q, k, v, None, True, o, lse, do))
     flops = functools.partial(call_flops, 1, H, T, T, d, visible=causal_fraction(T))
-    return (flops(backward=False) / timed(forward, q, k, v),
-            flops(backward=True) / timed(backward, q, k, v, o, lse, do))
+    return (flops(backward=False) / median_seconds(forward, q, k, v),
+            flops(backward=True) / median_seconds(backward, q, k, v, o, lse, do))
 
 
 def grouped_matmul_rates(args, assumed_flops: float, basis: str) -> list[dict]:
@@ -452,13 +439,13 @@ def grouped_matmul_rates(args, assumed_flops: float, basis: str) -> list[dict]:
     shape = f"{rows:,} rows {k} -> {n}"
     return [
         rate(f"Triton grouped matmul forward, {shape}, {groups} groups, TFLOP/s", assumed_flops / tflops,
-             flops / timed(forward, x, w, sizes) / tflops, basis),
+             flops / median_seconds(forward, x, w, sizes) / tflops, basis),
         rate(f"Triton grouped matmul backward (dx, dw), {shape}, {groups} groups, TFLOP/s", assumed_flops / tflops,
-             2 * flops / timed(backward, x, w, sizes, dy) / tflops, basis),
+             2 * flops / median_seconds(backward, x, w, sizes, dy) / tflops, basis),
         rate(f"Triton grouped matmul forward, {shape}, 8 groups, TFLOP/s", assumed_flops / tflops,
-             flops / timed(forward, x, w[:8], eight) / tflops, basis),
+             flops / median_seconds(forward, x, w[:8], eight) / tflops, basis),
         rate(f"XLA ragged_dot forward, {shape}, 8 groups, TFLOP/s", assumed_flops / tflops,
-             flops / timed(xla, x, w[:8], eight, repeats=2) / tflops, basis),
+             flops / median_seconds(xla, x, w[:8], eight, repeats=2) / tflops, basis),
     ]
 
 
@@ -487,7 +474,7 @@ def gated_delta_rate(args, gpu, eff) -> dict:
     estimated = estimate(program, gpu=gpu, efficiency=eff, node_of=[0], tokens_per_step=tokens,
                          model_flops_per_device=1.0)
     return rate(f"chunked gated delta rule forward + backward, {tokens:,} tokens, 16 heads of 128, tokens/s",
-                estimated.tokens_per_s, tokens / timed(step, inputs),
+                estimated.tokens_per_s, tokens / median_seconds(step, inputs),
                 f"jlong plan's estimate of this program ({estimated.kernels:,.0f} kernel launches "
                 f"at launch_us {eff.launch_us:g})")
 
@@ -498,7 +485,7 @@ def hbm_bytes_per_s(mib: int) -> float:
     import jax.numpy as jnp
 
     x = jnp.ones((mib, 2**19), jnp.bfloat16)
-    return 2 * x.nbytes / timed(jax.jit(lambda x: x * 2 + 1), x)
+    return 2 * x.nbytes / median_seconds(jax.jit(lambda x: x * 2 + 1), x)
 
 
 def copy_bytes_per_s(mib: int) -> tuple[float, float]:
@@ -512,7 +499,8 @@ def copy_bytes_per_s(mib: int) -> tuple[float, float]:
     x = jax.device_put(jnp.ones((mib, 2**19), jnp.bfloat16), on_device)  # mib MiB
     size = x.nbytes
     host = jax.device_put(x, pinned)
-    return size / timed(lambda: jax.device_put(x, pinned)), size / timed(lambda: jax.device_put(host, on_device))
+    to_host = size / median_seconds(lambda: jax.device_put(x, pinned))
+    return to_host, size / median_seconds(lambda: jax.device_put(host, on_device))
 
 
 # --------------------------------------------------------------------------
@@ -650,8 +638,8 @@ class Report:
                  seconds(c["measured_step_s"]), ratio(c["measured_step_s"], c["estimated_step_s"]),
                  c.get("failed") or c.get("skipped") or c.get("plan_failed") or ""]
                 for c in self.data["cases"]]
-        return markdown_table(["model", "seq_len", "memory.remat", "planned GiB", "measured peak GiB", "measured / planned",
-                               "estimated s", "measured s", "measured / estimated", "note"], rows)
+        return markdown_table(["model", "seq_len", "memory.remat", "planned GiB", "measured peak GiB",
+                               "measured / planned", "estimated s", "measured s", "measured / estimated", "note"], rows)
 
     def _rates_table(self) -> str:
         rows = [[r["name"], f"{r['assumed']:g}", f"{r['measured']:g}", f"{r['measured_over_assumed']:.2f}",

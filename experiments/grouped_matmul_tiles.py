@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import commit, invocation, portable, today
+from common import commit, invocation, median_seconds, portable, today
 from jlong.moe import grouped_matmul_triton as kernels
 
 CANDIDATES = {"BLOCK_M": (64, 128), "BLOCK_N": (128, 256), "BLOCK_K": (64, 128), "NUM_WARPS": (4, 8),
@@ -75,30 +74,21 @@ def main(argv=None) -> int:
         row = dict(zip(names, values))
         for product, (run, operands) in products.items():
             try:
-                row[product] = round(flops / _seconds(jax.jit(run), *operands, sizes) / 1e12, 1)
+                row[product] = round(flops / median_seconds(jax.jit(run), *operands, sizes) / 1e12, 1)
             except Exception as error:  # a tile Triton cannot fit (shared memory) is reported, the rest go on
                 row[product] = None
                 row.setdefault("errors", []).append(f"{product}: {str(error).splitlines()[0][:160]}")
         results.append(row)
         print(json.dumps(row), flush=True)
     results.sort(key=lambda r: -sum(r[p] or 0 for p in products))
-    args.out.write_text(json.dumps({"command": invocation(__file__, [portable(a) for a in argv or sys.argv[1:]]), "commit": commit(), "date": today(),
+    command = invocation(__file__, [portable(a) for a in argv or sys.argv[1:]])
+    args.out.write_text(json.dumps({"command": command, "commit": commit(), "date": today(),
                                     "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                                     "shape": {"rows": R, "hidden": H, "intermediate": I, "experts": G},
                                     "results": results}, indent=1) + "\n")
     for row in results[:5]:
         print("best:", json.dumps(row))
     return 0
-
-
-def _seconds(fn, *args, repeats: int = 5) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
 
 
 if __name__ == "__main__":
