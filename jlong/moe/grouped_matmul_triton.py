@@ -37,7 +37,7 @@ BLOCK_M = 64  # rows per tile
 BLOCK_N = 128  # output columns per program, at most
 BLOCK_K = 64  # the contraction's step, at most
 # Measured on an H100 over these tile shapes and 4 or 8 warps (experiments/grouped_matmul_tiles.py):
-# 8 warps at 64 x 128 x 64 was the fastest, 150-166 TFLOP/s for every product of an expert layer.
+# 8 warps at 64 x 128 x 64 was the fastest, 148-166 TFLOP/s for the products of an expert layer.
 NUM_WARPS, NUM_STAGES = 8, 3
 
 

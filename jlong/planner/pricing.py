@@ -21,8 +21,8 @@ class Efficiency:
     """Shares of the data-sheet rates a step reaches; `launch_us` per kernel."""
 
     gemm: float = 0.70
-    # measured: 150-166 TFLOP/s, jlong's Triton grouped matmul (forward, both gradients) at Qwen3.5-35B-A3B's
-    # expert shapes, 65,536 routed rows over 128 experts, on an H100 SXM (experiments/results/gpu-truth.md)
+    # measured: 143-184 TFLOP/s, jlong's Triton grouped matmul (forward, both gradients) at Qwen3.5-35B-A3B's
+    # expert shapes, 65,536 routed rows over 8-128 experts, on an H100 SXM (experiments/results/gpu-truth-follow-ups.md)
     grouped_matmul: float = 0.16
     attention_fwd: float = 0.60
     attention_bwd: float = 0.53  # measured: 522 TFLOP/s, cuDNN 9.19 causal backward at 32K on an H100 SXM
