@@ -162,9 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         report.rates(child(setup, work / "rates.json", "rates", "--target", target, *setup.kernel_args))
         if not args.rehearse:
             note(started, "cuDNN checks")
-            report.cudnn(child(setup, work / "cudnn.json", "cudnn", "--check-len", "4096"))
+            report.checks("cudnn", child(setup, work / "cudnn.json", "cudnn", "--check-len", "4096"))
         note(started, "Qwen3.5's kernels")
-        report.kernels(child(setup, work / "kernels.json", "kernels", *(["--small"] if args.rehearse else [])))
+        small = ["--small"] if args.rehearse else []
+        report.checks("kernels", child(setup, work / "kernels.json", "kernels", *small))
         note(started, "jlong train as a user runs it")
         report.user_run(train_run(setup, setup.user_run, work / "user-run"))
         measured = []
@@ -528,18 +529,12 @@ class Report:
             self.data.update({key: result[key] for key in ("device", "versions", "rates")})
         self.write()
 
-    def kernels(self, result: dict) -> None:
+    def checks(self, part: str, result: dict) -> None:
+        """A checking part's rows ("cudnn", "kernels"), or why it failed."""
         if "failed" in result:
-            self.data["kernels_failed"] = result["failed"]
+            self.data[f"{part}_failed"] = result["failed"]
         else:
-            self.data["kernel_checks"] = result["checks"]
-        self.write()
-
-    def cudnn(self, result: dict) -> None:
-        if "failed" in result:
-            self.data["cudnn_failed"] = result["failed"]
-        else:
-            self.data["cudnn_checks"] = result["checks"]
+            self.data[{"cudnn": "cudnn_checks", "kernels": "kernel_checks"}[part]] = result["checks"]
         self.write()
 
     def user_run(self, outcome: dict) -> None:

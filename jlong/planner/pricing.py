@@ -130,14 +130,12 @@ class Pricer:
                 hbm = self._hbm_bytes(inst, computation)
                 tally.unpriced[target][0] += 1
                 tally.unpriced[target][1] += hbm
-        flops, is_matmul = self._flops(inst, computation)
+        flops, kind = self._flops(inst, computation)
         hbm = self._hbm_bytes(inst, computation) if hbm is None else hbm
         tally.hbm_bytes += hbm
         tally.flops["matmul"] += flops.matmul
         tally.flops["other"] += flops.other
-        kind, efficiency = ("matmul", self.eff.gemm) if is_matmul else ("other kernels", 1.0)
-        if is_matmul and op == "custom-call" and _grouped_matmul_flops(inst, computation) is not None:
-            kind, efficiency = "grouped matmul", self.eff.grouped_matmul
+        efficiency = {"matmul": self.eff.gemm, "grouped matmul": self.eff.grouped_matmul}.get(kind, 1.0)
         rate = self.gpu.peak_bf16_flops * efficiency
         seconds = max(flops.total / rate, hbm / (self.gpu.hbm_bytes_per_s * self.eff.hbm))
         tally.busy_s[kind] += seconds
@@ -190,18 +188,18 @@ class Pricer:
             return root.bytes
         return sum(a.bytes for a in result if not a.on_host) or sum(a.bytes for a in operands if not a.on_host)
 
-    def _flops(self, inst: Instruction, computation: Computation) -> tuple[_Flops, bool]:
+    def _flops(self, inst: Instruction, computation: Computation) -> tuple[_Flops, str]:
+        """Its FLOPs and the kind of kernel it is priced as: matmul, grouped matmul or other kernels."""
         if inst.opcode == "custom-call" and "cublas" in (inst.attribute("custom_call_target") or ""):
-            flops = _Flops(matmul=_cublas_flops(inst, computation))
-            return flops, True
+            return _Flops(matmul=_cublas_flops(inst, computation)), "matmul"
         if inst.opcode == "custom-call" and (grouped := _grouped_matmul_flops(inst, computation)) is not None:
-            return _Flops(matmul=grouped), True
+            return _Flops(matmul=grouped), "grouped matmul"
         if inst.opcode == "fusion":
             flops = self._fused_flops(inst.called[0])
-            return flops, flops.matmul > 0
+            return flops, "matmul" if flops.matmul > 0 else "other kernels"
         if inst.opcode == "dot":
-            return _Flops(matmul=_dot_flops(inst, computation)), True
-        return _Flops(other=_elementwise_flops(inst)), False
+            return _Flops(matmul=_dot_flops(inst, computation)), "matmul"
+        return _Flops(other=_elementwise_flops(inst)), "other kernels"
 
     def _fused_flops(self, name: str) -> _Flops:
         total = _Flops()
