@@ -12,7 +12,7 @@ over the experts as a trained router leaves them:
     python experiments/grouped_matmul_tiles.py [--rows 65536 --hidden 2048 --intermediate 512 --experts 128]
 
 Prints TFLOP/s (FLOPs of the routed rows) per candidate, best first, and
-writes them as JSON to --out. A minute or two on one H100; exits 2 without
+writes them as JSON to --out (experiments/results/grouped-matmul-tiles.json). A minute or two on one H100; exits 2 without
 a GPU.
 """
 
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import commit, invocation, median_seconds, portable, today
+from common import RESULTS, commit, invocation, median_seconds, portable, today
 from jlong.moe import grouped_matmul_triton as kernels
 
 CANDIDATES = {"BLOCK_M": (64, 128), "BLOCK_N": (128, 256), "BLOCK_K": (64, 128), "NUM_WARPS": (4, 8),
@@ -43,7 +43,8 @@ def main(argv=None) -> int:
     parser.add_argument("--intermediate", type=int, default=512)
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--deadline-s", type=float, default=150.0, help="candidates not started by then are left out")
-    parser.add_argument("--out", type=Path, default=Path("grouped-matmul-tiles.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "grouped-matmul-tiles.json",
+                        help="the JSON file to write (default: experiments/results/grouped-matmul-tiles.json)")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         print(f"grouped_matmul_tiles needs a GPU; this backend is {jax.default_backend()}", file=sys.stderr)
