@@ -12,8 +12,8 @@ over the experts as a trained router leaves them:
     python experiments/grouped_matmul_tiles.py [--rows 65536 --hidden 2048 --intermediate 512 --experts 128]
 
 Prints TFLOP/s (FLOPs of the routed rows) per candidate, best first, and
-writes them as JSON to --out (experiments/results/grouped-matmul-tiles.json). A minute or two on one H100; exits 2 without
-a GPU.
+writes them as JSON to --out (experiments/results/grouped-matmul-tiles.json).
+A minute or two on one H100; exits 2 without a GPU.
 """
 
 from __future__ import annotations
