@@ -79,6 +79,8 @@ CASES = {
     "bad command": (["fly"], "invalid choice"),
     "eval without a checkpoint": (["eval", "{cfg}", "eval.passkey_trials=0", "--checkpoint", "{files}/none"],
                                   "/none' is not a directory"),
+    "passkey digits": (["eval", "{cfg}", "eval.passkey_digits=12", "--checkpoint", "{files}/hf"],
+                       "eval.passkey_digits must be 1 to 9, got 12"),
     "eval of an empty directory": (["eval", "{cfg}", "--checkpoint", "{files}/empty"], "holds no jlong checkpoint"),
     "eval_every without eval.path": (["train", "{cfg}", "train.eval_every=5"], "set eval.path"),
     "log_to without run_dir": (["train", "{cfg}", "run_dir=null", "train.log_to=[tensorboard]"], "set run_dir"),

@@ -102,10 +102,26 @@ def test_passkey_scoring_tells_right_answers_from_wrong_ones():
     right = passkey_accuracy(_Reader(config), params=None)
     assert [(c["length"], c["depth"], c["trials"], c["accuracy"]) for c in right] == [
         (n, d, 3, 1.0) for n in (256, 512) for d in (0.0, 0.5, 1.0)]
-    assert all(c["accuracy"] == 0.0 for c in passkey_accuracy(_Reader(config, wrong=True), params=None))
+    assert all(c["digit_accuracy"] == 1.0 for c in right)
+    # One digit of five wrong: no trial is right, four fifths of the digits are.
+    wrong = passkey_accuracy(_Reader(config, wrong=True), params=None)
+    assert all(c["accuracy"] == 0.0 and c["digit_accuracy"] == pytest.approx(0.8) for c in wrong)
     # A model that sees only its first 300 tokens finds keys hidden early and misses those hidden late.
     cells = {(c["length"], c["depth"]): c["accuracy"] for c in passkey_accuracy(_Reader(config, reach=300), None)}
     assert cells[256, 1.0] == cells[512, 0.0] == 1.0 and cells[512, 1.0] == 0.0
+
+
+@pytest.mark.fast
+def test_a_passkey_of_one_digit_is_asked_for_as_five_are():
+    encode = lambda text: list(text.encode())
+    made = passkey.trials(encode, 512, [256, 512], [0.0, 1.0], 4, seed=0, digits=1)
+    assert passkey.shortest_prompt(encode, 1) == passkey.shortest_prompt(encode) - 3 * 4  # the key is written 3 times
+    for trial in made:
+        prompt = bytes(trial.row[: trial.answer[-1] + 1].tolist()).decode()
+        key = prompt[-1]
+        assert len(trial.answer) == 1 and key.isdigit() and key != "0" and len(prompt) == trial.length
+        assert prompt.count(key) == 3 and passkey.NEEDLE.format(key=key) in prompt  # stated twice, then answered
+    assert len({bytes(t.row[t.answer].tolist()) for t in made}) > 1  # the keys vary from trial to trial
 
 
 @pytest.mark.fast
@@ -178,7 +194,7 @@ def test_eval_every_logs_the_loss_by_position_and_every_sink_reads_back_as_metri
     assert printed == json.loads((out / "eval.json").read_text())
     assert printed["step"] == 4 and printed["loss"] == pytest.approx(records[-1]["eval_loss"], rel=1e-5)
     assert {"start", "end", "tokens", "loss"} == set(printed["loss_by_position"][0])
-    assert {"length", "depth", "trials", "accuracy"} == set(printed["passkey"][0])
+    assert {"length", "depth", "trials", "accuracy", "digit_accuracy"} == set(printed["passkey"][0])
     assert (out / "position_loss.png").is_file() and (out / "passkey.png").is_file()
 
 

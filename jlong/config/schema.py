@@ -79,6 +79,13 @@ def _share(value: Any) -> float:
     return share
 
 
+def _key_digits(value: Any) -> int:
+    digits = as_integer(value)
+    if not 1 <= digits <= 9:
+        raise ValueError(f"must be 1 to 9, got {digits}")
+    return digits
+
+
 def _fraction(value: Any) -> float:
     fraction = as_number(value)
     if not 0 < fraction <= 1:
@@ -344,6 +351,7 @@ class EvalConfig(_Section):
     passkey_trials: NonNegativeInt = 4  # per (length, depth) cell; 0 = no passkey retrieval
     passkey_lengths: optional(sequence_of(PositiveInt)) = None  # default: seq_len/8, /4, /2 and seq_len
     passkey_depths: sequence_of(Annotated[float, BeforeValidator(_share)]) = (0.0, 0.25, 0.5, 0.75, 1.0)
+    passkey_digits: Annotated[int, BeforeValidator(_key_digits)] = 5  # the key's length; one tests reach without copying
     tokenizer: optional(Text) = None  # a Hugging Face tokenizer.json or directory for the passkey's text
 
     @model_validator(mode="after")

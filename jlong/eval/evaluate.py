@@ -144,13 +144,14 @@ def passkey_trials(config: Config) -> list:
     if not config.eval.passkey_trials:
         return []
     encode = _text_encoder(config)
-    shortest = passkey.shortest_prompt(encode)
+    digits = config.eval.passkey_digits
+    shortest = passkey.shortest_prompt(encode, digits)
     lengths = config.eval.passkey_lengths or passkey.default_lengths(config.train.seq_len, shortest)
     if not lengths:
         raise JlongError(f"a passkey prompt needs {shortest} tokens, more than train.seq_len "
                          f"({config.train.seq_len}): set eval.passkey_trials=0")
     return passkey.trials(encode, config.train.seq_len, lengths, config.eval.passkey_depths,
-                          config.eval.passkey_trials, config.train.seed)
+                          config.eval.passkey_trials, config.train.seed, digits)
 
 
 def passkey_accuracy(evaluator: Evaluator, params: dict, made: list | None = None) -> list[dict]:

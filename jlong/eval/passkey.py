@@ -1,5 +1,6 @@
-"""Passkey retrieval: a five-digit number hidden at a depth of a filler
-context of a given length; the model is asked to continue "The pass key is".
+"""Passkey retrieval: a number (five digits unless told) hidden at a depth of
+a filler context of a given length; the model is asked to continue "The pass
+key is".
 
 A trial is a token row whose first `length` tokens are the prompt: an
 instruction, filler with the key's sentence at `depth` (0 = just after the
@@ -34,9 +35,9 @@ class Trial:
     answer: np.ndarray  # positions in the row of the key's tokens
 
 
-def shortest_prompt(encode: Callable[[str], list[int]]) -> int:
-    """Tokens of a prompt without filler (keys have five digits)."""
-    key = "12345"
+def shortest_prompt(encode: Callable[[str], list[int]], digits: int = 5) -> int:
+    """Tokens of a prompt without filler, with a key of `digits` digits."""
+    key = "1" * digits
     return sum(len(encode(part)) for part in (INSTRUCTION, NEEDLE.format(key=key), QUESTION, key))
 
 
@@ -45,15 +46,16 @@ def default_lengths(seq_len: int, shortest: int) -> list[int]:
     return sorted({seq_len // d for d in (8, 4, 2, 1) if seq_len // d >= shortest})
 
 
-def trials(encode: Callable[[str], list[int]], seq_len: int, lengths, depths, count: int, seed: int) -> list[Trial]:
-    """`count` trials per (length, depth) cell, each with its own seeded key."""
+def trials(encode: Callable[[str], list[int]], seq_len: int, lengths, depths, count: int, seed: int,
+           digits: int = 5) -> list[Trial]:
+    """`count` trials per (length, depth) cell, each with its own seeded key of `digits` digits."""
     filler = _filler_ids(encode, seq_len + 1)
     fixed = {part: encode(part) for part in (INSTRUCTION, QUESTION)}
     made = []
     for length in lengths:
         for d, depth in enumerate(depths):
             for trial in range(count):
-                key = str(np.random.default_rng([seed, length, d, trial]).integers(10_000, 100_000))
+                key = str(np.random.default_rng([seed, length, d, trial]).integers(10 ** (digits - 1), 10 ** digits))
                 made.append(_trial(fixed, encode(NEEDLE.format(key=key)), encode(key), filler, length, depth, seq_len))
     return made
 
@@ -74,10 +76,12 @@ def _trial(fixed, needle, answer, filler, length, depth, seq_len) -> Trial:
 
 
 def accuracy(made: list[Trial], hits: np.ndarray) -> list[dict]:
-    """[{length, depth, trials, accuracy}] from `hits` [len(made), S]: 1 where the
-    next token is the model's most likely one (hits[i, p - 1] is that of row token p)."""
-    right: dict[tuple[int, float], list[bool]] = {}
+    """[{length, depth, trials, accuracy, digit_accuracy}] from `hits` [len(made), S]: 1 where the
+    next token is the model's most likely one (hits[i, p - 1] is that of row token p). `accuracy` counts
+    trials with every digit right; `digit_accuracy` the digits right, each given the true ones before it
+    (chance is about 0.1), which shows partial retrieval that the exact match hides."""
+    digits: dict[tuple[int, float], list[np.ndarray]] = {}
     for trial, row_hits in zip(made, hits):
-        right.setdefault((trial.length, trial.depth), []).append(bool(np.all(row_hits[trial.answer - 1] > 0.5)))
-    return [{"length": length, "depth": depth, "trials": len(r), "accuracy": sum(r) / len(r)}
-            for (length, depth), r in right.items()]
+        digits.setdefault((trial.length, trial.depth), []).append(row_hits[trial.answer - 1] > 0.5)
+    return [{"length": length, "depth": depth, "trials": len(d), "accuracy": float(np.mean([x.all() for x in d])),
+             "digit_accuracy": float(np.mean([x.mean() for x in d]))} for (length, depth), d in digits.items()]
