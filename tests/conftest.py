@@ -23,11 +23,3 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-
-
-def pytest_collection_modifyitems(items):
-    """Modules with slow tests (any not marked fast) run first, the all-fast ones last, each module's tests
-    together and in their order: with two workers, quick tests fill the end of the run instead of one
-    worker finishing a long test while the other has nothing left."""
-    slow_modules = {item.module for item in items if item.get_closest_marker("fast") is None}
-    items.sort(key=lambda item: item.module not in slow_modules)  # a stable sort: modules stay contiguous
