@@ -351,7 +351,7 @@ class EvalConfig(_Section):
     passkey_trials: NonNegativeInt = 4  # per (length, depth) cell; 0 = no passkey retrieval
     passkey_lengths: optional(sequence_of(PositiveInt)) = None  # default: seq_len/8, /4, /2 and seq_len
     passkey_depths: sequence_of(Annotated[float, BeforeValidator(_share)]) = (0.0, 0.25, 0.5, 0.75, 1.0)
-    passkey_digits: Annotated[int, BeforeValidator(_key_digits)] = 5  # the key's length; one tests reach without copying
+    passkey_digits: Annotated[int, BeforeValidator(_key_digits)] = 5  # the key's length; 1: reach without copying
     tokenizer: optional(Text) = None  # a Hugging Face tokenizer.json or directory for the passkey's text
 
     @model_validator(mode="after")

@@ -78,8 +78,8 @@ def _trial(fixed, needle, answer, filler, length, depth, seq_len) -> Trial:
 def accuracy(made: list[Trial], hits: np.ndarray) -> list[dict]:
     """[{length, depth, trials, accuracy, digit_accuracy}] from `hits` [len(made), S]: 1 where the
     next token is the model's most likely one (hits[i, p - 1] is that of row token p). `accuracy` counts
-    trials with every digit right; `digit_accuracy` the digits right, each given the true ones before it
-    (chance is about 0.1), which shows partial retrieval that the exact match hides."""
+    trials with every digit right; `digit_accuracy` the key's tokens right (its digits, byte-level), each
+    given the true ones before it, which shows partial retrieval that the exact match hides."""
     digits: dict[tuple[int, float], list[np.ndarray]] = {}
     for trial, row_hits in zip(made, hits):
         digits.setdefault((trial.length, trial.depth), []).append(row_hits[trial.answer - 1] > 0.5)
