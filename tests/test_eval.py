@@ -115,7 +115,7 @@ def test_passkey_scoring_tells_right_answers_from_wrong_ones():
 def test_a_passkey_of_one_digit_is_asked_for_as_five_are():
     encode = lambda text: list(text.encode())
     made = passkey.trials(encode, 512, [256, 512], [0.0, 1.0], 4, seed=0, digits=1)
-    assert passkey.shortest_prompt(encode, 1) == passkey.shortest_prompt(encode) - 3 * 4  # the key is written 3 times
+    assert passkey.shortest_prompt(encode, 1) == passkey.shortest_prompt(encode, 5) - 3 * 4  # the key is written 3 times
     for trial in made:
         prompt = bytes(trial.row[: trial.answer[-1] + 1].tolist()).decode()
         key = prompt[-1]

@@ -1,6 +1,6 @@
-"""Passkey retrieval: a number (five digits unless told) hidden at a depth of
-a filler context of a given length; the model is asked to continue "The pass
-key is".
+"""Passkey retrieval: a number of `eval.passkey_digits` digits (five by default)
+hidden at a depth of a filler context of a given length; the model is asked
+to continue "The pass key is".
 
 A trial is a token row whose first `length` tokens are the prompt: an
 instruction, filler with the key's sentence at `depth` (0 = just after the
@@ -35,7 +35,7 @@ class Trial:
     answer: np.ndarray  # positions in the row of the key's tokens
 
 
-def shortest_prompt(encode: Callable[[str], list[int]], digits: int = 5) -> int:
+def shortest_prompt(encode: Callable[[str], list[int]], digits: int) -> int:
     """Tokens of a prompt without filler, with a key of `digits` digits."""
     key = "1" * digits
     return sum(len(encode(part)) for part in (INSTRUCTION, NEEDLE.format(key=key), QUESTION, key))
@@ -47,7 +47,7 @@ def default_lengths(seq_len: int, shortest: int) -> list[int]:
 
 
 def trials(encode: Callable[[str], list[int]], seq_len: int, lengths, depths, count: int, seed: int,
-           digits: int = 5) -> list[Trial]:
+           digits: int) -> list[Trial]:
     """`count` trials per (length, depth) cell, each with its own seeded key of `digits` digits."""
     filler = _filler_ids(encode, seq_len + 1)
     fixed = {part: encode(part) for part in (INSTRUCTION, QUESTION)}
