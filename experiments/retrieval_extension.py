@@ -8,7 +8,14 @@ asks about (a five-digit key stated somewhere in filler text, asked for at
 the end): short ones (up to 250 bytes) and long ones (up to 1,000), so that
 only a model that attends beyond 256 bytes can answer the long ones.
 
-    python experiments/retrieval_extension.py [--base-steps 3000] [--extra-steps 600] [--seeds 0 1 2]
+    python experiments/retrieval_extension.py [--base-steps 5000] [--extra-steps 600] [--seeds 0 1 2]
+
+The base trains at a constant learning rate (after warmup): copying the key's
+digits forms late, as a sudden transition at a seed-dependent step, and a
+learning rate that decays before it (the default cosine schedule) leaves it
+half-formed. The base trains in stages of `--check-every` steps with one
+setting, so that each stage's end scores its passkey retrieval at 256 bytes:
+the results show the step at which each seed's base had learned it.
 
 Repeats the whole recipe for each seed (`train.seed`, which also draws that
 seed's training documents) and reports the mean and the spread. Writes
@@ -62,7 +69,9 @@ def corpus(path: Path, seed: int, spans: list[tuple[int, int, int]]) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-steps", type=int, default=3000)
+    parser.add_argument("--base-steps", type=int, default=5000)
+    parser.add_argument("--check-every", type=int, default=1000,
+                        help="steps between the base's passkey checks at 256 bytes")
     parser.add_argument("--extra-steps", type=int, default=600)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                         help="train.seed of each repetition; its training documents are drawn with it too")
@@ -99,7 +108,11 @@ def one_seed(seed: int, held_out: Path, args) -> dict:
         return jlong.train(tiny, [*common, f"run_dir={runs / name}", f"checkpoint.dir={runs / name / 'ckpt'}",
                                   *overrides])
 
-    run("base", "train.seq_len=256", f"data.path={short}", f"train.steps={args.base_steps}")
+    checks = ", ".join(f"{{until_step: {step}, set: {{train.seq_len: 256}}}}"
+                       for step in range(args.check_every, args.base_steps + 1, args.check_every))
+    base = run("base", "train.seq_len=256", f"data.path={short}", f"train.steps={args.base_steps}",
+               "train.min_lr_ratio=1.0", f"stages=[{checks}]", f"eval.path={held_out}", "eval.sequences=4",
+               "eval.passkey_trials=8")
     extra = args.extra_steps
     run("extended", f"data.path={mixed}", "data.long_document_weight=2", f"train.steps={extra}",
         f"train.init_from={runs / 'base' / 'ckpt'}", "train.seq_len=512",
@@ -115,7 +128,14 @@ def one_seed(seed: int, held_out: Path, args) -> dict:
                for name in ("base", "extended", "control")}
     for result in results.values():
         result["checkpoint"] = portable(str(result["checkpoint"]))
+    results["base"]["passkey_while_training"] = {
+        record["step"]: _mean(record["eval_passkey"]) for record in base if "eval_passkey" in record}
     return results
+
+
+def _mean(cells: list[dict]) -> dict[str, float]:
+    """Passkey accuracy and digit accuracy over a length's cells."""
+    return {key: sum(cell[key] for cell in cells) / len(cells) for key in ("accuracy", "digit_accuracy")}
 
 
 def _by_length(result: dict) -> dict[int, float]:
