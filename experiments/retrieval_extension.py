@@ -153,7 +153,7 @@ def _spread(values: list[float], digits: int) -> str:
 def report(seeds: dict, args, minutes: float) -> None:
     accuracy = {seed: {name: _by_length(result) for name, result in results.items()} for seed, results in seeds.items()}
     (RESULTS / "results.json").write_text(json.dumps({"passkey_by_length": accuracy, "seeds": seeds}, indent=1))
-    names = {"base": f"base: {args.base_steps} steps at 256", "extended":
+    names = {"base": f"base: {args.base_steps} steps at 256, constant learning rate", "extended":
              f"extended: + {args.extra_steps} steps in stages 512 -> 1,024, RoPE base 10,000 -> 100,000",
              "control": f"control: + {args.extra_steps} steps at 256, RoPE base 10,000"}
     rows = ["| model | " + " | ".join(f"{n:,}" for n in LENGTHS) + " |", "|---|" + "---|" * len(LENGTHS)]
@@ -165,6 +165,13 @@ def report(seeds: dict, args, minutes: float) -> None:
         for name in names:
             per_seed.append(f"| {seed} | {name} | " + " | ".join(f"{accuracy[seed][name][n]:.2f}" for n in LENGTHS)
                             + " |")
+    checks = sorted({int(step) for results in seeds.values() for step in results["base"]["passkey_while_training"]})
+    while_training = ["| seed | " + " | ".join(f"step {step:,}" for step in checks) + " |",
+                      "|---|" + "---|" * len(checks)]
+    for seed, results in seeds.items():
+        by_step = {int(step): cell for step, cell in results["base"]["passkey_while_training"].items()}
+        while_training.append(f"| {seed} | " + " | ".join(
+            f"{by_step[step]['accuracy']:.2f} ({by_step[step]['digit_accuracy']:.2f})" for step in checks) + " |")
     first = next(iter(seeds.values()))
     buckets = [(b["start"], b["end"]) for b in first["base"]["loss_by_position"]]
     loss_rows = ["| positions | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
@@ -180,6 +187,8 @@ def report(seeds: dict, args, minutes: float) -> None:
             "passkey-format documents; passkey accuracy by prompt length (`jlong eval`, 8 trials at each of 5 "
             "depths per length, every digit right), the mean over seeds and (min-max):"
             "\n\n" + "\n".join(rows) + "\n\n![passkey accuracy by length](passkey.png)\n\n"
+            "The base's passkey accuracy at 256 bytes while it trained, every digit right (and digit by digit), "
+            "at the end of each stage of one setting:\n\n" + "\n".join(while_training) + "\n\n"
             "Held-out loss by position in the document (16 windows of 1,024 bytes of held-out passkey documents), "
             "mean (min-max) over seeds:\n\n" + "\n".join(loss_rows) + "\n\nEach seed's passkey accuracy:\n\n"
             + "\n".join(per_seed) + "\n\nFigures that depend on the machine: all of them (XLA:CPU's arithmetic "
