@@ -100,7 +100,8 @@ def today() -> str:
 
 
 def commit() -> str | None:
-    """The checkout's commit, "+changes" where its tracked files differ from it; JLONG_SOURCE_COMMIT, where
+    """The checkout's commit, "+changes" where its tracked files differ from it (results files aside: a script
+    writing its own results must not mark them changed); JLONG_SOURCE_COMMIT, where
     set, instead: a copy carried to another machine (a GPU lent for minutes) may bring a stale history along,
     so the command that carries it names the commit, `JLONG_SOURCE_COMMIT=$(git rev-parse --short HEAD)`."""
     if os.environ.get("JLONG_SOURCE_COMMIT"):
@@ -108,8 +109,9 @@ def commit() -> str | None:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
                               timeout=10).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                 text=True, cwd=ROOT, timeout=30).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                  f":(exclude){RESULTS.relative_to(ROOT)}"],
+                                 capture_output=True, text=True, cwd=ROOT, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return (head + ("+changes" if changed else "")) or None

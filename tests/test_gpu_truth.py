@@ -87,3 +87,22 @@ def test_a_carried_copy_names_its_commit_when_told(monkeypatch):
     own = common.commit()
     monkeypatch.setenv("JLONG_SOURCE_COMMIT", "abc1234")
     assert common.commit() == "abc1234" and own and own != "abc1234"
+
+
+@pytest.mark.fast
+def test_a_commit_is_marked_changed_by_its_code_not_by_the_results_a_script_rewrites(monkeypatch, tmp_path):
+    common = load_experiment("common")
+    monkeypatch.delenv("JLONG_SOURCE_COMMIT", raising=False)
+    monkeypatch.setattr(common, "ROOT", tmp_path)
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "experiments" / "results")
+    (tmp_path / "experiments" / "results").mkdir(parents=True)
+    results, code = tmp_path / "experiments" / "results" / "r.md", tmp_path / "experiments" / "script.py"
+    results.write_text("before\n")
+    code.write_text("x = 1\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    for command in (["init", "-q"], ["add", "."], ["commit", "-qm", "first"]):
+        subprocess.run([*git, *command], check=True)
+    results.write_text("after\n")
+    assert "+changes" not in common.commit()
+    code.write_text("x = 2\n")
+    assert common.commit().endswith("+changes")
