@@ -36,6 +36,7 @@ from pathlib import Path
 
 import jlong
 from common import invocation, portable, provenance
+from jlong.checkpoint import saved_steps
 from jlong.data.prepare import prepare
 from jlong.eval.passkey import FILLER, INSTRUCTION, NEEDLE, QUESTION
 
@@ -112,7 +113,8 @@ def one_seed(seed: int, held_out: Path, args) -> dict:
                                   *overrides])
 
     checks = {}
-    for steps in range(args.check_every, args.base_steps + 1, args.check_every):
+    trained = (saved_steps(runs / "base" / "ckpt") or [0])[-1]  # a run found from before continues from there
+    for steps in range(max(args.check_every, trained), args.base_steps + 1, args.check_every):
         run("base", "train.seq_len=256", f"data.path={short}", f"train.steps={steps}", "train.min_lr_ratio=1.0")
         checks[steps] = _mean(jlong.evaluate(tiny, runs / "base" / "ckpt", [
             "train.seq_len=256", "eval.passkey_lengths=[256]", "eval.passkey_trials=8", f"train.seed={1000 + seed}",
