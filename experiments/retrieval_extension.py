@@ -8,7 +8,8 @@ asks about (a five-digit key stated somewhere in filler text, asked for at
 the end): short ones (up to 250 bytes) and long ones (up to 1,000), so that
 only a model that attends beyond 256 bytes can answer the long ones.
 
-    python experiments/retrieval_extension.py [--base-steps 10000] [--extra-steps 600] [--seeds 0 1 2]
+    python experiments/retrieval_extension.py [--base-steps 10000] [--check-every 1000] [--retrieves 0.9]
+                                              [--extra-steps 600] [--seeds 0 1 2]
 
 The base trains until it retrieves: copying the key's digits is learned as a
 sudden transition at a seed-dependent step, so the base trains at a constant
@@ -162,8 +163,7 @@ def report(seeds: dict, args, minutes: float) -> None:
     accuracy = {seed: {name: _by_length(result) for name, result in results.items()} for seed, results in seeds.items()}
     (RESULTS / "results.json").write_text(json.dumps({"passkey_by_length": accuracy, "seeds": seeds}, indent=1))
     names = {"base": f"base: at 256 until it retrieves ({args.retrieves:g}; at most {args.base_steps:,} steps)",
-             "extended":
-             f"extended: + {args.extra_steps} steps in stages 512 -> 1,024, RoPE base 10,000 -> 100,000",
+             "extended": f"extended: + {args.extra_steps} steps in stages 512 -> 1,024, RoPE base 10,000 -> 100,000",
              "control": f"control: + {args.extra_steps} steps at 256, RoPE base 10,000"}
     rows = ["| model | " + " | ".join(f"{n:,}" for n in LENGTHS) + " |", "|---|" + "---|" * len(LENGTHS)]
     for name in names:
