@@ -148,10 +148,11 @@ def _mean(cells: list[dict]) -> dict[str, float]:
 
 
 def _by_length(result: dict) -> dict[int, float]:
-    cells: dict[int, list[float]] = {}
+    """Passkey accuracy (every digit right) at each prompt length, over its depths."""
+    cells: dict[int, list[dict]] = {}
     for cell in result["passkey"]:
-        cells.setdefault(cell["length"], []).append(cell["accuracy"])
-    return {length: sum(values) / len(values) for length, values in sorted(cells.items())}
+        cells.setdefault(cell["length"], []).append(cell)
+    return {length: _mean(by_depth)["accuracy"] for length, by_depth in sorted(cells.items())}
 
 
 def _spread(values: list[float], digits: int) -> str:
