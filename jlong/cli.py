@@ -512,9 +512,11 @@ def _prepare(args) -> int:
             f"and index beside {'each shard' if shards else 'it'} (.mask.npy, .documents.npy/.json/.png)"
         )
         return 0
+    read = (f"the first {summary['sources']:,} of {summary['sources_found']:,} sources (stopped at --max-tokens "
+            f"{args.max_tokens:,})" if summary["stopped_at_max_tokens"] else f"{summary['sources']:,} sources")
     print(
         f"wrote {where}: {summary['tokens']:,} tokens in {summary['documents']:,} documents from "
-        f"{summary['sources']} sources (vocab {summary['vocab_size']}, end-of-document id {summary['eos_id']}); "
+        f"{read} (vocab {summary['vocab_size']}, end-of-document id {summary['eos_id']}); "
         f"document length median {length['median']:,.0f}, p90 {length['p90']:,.0f}, max {length['max']:,} tokens; "
         f"index and histogram beside {'each shard' if shards else 'it'} (.documents.npy/.json/.png)"
     )

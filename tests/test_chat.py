@@ -153,6 +153,17 @@ def test_bad_chat_input_is_one_line_and_writes_nothing(tokenizers, tmp_path, cas
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize("sharded", [False, True])
+def test_chats_that_all_are_skipped_are_one_line_and_write_nothing(tokenizers, tmp_path, sharded):
+    source = _jsonl(tmp_path / "c.jsonl", [[{"role": "user", "content": "no answer here"}]] * 3)
+    out = tmp_path / "out" / ("shards" if sharded else "chat.npy")
+    result = run_cli("prepare", out, source, "--chat", "--tokenizer", tokenizers["chatml"],
+                     *(["--shard-tokens", "100"] if sharded else []))
+    assert_one_line_error(result, "holds no documents (all 3 conversations have nothing to train")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.fixture(scope="module")
 def packed_chats(tokenizers, tmp_path_factory):
     """Short conversations (about 40 tokens), prepared: several pack into one 128-token sequence."""

@@ -92,6 +92,29 @@ def test_max_tokens_cuts_the_corpus_and_its_index(tmp_path):
     assert np.load(index_paths(tmp_path / "c.npy")["npy"]).tolist() == [0, 5, 10]
 
 
+def test_the_summary_says_max_tokens_stopped_it_and_how_many_sources_were_read(tmp_path):
+    corpus = tmp_path / "files"
+    corpus.mkdir()
+    for i in range(20):
+        (corpus / f"doc{i:02d}.txt").write_text("abcd")
+    result = run_cli("prepare", tmp_path / "c.npy", corpus, "--max-tokens", "12")
+    assert result.returncode == 0, result.stderr
+    assert "12 tokens in 3 documents from the first 3 of 20 sources (stopped at --max-tokens 12)" in result.stdout
+    whole = run_cli("prepare", tmp_path / "whole.npy", corpus)
+    assert "100 tokens in 20 documents from 20 sources (" in whole.stdout
+
+
+def test_random_bytes_named_as_a_token_file_are_not_a_token_file(tmp_path):
+    from jlong.data.corpus import TokenCorpus
+    from jlong.errors import JlongError
+
+    fake = tmp_path / "random.npy"
+    fake.write_bytes(np.random.default_rng(0).bytes(4096))
+    with pytest.raises(JlongError, match="is not a token file") as raised:
+        TokenCorpus(str(fake))
+    assert "pickle" not in str(raised.value) and "\n" not in str(raised.value)
+
+
 def _bad_inputs(tmp_path):
     missing_field = tmp_path / "missing.jsonl"
     missing_field.write_text(json.dumps({"body": "x"}) + "\n")

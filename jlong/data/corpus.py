@@ -97,10 +97,7 @@ class TokenCorpus:
 
     def _open(self, path: Path) -> np.ndarray:
         named = f"{self.setting} {str(path)!r}"
-        try:
-            tokens = np.load(path, mmap_mode="r")
-        except (ValueError, OSError) as err:
-            raise JlongError(f"{named} is not a readable .npy file ({err})") from None
+        tokens = _load_npy(path, named, "a token file")
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise JlongError(f"{named} must hold a 1-D integer array of token ids, got shape {tokens.shape} of "
                              f"{tokens.dtype}")
@@ -211,10 +208,7 @@ def _open_mask(tokens_path: Path, count: int, setting: str):
     path = mask_path(tokens_path)
     if not path.is_file():
         return None
-    try:
-        mask = np.load(path, mmap_mode="r")
-    except (ValueError, OSError) as err:
-        raise JlongError(f"{setting}: the mask {str(path)!r} is not a readable .npy file ({err})") from None
+    mask = _load_npy(path, f"{setting}: the mask {str(path)!r}", "a mask")
     if mask.ndim == 1 and len(mask) == count and mask.dtype in (np.bool_, np.uint8):
         return mask
     if mask.ndim == 1 and len(mask) == -(-count // 8) and mask.dtype == np.uint8:
@@ -222,6 +216,18 @@ def _open_mask(tokens_path: Path, count: int, setting: str):
     raise JlongError(f"{setting}: the mask {str(path)!r} holds {mask.shape} of {mask.dtype}, but its token file has "
                      f"{count:,} ids: a mask is one bool or uint8 per id, or np.packbits of them "
                      f"({-(-count // 8):,} bytes); prepare the data again")
+
+
+def _load_npy(path: Path, named: str, kind: str) -> np.ndarray:
+    """The array of a .npy file, mapped; anything else (numpy would offer to unpickle it) is one line."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(len(np.lib.format.MAGIC_PREFIX))
+        if magic != np.lib.format.MAGIC_PREFIX:
+            raise JlongError(f"{named} is not {kind} (no .npy header): give a file 'jlong prepare' wrote")
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as err:
+        raise JlongError(f"{named} is not {kind}: not a readable .npy file ({err})") from None
 
 
 def _mask_slice(mask, start: int, stop: int) -> np.ndarray:

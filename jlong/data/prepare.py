@@ -68,7 +68,8 @@ def prepare(
     train_on: str = "assistant",
 ) -> dict:
     """Writes the token file (or shards) and index; returns the summary
-    (documents, tokens, vocab, eos id, lengths; with `chat`, trained tokens
+    (documents, tokens, vocab, eos id, lengths, `sources` read of
+    `sources_found`, `stopped_at_max_tokens`; with `chat`, trained tokens
     and skipped conversations; `shards`: the files written)."""
     if shard_tokens is not None and shard_tokens < 1:
         raise JlongError(f"shard_tokens must be positive, got {shard_tokens}", "shard_tokens")
@@ -97,7 +98,7 @@ def prepare(
     created = [d for d in (directory, *directory.parents) if not d.exists()]  # removed again on failure
     directory.mkdir(parents=True, exist_ok=True)
     shards = _ShardNames(out) if sharded else iter([out])
-    writer, written, finished, skipped = None, [], False, 0
+    writer, written, finished, skipped, sources_read, stopped = None, [], False, 0, 0, False
     batches = (_batches(found, lambda source: records(source, messages_field), _conversation_characters) if chat
                else _batches(found, lambda source: documents(source, text_field), len))
     try:
@@ -105,6 +106,9 @@ def prepare(
             total = 0
             for source, encoded in _encoded(batches, encoder):
                 skipped += encoded.skipped
+                sources_read = source + 1
+                if not len(encoded.lengths):  # every conversation of the batch skipped
+                    continue
                 if max_tokens and total + len(encoded.ids) >= max_tokens:
                     encoded = encoded.head(max_tokens - total)
                 if writer is not None and shard_per_input and source != writer.first_source:
@@ -120,6 +124,7 @@ def prepare(
                 total += len(encoded.ids)
                 progress.update(len(encoded.ids))
                 if max_tokens and total >= max_tokens:
+                    stopped = True
                     break
             if writer is not None:
                 written.append(writer.finish())
@@ -127,8 +132,9 @@ def prepare(
             left_out = f" (all {skipped:,} conversations have nothing to train: see --train-on)" if skipped else ""
             raise JlongError(f"the corpus under {', '.join(inputs)} holds no documents{left_out}")
         finished = True
-        summary = summarize(np.concatenate([w.lengths for w in written]), encoder, len(found),
+        summary = summarize(np.concatenate([w.lengths for w in written]), encoder, sources_read if stopped else len(found),
                             _trained_count(written))
+        summary.update(sources_found=len(found), stopped_at_max_tokens=stopped)
         if chat:
             summary["skipped_conversations"] = skipped
         return {**summary, "shards": [str(w.path) for w in written]} if sharded else summary
