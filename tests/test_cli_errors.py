@@ -31,6 +31,7 @@ def files(tmp_path_factory):
     np.save(tmp / "floats.npy", np.zeros(5000, np.float32))
     np.save(tmp / "big_ids.npy", np.full(5000, 999_999, np.int64))
     (tmp / "malformed.yaml").write_text("model: [\n")
+    (tmp / "random.npy").write_bytes(np.random.default_rng(0).bytes(5000))
     (tmp / "empty").mkdir()
     return tmp
 
@@ -72,6 +73,12 @@ CASES = {
     "fastest without settings": (["maxlen", "{cfg}", "--fastest"], "--fastest ranks the settings of --search"),
     "tile": (["train", "{cfg}", "mesh.sp=8", "train.seq_len=2048", "memory.loss_tile=100"], "nearest that work: 64, 128"),
     "token ids": (["train", "{cfg}", "data.source=tokens", "data.path={files}/big_ids.npy"], "outside the model's vocabulary"),
+    "random bytes as tokens": (["train", "{cfg}", "data.source=tokens", "data.path={files}/random.npy"],
+                               "is not a token file"),
+    "a hybrid model without one of its layer types": (["train", "configs/tiny.yaml", "model.preset=tiny-qwen3.5",
+                                                       "run_dir={tmp}/run"],
+                                                      "model.num_hidden_layers=2 gives model.family=qwen3_5_text no "
+                                                      "full_attention layer"),
     "float tokens": (["train", "{cfg}", "data.source=tokens", "data.path={files}/floats.npy"], "1-D integer"),
     "budget below states": (["maxlen", "{cfg}", "--budget-gib", "0.5"], "below the"),
     "zero budget": (["plan", "{cfg}", "--budget-gib", "0"], "--budget-gib must be positive"),

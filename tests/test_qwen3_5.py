@@ -178,6 +178,9 @@ def test_one_document_on_a_ring_x_sp_mesh_has_the_one_device_loss():
     (["model.linear_num_value_heads=6", "model.linear_num_key_heads=4"], "must be a multiple of"),
     (["model.layer_types=[linear_attention,sliding_attention,linear_attention,full_attention]"],
      "sliding_attention is not a Qwen3.5 layer type"),
+    (["model.num_hidden_layers=1"], "use model.num_hidden_layers=2, the fewest that has every layer type"),
+    (["model.layer_types=[linear_attention,linear_attention,linear_attention,linear_attention]"],
+     "name at least one full_attention layer"),
 ])
 def test_linear_attention_config_mistakes_are_one_line(overrides, message):
     with pytest.raises(JlongError, match=message) as error:

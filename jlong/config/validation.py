@@ -68,6 +68,7 @@ def check_model(m: ModelConfig) -> None:
                          f"number of rotated dimensions of the {m.dim_per_head} per head, got {m.rotary_dims}")
     if m.rope_scaling is not None:
         _check_rope_scaling(m.rope_scaling)
+    family.check_layout(m)
 
 
 def _check_rope_scaling(scaling: dict) -> None:

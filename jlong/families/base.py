@@ -172,6 +172,29 @@ class Family:
             raise JlongError(f"model.layer_types: {', '.join(unknown)} is not a {label} layer type "
                              f"({' or '.join(self.known_layer_types)})")
 
+    def check_layout(self, model: ModelConfig) -> None:
+        """One-line errors for a parameter of no elements: above all a layer type whose parameters every model
+        has but no layer is of (2 layers of Qwen3.5 with a full-attention layer every 4th), named with a
+        layer count that has every type."""
+        layer_specs = self.layer_params(model)
+        specs = {**self.outer_params(model), **layer_specs}
+        if empty := [name for name, spec in specs.items() if 0 in spec.shape]:
+            raise JlongError(f"model.family={self.name}: parameter {empty[0]} has no elements (shape "
+                             f"{specs[empty[0]].shape}): check the model's sizes")
+        needed = {spec.layer_type for spec in layer_specs.values() if spec.layer_type is not None}
+        if not (missing := sorted(needed - set(self.layer_types(model)))):
+            return
+        names = [name for name, spec in layer_specs.items() if spec.layer_type == missing[0]]
+        what = (f"model.family={self.name} no {missing[0]} layer, which its parameters {', '.join(names[:3])}, ... "
+                "belong to (they would have no elements)")
+        if model.layer_types is not None:
+            raise JlongError(f"model.layer_types gives {what}: name at least one {missing[0]} layer")
+        layers = model.num_hidden_layers
+        workable = next((n for n in range(layers + 1, layers + 1000) if needed <= set(
+            self.layer_types(model.model_copy(update={"num_hidden_layers": n})))), None)
+        fix = f": use model.num_hidden_layers={workable}, the fewest that has every layer type" if workable else ""
+        raise JlongError(f"model.num_hidden_layers={layers} gives {what}{fix}")
+
     def layers_with(self, model: ModelConfig, spec: ParamSpec) -> int:
         """How many layers have a layer parameter: every layer, or those of its type."""
         if spec.layer_type is None:
