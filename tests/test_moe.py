@@ -20,7 +20,11 @@ import jlong
 from jlong.errors import JlongError
 from jlong.config import load_config
 from jlong.families import family_of
+from jlong.config import config_to_dict
+from jlong.config.identity import changes
 from jlong.model.transformer import ForwardOptions
+from jlong.ops.shards import OneDevice
+from jlong.training import routing_watch
 from jlong.moe import grouped_matmul, grouped_matmul_triton
 from jlong.planner.memory import compile_train_step, plan_of
 from jlong.planner.pricing import Efficiency
@@ -30,12 +34,12 @@ from jlong.training.metric_sinks import TENSORBOARD_DIR
 
 QWEN3_MOE = ["model.preset=tiny-qwen3-moe", "model.vocab_size=128", "model.hidden_size=64",
              "model.intermediate_size=96", "model.moe_intermediate_size=32", "model.num_hidden_layers=3",
-             "model.mlp_only_layers=[1]", "model.output_router_logits=true", "model.router_aux_loss_coef=0.1",
+             "model.mlp_only_layers=[1]", "model.router_aux_loss_coef=0.1",
              "data.eos_id=7", "train.batch_size=2", "train.seq_len=256"]
 QWEN3_5_MOE = ["model.preset=tiny-qwen3.5-moe", "model.vocab_size=128", "model.hidden_size=64",
                "model.intermediate_size=48", "model.moe_intermediate_size=32", "model.num_key_value_heads=2",
-               "model.num_hidden_layers=2", "model.full_attention_interval=2", "model.output_router_logits=true",
-               "model.router_aux_loss_coef=0.1", "data.eos_id=7", "train.batch_size=2", "train.seq_len=256"]
+               "model.num_hidden_layers=2", "model.full_attention_interval=2", "model.router_aux_loss_coef=0.1",
+               "data.eos_id=7", "train.batch_size=2", "train.seq_len=256"]
 
 
 # Groups of every kind: empty ones, one of a single row, one spanning several 64-row tiles, several in one
@@ -113,7 +117,7 @@ def test_load_balancing_loss_and_expert_load_match_transformers(name, tmp_path):
     hf_model.save_pretrained(tmp_path)
     tokens = np.random.default_rng(3).integers(0, 96, (2, 70))
     loss, aux_loss, worst = _routing_reference(hf_model, tokens, hf_model.config.num_experts_per_tok)
-    model = jlong.from_hf(tmp_path)
+    model = jlong.from_hf(tmp_path, options=ForwardOptions(router_aux_loss=True))
     assert model.config.output_router_logits and model.config.router_aux_loss_coef == 0.25
     # transformers predicts each token but the last from the ones before; all 70 are routed.
     mask = np.ones(tokens.shape, np.float32)
@@ -188,6 +192,32 @@ def test_qwen3_5_moe_always_renormalises():
         small_config(*QWEN3_5_MOE, "model.norm_topk_prob=false")
 
 
+@pytest.mark.fast
+def test_the_load_balancing_loss_is_trained_by_default_and_may_be_turned_off():
+    on, off = small_config(*QWEN3_MOE), small_config(*QWEN3_MOE, "train.router_aux_loss=false")
+    assert not on.model.output_router_logits  # the train-level setting alone decides
+    assert ForwardOptions.for_training(on, OneDevice(), "cpu").router_aux_loss
+    assert not ForwardOptions.for_training(off, OneDevice(), "cpu").router_aux_loss
+    record = config_to_dict(on)
+    del record["train"]["router_aux_loss"]  # a run written before the setting existed
+    assert not changes(record, config_to_dict(on)).refused
+    assert changes(config_to_dict(off), config_to_dict(on)).refused == ["train.router_aux_loss"]
+
+
+@pytest.mark.fast
+def test_routing_that_stays_collapsed_is_said_once():
+    watch = routing_watch.RoutingWatch(8, 2, 0.001, aux_loss_trained=True)  # the most: 8 / 2 = 4
+    loads = [4.0, 4.0, 1.2, *[3.9] * routing_watch.STEPS, 4.0, 4.0]
+    said = [(step, line) for step, load in enumerate(loads, 1)
+            if (line := watch.observe(step, {"expert_load_max_over_mean": load}))]
+    assert [step for step, _ in said] == [3 + routing_watch.STEPS]
+    assert "raise model.router_aux_loss_coef (now 0.001)" in said[0][1] and "\n" not in said[0][1]
+    untrained = routing_watch.RoutingWatch(8, 2, 0.001, aux_loss_trained=False)
+    lines = [untrained.observe(step, {"expert_load_max_over_mean": 4.0}) for step in range(1, 7)]
+    assert "train.router_aux_loss=true" in lines[routing_watch.STEPS - 1]
+    assert untrained.observe(1, {}) is None
+
+
 def _compiled_moe(*overrides):
     """Two layers of configs/qwen3-30b-a3b-1m.yaml at 32,768 tokens (4,096 per device: experts dominate),
     compiled for 8 H100s."""
@@ -224,8 +254,11 @@ def test_on_h100_temporaries_grow_with_the_experts_by_their_weights_only():
     assert 0 < growth <= new_experts * (2 + 4)
 
 
-def test_each_steps_expert_load_and_auxiliary_loss_reach_metrics_and_tensorboard(tmp_path):
-    """A short run of the tiny Qwen3-MoE on sp 4 x fsdp 2 with the load-balancing loss trained."""
+def test_each_steps_expert_load_and_auxiliary_loss_reach_metrics_and_tensorboard(tmp_path, monkeypatch, capsys):
+    """A short run of the tiny Qwen3-MoE on sp 4 x fsdp 2, the load-balancing loss trained without a setting;
+    routing that stays near its most unbalanced is said once (here the watch's bar is lowered to any load)."""
+    monkeypatch.setattr(routing_watch, "NEAR_CEILING", 0.0)
+    monkeypatch.setattr(routing_watch, "STEPS", 2)
     config = small_config(*QWEN3_MOE, "train.steps=3", "train.seq_len=64", "mesh.sp=4", "mesh.fsdp=2",
                           "train.log_to=[jsonl,tensorboard]", f"run_dir={tmp_path / 'run'}", "checkpoint.every=0")
     train(config)
@@ -233,6 +266,8 @@ def test_each_steps_expert_load_and_auxiliary_loss_reach_metrics_and_tensorboard
     assert [r["step"] for r in records] == [1, 2, 3]
     for record in records:
         assert record["expert_load_max_over_mean"] >= 1.0 and record["router_aux_loss"] > 0
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "routing has collapsed" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: routing has collapsed: at steps 1-2")
     events = {(tag, step): value for tag, step, value in tensorboard_scalars(tmp_path / "run" / TENSORBOARD_DIR)}
     for record in records:
         for name in ("expert_load_max_over_mean", "router_aux_loss"):

@@ -3,7 +3,7 @@
 A run continues (from its run directory or its checkpoints) only under the
 same mathematics: the model, the data, the sequence length and batch, the
 optimizer, the seed and dtypes. It may change how that mathematics is laid
-out on devices (the mesh, attention's kernel and stages, the memory knobs
+out on devices (the mesh, attention's kernel and stages, the kernels, the memory knobs
 other than the optimizer's offload), how long it trains, how often it saves,
 what it measures and where its directories are.
 """
@@ -21,7 +21,7 @@ _FREE_SETTINGS = {
     "checkpoint.every", "checkpoint.keep", "checkpoint.dir", "run_dir",
 }
 _FREE_SECTIONS = ("eval.",)
-LAYOUT_SECTIONS = ("mesh.", "attention.", "memory.")
+LAYOUT_SECTIONS = ("mesh.", "attention.", "memory.", "kernels.")
 # In a layout section, but it changes the optimizer state's layout and the gradients' dtype.
 _NOT_LAYOUT = {"memory.optimizer_offload"}
 
@@ -34,10 +34,10 @@ def resumable(key: str) -> bool:
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
-    """A config's dict as {dotted key: value}; a RoPE scaling table stays one value."""
+    """A config's dict as {section.key: value}; a value that is a table (RoPE scaling, remat runs) stays one."""
     flat = {}
     for key, value in tree.items():
-        if isinstance(value, dict) and key != "rope_scaling":
+        if isinstance(value, dict) and not prefix:
             flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
@@ -65,7 +65,8 @@ def changes(before: dict, now: dict) -> Changes:
     if isinstance(before.get("model"), dict) and "family" not in before["model"]:  # written before families had names
         before = {**before, "model": with_family(before["model"])}
     flat_before, flat_now = flatten(before), flatten(now)
-    changed = sorted(k for k in flat_before.keys() | flat_now.keys() if flat_before.get(k) != flat_now.get(k))
+    # A setting `before` lacks came after the run was written: a resume takes it as configured.
+    changed = sorted(k for k in flat_before if flat_before[k] != flat_now.get(k))
     return Changes(
         flat_before, flat_now,
         refused=[k for k in changed if not resumable(k)],

@@ -138,7 +138,8 @@ class ModelConfig(_Section):
     # routed to num_experts_per_tok of them, their router probabilities renormalised when norm_topk_prob. Qwen3-MoE's
     # dense layers (an MLP of intermediate_size): those in mlp_only_layers, and all but every decoder_sparse_step-th.
     # Qwen3.5-MoE's shared expert is an MLP of intermediate_size (its config.json's shared_expert_intermediate_size).
-    # output_router_logits: the training loss adds router_aux_loss_coef x the load-balancing loss.
+    # output_router_logits: Hugging Face's flag, read from and written to config.json; jlong trains the
+    # load-balancing loss (router_aux_loss_coef x it) by train.router_aux_loss instead.
     num_experts: optional(PositiveInt) = None
     num_experts_per_tok: optional(PositiveInt) = None
     moe_intermediate_size: optional(PositiveInt) = None
@@ -243,6 +244,8 @@ class TrainConfig(_Section):
     init_from: optional(Text) = None
     # On a GPU, compare the step's host bytes on each node with the node's available memory before step 1.
     check_host_memory: Flag = True
+    # A mixture of experts adds model.router_aux_loss_coef x the load-balancing loss to its training loss.
+    router_aux_loss: Flag = True
 
 
 Sampling = choice(Literal["windows", "documents"])

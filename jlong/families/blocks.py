@@ -80,7 +80,7 @@ def residual_experts(p, x_BSD, model, moe: MixtureOfExperts, options):
     The statistics carry gradients when the load-balancing loss is trained."""
     moe = dataclasses.replace(moe, kernel=options.grouped_matmul)
     settings = {"eps": model.rms_norm_eps, "shards": options.shards, "tile": options.mlp_tile}
-    statistics = moe.statistics(p, x_BSD, differentiable=model.output_router_logits, **settings)
+    statistics = moe.statistics(p, x_BSD, differentiable=options.router_aux_loss, **settings)
     return moe.residual(p, x_BSD, **settings), statistics
 
 

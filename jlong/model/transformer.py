@@ -52,6 +52,7 @@ class ForwardOptions:
     loss_tile: int = 0  # the same for the output projection and the loss
     layer_type: str = FULL_ATTENTION  # the type of the layers being run (`Family.layer_types`)
     grouped_matmul: str = "ragged_dot"  # a mixture of experts' kernel (`jlong.moe.grouped_matmul.KERNELS`)
+    router_aux_loss: bool = False  # a mixture of experts' loss adds router_aux_loss_coef x the load-balancing loss
 
     @property
     def unroll_attention_stages(self) -> bool:
@@ -85,6 +86,7 @@ class ForwardOptions:
             mlp_tile=config.memory.mlp_tile,
             loss_tile=config.memory.loss_tile,
             grouped_matmul=kernel_for(platform),
+            router_aux_loss=config.train.router_aux_loss,
         )
 
 
@@ -287,7 +289,7 @@ class Transformer(nnx.Module):
         The loss is the mean next-token cross-entropy (with `loss_tile`,
         computed without the whole logits; a mean over tokens, the same in
         any layout of the sequence), plus, for a mixture of experts with
-        `model.output_router_logits`, `router_aux_loss_coef` x the
+        the `router_aux_loss` option, `router_aux_loss_coef` x the
         load-balancing loss. Metrics: for a mixture of experts,
         `expert_load_max_over_mean` (and `router_aux_loss` when it is trained)."""
         hidden_BSD, routing = self.hidden_states_and_routing(
@@ -303,7 +305,7 @@ class Transformer(nnx.Module):
         if routing is None:
             return loss, {}
         metrics = {"expert_load_max_over_mean": expert_load_max_over_mean(routing)}
-        if self.config.output_router_logits:
+        if self.options.router_aux_loss:
             metrics["router_aux_loss"] = load_balancing_loss(routing)
             loss = loss + self.config.router_aux_loss_coef * metrics["router_aux_loss"]
         return loss, metrics

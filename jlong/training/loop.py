@@ -33,6 +33,7 @@ from jlong.training.preemption import StopRequests
 from jlong.program.train_program import TrainProgram
 from jlong.training.progress import Progress
 from jlong.training.report import nothing_to_do, summary
+from jlong.training.routing_watch import RoutingWatch
 from jlong.training.run_dir import RunDir
 
 
@@ -187,6 +188,7 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
             if run.step and run_dir.relaid:
                 _say(f"the layout changed since step {run.step}: {'; '.join(run_dir.relaid)}")
         began, stopped_by = time.perf_counter(), None
+        routing = routing_watch(config)
         with Recorder(config, run_dir, first=run.step, last=last) as recorder:
             for step in range(run.step + 1, last + 1):
                 stopped_by = stops.agreed()
@@ -200,6 +202,8 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
                 batch = batches.batch(step)
                 loss, grad_norm, model_metrics, seconds = _update(run, batch, step)
                 _check_finite(step, loss, grad_norm, checkpoints)
+                if routing and (warning := routing.observe(step, model_metrics)):
+                    _say(warning)
                 measured = {**model_metrics, "trained_tokens": trained_tokens(batch), **batches.drawn(step),
                             **evaluation.at(step, run.program, run.params)}
                 recorder.record(step, loss, grad_norm, seconds, {"stage": stage.number, **measured} if staged
@@ -221,6 +225,15 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
             run_dir.close()
         if checkpoints:
             checkpoints.close()
+
+
+def routing_watch(config: Config) -> RoutingWatch | None:
+    """The watch for collapsed routing of a mixture of experts (None for other models)."""
+    model = config.model
+    if not model.num_experts:
+        return None
+    return RoutingWatch(model.num_experts, model.num_experts_per_tok, model.router_aux_loss_coef,
+                        config.train.router_aux_loss)
 
 
 def check_stages_fit(stages: list[StageRun], devices, budget_bytes: int) -> None:
