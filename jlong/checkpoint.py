@@ -7,10 +7,13 @@ Each step holds `params`, `opt_state` (absent in converted checkpoints) and
 `meta` (the step and the model architecture).
 
 A run resumes from the newest checkpoint that reads back: one that does not
-(a file truncated or lost after it was written, found by comparing the files
-with the sizes listed when they were written, or failing to read) is moved
-aside to `STEP.unreadable` and the next older one is tried. A write that fails (a
-full disk) stops the run and leaves the previous checkpoints as they were.
+(a file lost, truncated or changed after it was written, found by comparing
+the files with the sizes and checksums listed when they were written
+(`jlong.checkpoint_integrity`), or failing to read) is moved aside to
+`STEP.unreadable`, never deleted, and the next older one is tried. A write
+that fails stops the run, removes what it began and leaves the previous
+checkpoints as they were; why it failed is kept beside them
+(`jlong_failed_save.json`) for the next run to say, until a save succeeds.
 
 Beside the steps, `jlong_run.yaml` records the config of the run that writes
 there, so that another run can be told apart before it resumes or deletes
@@ -20,33 +23,30 @@ anything (`jlong.training.checkpoint_owner`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import io
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import orbax.checkpoint as ocp
 import yaml
 from etils import epath
 
+from jlong.checkpoint_integrity import find_damage, has_checksums, record_files, saved_steps
 from jlong.config import ModelConfig, model_config
 from jlong.errors import JlongError, RunFailure
 from jlong.files import free_name, write_atomically
 from jlong.jax_startup import quiet_native_stderr
 
-FILE_LIST = "jlong_files.json"  # in each step's directory: the size of each of its files
 RUN_RECORD = "jlong_run.yaml"  # in the checkpoint directory: the config of the run that writes there
+FAILED_SAVE = "jlong_failed_save.json"  # in the checkpoint directory: the step and cause of a save that failed
 # How long a failed read or write waits for orbax's other threads to finish reporting it.
 _SETTLE_SECONDS = 1.0
-
-
-def saved_steps(directory: str | Path) -> list[int]:
-    """The complete steps in a checkpoint directory, read from its listing (orbax is not started)."""
-    path = Path(directory)
-    if not path.is_dir():
-        return []
-    return sorted(int(p.name) for p in path.iterdir() if p.is_dir() and p.name.isdigit())
 
 
 def read_run_record(directory: str | Path) -> dict | None:
@@ -90,6 +90,8 @@ class Checkpoints:
         return self.manager.latest_step()
 
     def save(self, step: int, params, opt_state=None, *, model: ModelConfig, extra: dict | None = None):
+        import jax
+
         items = {
             "params": ocp.args.StandardSave(params),
             "meta": ocp.args.JsonSave({"step": step, "model": model.model_dump(), **(extra or {})}),
@@ -109,12 +111,15 @@ class Checkpoints:
                 time.sleep(_SETTLE_SECONDS)
         if failure is not None:
             self.failed = True
+            self._clean_up_failed_save(step, failure)
             kept = f"step {previous} is intact" if previous is not None else "no earlier checkpoint exists"
             raise RunFailure(
                 f"writing the checkpoint of step {step} to {str(self.directory)!r} failed ({_reason(failure)}); "
-                f"{kept}. Free space or fix the directory's permissions, then run again to resume"
+                f"{kept}. {_remedy(failure, resumable=previous is not None)}"
             ) from None
-        self._write_file_list(step)
+        self._list_files(step)
+        if jax.process_index() == 0:
+            (self.directory / FAILED_SAVE).unlink(missing_ok=True)
 
     def _write_run_record(self) -> None:
         import jax
@@ -123,38 +128,74 @@ class Checkpoints:
             write_atomically(self.directory / RUN_RECORD, yaml.safe_dump(self.run_record, sort_keys=False))
         self.run_record = None  # once per session
 
-    def _write_file_list(self, step: int) -> None:
-        """Records the size of every file of a written step, so that one
-        damaged later (truncated, lost) is found before orbax reads it."""
+    def _clean_up_failed_save(self, step: int, failure: Exception) -> None:
+        """Removes the failed step's temporary directory and records why it
+        failed, for the next run to say (both as far as the disk allows)."""
         import jax
 
         if jax.process_index() != 0:
             return
-        step_dir = self.directory / str(step)
-        sizes = {str(f.relative_to(step_dir)): f.stat().st_size for f in sorted(step_dir.rglob("*")) if f.is_file()}
-        write_atomically(step_dir / FILE_LIST, json.dumps(sizes, indent=0))
+        for temporary in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+            shutil.rmtree(temporary, ignore_errors=True)
+        record = {"step": step, "cause": _reason(failure), "machine": _system_cause(failure) is not None}
+        with contextlib.suppress(OSError):
+            write_atomically(self.directory / FAILED_SAVE, json.dumps(record))
+
+    def _list_files(self, step: int) -> None:
+        """Each process lists the size and checksum of each file it wrote
+        into the step, so that one damaged later is found before orbax reads it."""
+        import jax
+
+        record_files(self.directory / str(step), jax.process_index(), jax.process_count())
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"jlong: listed the files of checkpoint {step}")
 
     def _damage(self, step: int) -> str | None:
-        """What differs from the step's file list (None: nothing, or no list: written before lists were kept)."""
-        step_dir = self.directory / str(step)
-        try:
-            sizes = json.loads((step_dir / FILE_LIST).read_text())
-        except FileNotFoundError:
+        """The first file of the step that differs from what was written (None:
+        none, or nothing recorded). Each process checks a share; all name the same file."""
+        import jax
+
+        step_dir, readers = self.directory / str(step), jax.process_count()
+        damage = find_damage(step_dir, jax.process_index(), readers)
+        if readers == 1:
+            return damage
+        from jax.experimental import multihost_utils
+
+        found = np.asarray(multihost_utils.process_allgather(np.array(damage is not None))).reshape(-1)
+        if not found.any():
             return None
-        except (OSError, ValueError) as err:
-            return f"its {FILE_LIST} cannot be read: {err}"
-        for name, size in sizes.items():
-            file = step_dir / name
-            if not file.is_file():
-                return f"{name} is missing"
-            if file.stat().st_size != size:
-                return f"{name} holds {file.stat().st_size:,} bytes, {size:,} when it was written"
-        return None
+        first = int(np.argmax(found))
+        return damage if first == jax.process_index() else find_damage(step_dir, first, readers)
+
+    def failed_save_note(self, resumed: int) -> str | None:
+        """One line on a save that failed here since the last that succeeded (None: none did)."""
+        try:
+            failed = json.loads((self.directory / FAILED_SAVE).read_text())
+            step, cause, machine = failed["step"], failed["cause"], failed["machine"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        where = f"resumes step {resumed}" if resumed else "starts again at step 1"
+        said = f"the last run in {str(self.directory)!r} failed to write its checkpoint of step {step} ({cause})"
+        if machine:
+            return f"{said}; this run {where}"
+        return (f"{said}, not for lack of space or permissions; this run {where} and will likely fail the same way "
+                f"at that checkpoint")
 
     def meta(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
     def restore(self, step: int, abstract_params, abstract_opt_state=None):
+        """(params, opt_state) of step `step`, refused in one line when a file
+        of it changed after it was written (checked before anything is read)."""
+        damage = self._damage(step)
+        if damage:
+            raise JlongError(f"checkpoint step {step} in {str(self.directory)!r} is damaged ({damage}); nothing was "
+                             f"read from it ('jlong verify {self.directory}' checks every step)")
+        return self._restore(step, abstract_params, abstract_opt_state)
+
+    def _restore(self, step: int, abstract_params, abstract_opt_state=None):
         items = {"params": ocp.args.StandardRestore(abstract_params)}
         if abstract_opt_state is not None:
             items["opt_state"] = ocp.args.StandardRestore(abstract_opt_state)
@@ -164,20 +205,36 @@ class Checkpoints:
     def restore_newest_readable(self, abstract_params, abstract_opt_state, say) -> tuple[int, object, object]:
         """(step, params, opt_state) of the newest checkpoint that reads back
         into the given shardings, or (0, None, None) when there is none.
-        Unreadable ones are moved aside, each reported by `say` in one line."""
+        Unreadable ones are moved aside, each reported by `say` in one line
+        that names its damaged file and the step the run resumes from; a
+        step restored unchecked (written before checksums were kept) and a
+        save that failed here before are said too."""
         wanted = {"params": abstract_params, "opt_state": abstract_opt_state}
         trained = [step for step in self.manager.all_steps() if step > 0]  # step 0: converted weights, no state
+        set_aside = []
         for step in sorted(trained, reverse=True):
             restored = self._read(step, wanted)
             if isinstance(restored, tuple):
+                self._say_set_aside(set_aside, f"resuming from step {step}", say)
+                if not has_checksums(self.directory / str(step)):
+                    say(f"checkpoint step {step} in {str(self.directory)!r} was written before jlong kept checksums "
+                        "of its files: restored without checking its bytes")
+                if note := self.failed_save_note(step):
+                    say(note)
                 return step, *restored
-            aside = self._move_aside(step)
-            say(f"checkpoint step {step} in {str(self.directory)!r} cannot be read ({restored}); "
-                f"moved it to {aside.name} and trying the one before")
+            set_aside.append((step, restored, self._move_aside(step)))
+        self._say_set_aside(set_aside, "no older step can be read", say)
         if any(self.directory.glob("*.unreadable")):
             raise JlongError(f"no checkpoint in {str(self.directory)!r} can be read (see the *.unreadable "
                              "directories there); restore one, or choose a new checkpoint.dir to start over")
+        if note := self.failed_save_note(0):
+            say(note)
         return 0, None, None
+
+    def _say_set_aside(self, set_aside: list[tuple[int, str, Path]], outcome: str, say) -> None:
+        for step, why, aside in set_aside:
+            say(f"checkpoint step {step} in {str(self.directory)!r} cannot be read ({why}); "
+                f"moved it to {aside.name}, {outcome}")
 
     def _read(self, step: int, wanted: dict) -> tuple | str:
         """(params, opt_state) of step `step`, or why they cannot be read."""
@@ -192,7 +249,7 @@ class Checkpoints:
             try:
                 self.check_layout(step, wanted, "a changed model, train.param_dtype or memory.optimizer_offload: "
                                   "resume with the settings it was written with, or choose a new checkpoint.dir")
-                return self.restore(step, wanted["params"], wanted["opt_state"])
+                return self._restore(step, wanted["params"], wanted["opt_state"])
             except (JlongError, jax.errors.JaxRuntimeError):  # the config's fault, or the devices'
                 raise
             except Exception as err:  # tensorstore reports a damaged file as a plain Exception
@@ -265,6 +322,38 @@ def _shape(entry: tuple | None) -> str:
         return "nothing"
     shape, dtype = entry
     return f"{dtype}[{', '.join(map(str, shape))}]"
+
+
+# What the user can do about a write that failed for a reason of the machine (the system's error numbers).
+_FIXES = {
+    **dict.fromkeys((errno.ENOSPC, errno.EDQUOT, errno.EFBIG), "Free space there (or raise the quota or the file "
+                    "size limit)"),
+    **dict.fromkeys((errno.EACCES, errno.EPERM, errno.EROFS), "Make the directory writable"),
+    errno.EIO: "Check the disk",
+    **dict.fromkeys((errno.EMFILE, errno.ENFILE), "Raise the limit on open files (ulimit -n)"),
+}
+
+
+def _system_cause(err: Exception) -> int | None:
+    """The system's error number behind a failed write, if it is one of the
+    machine's (tensorstore names it only in its message: `[OS error: File too large]`)."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in _FIXES:
+            return err.errno
+        named = [code for code in _FIXES if os.strerror(code) in str(err)]
+        if named:
+            return named[0]
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _remedy(failure: Exception, *, resumable: bool) -> str:
+    """What to do about a failed write: the machine's cause to fix, or jlong's to report."""
+    cause = _system_cause(failure)
+    if cause is None:
+        return ("No lack of space or permissions was reported: most likely a fault in what jlong wrote, which a "
+                "rerun would meet again; please report it as a jlong bug, with this line")
+    return f"{_FIXES[cause]}, then run again{' to resume' if resumable else ''}"
 
 
 def _reason(err: Exception) -> str:

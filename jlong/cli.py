@@ -1,4 +1,4 @@
-"""The `jlong` command line: train, eval, plan, maxlen, convert, prepare.
+"""The `jlong` command line: train, eval, plan, maxlen, convert, verify, prepare.
 
 Every user error ends as one line on stderr and exit status 2, before any
 compilation and without a traceback.
@@ -135,6 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
     convert.set_defaults(handler=_convert)
 
+    verify = commands.add_parser(
+        "verify", help="check a checkpoint directory's files against the sizes and checksums written with them",
+        description="Compares every step of CHECKPOINT_DIR with the sizes and CRC-32 checksums its processes "
+        "recorded when they wrote it, reading each file once; changes nothing. Exit status 0 when every step is "
+        "intact, 2 with a line naming each damaged step's first damaged file.",
+    )
+    verify.add_argument("checkpoint_dir", help="a checkpoint directory (checkpoint.dir of a run)")
+    verify.set_defaults(handler=_verify)
+
     prepare = commands.add_parser(
         "prepare", help="a corpus -> a .npy of token ids (or a directory of shards) with document indices",
         description="Tokenizes text files, JSON Lines (.jsonl), Parquet (.parquet) and 'datasets' directories "
@@ -200,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         if args.command == "train":  # before jax starts: a stop signal during start-up is kept, not fatal
             stop_requests = args.stop_requests = StopRequests.installed()
-        if args.command != "prepare":  # prepare never needs jax
+        if args.command not in ("prepare", "verify"):  # they never need jax
             import_jax_quietly()
         return args.handler(args) or 0
     except JlongError as err:
@@ -486,6 +495,13 @@ def _convert(args) -> int:
     else:
         what = "a jlong checkpoint of the weights (step 0, no optimizer state)"
     print(f"wrote {args.destination}, {what} ({total:,} bytes)")
+    return 0
+
+
+def _verify(args) -> int:
+    from jlong.checkpoint_integrity import verify_directory
+
+    print(verify_directory(args.checkpoint_dir))
     return 0
 
 

@@ -1,20 +1,25 @@
 """Checkpoints that go bad and writes that fail: a damaged newest checkpoint
-is set aside and the one before resumes the run exactly; none readable, or
-one of another layout, is a one-line error; a failed write stops the run with
-exit status 1 and the previous checkpoint intact. And host memory is checked
-against what the node has before the first step."""
+(truncated, or a byte changed in place) is named, set aside, and the one
+before resumes the run exactly; none readable, or one of another layout, is
+a one-line error; a failed write stops the run with exit status 1, its
+cause named, its temporary directory removed and the previous checkpoint
+intact, and the next run says it. And host memory is checked against what
+the node has before the first step."""
 
+import json
 import subprocess
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 import yaml
-from helpers import assert_one_line_error, logged_losses, run_cli, run_config, train_command
+from helpers import assert_one_line_error, logged_losses, run_cli, run_config, small_config, train_command
 
-from jlong.checkpoint import FILE_LIST, RUN_RECORD
+from jlong.checkpoint import FAILED_SAVE, RUN_RECORD, Checkpoints
+from jlong.checkpoint_integrity import FILE_LIST
 from jlong.config import config_to_dict
-from jlong.errors import JlongError
+from jlong.errors import JlongError, RunFailure
 from jlong.parallel.placement import make_mesh
 from jlong.training.host_memory import available_bytes, check_host_memory
 from jlong.training.loop import host_bytes_per_node, train
@@ -30,10 +35,26 @@ def uninterrupted(tmp_path_factory):
     return [r["loss"] for r in train(run_config(tmp_path_factory.mktemp("full")))]
 
 
+def _largest_file(step_dir: Path) -> Path:
+    """The step's largest file: orbax's (zstd-compressed) data of several arrays."""
+    return max((f for f in step_dir.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+
+
 def _truncate_largest_file(step_dir: Path) -> None:
-    largest = max((f for f in step_dir.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    largest = _largest_file(step_dir)
     with largest.open("r+b") as f:
         f.truncate(largest.stat().st_size // 2)
+
+
+def _flip_in_largest_file(step_dir: Path, mask: int) -> Path:
+    """XORs the middle byte of the step's largest file with `mask` (its size unchanged); the file's path."""
+    largest = _largest_file(step_dir)
+    with largest.open("r+b") as f:
+        f.seek(largest.stat().st_size // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, 1)
+        f.write(bytes([byte ^ mask]))
+    return largest
 
 
 @pytest.mark.parametrize("listed", [True, False], ids=["found-by-its-file-list", "found-by-reading"])
@@ -52,10 +73,79 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_one_before_resumes(lis
     said = capsys.readouterr().out.splitlines()
     assert said[0].startswith(f"checkpoint step 4 in {str(tmp_path / 'ckpt')!r} cannot be read (")
     assert ("when it was written" in said[0]) == listed
-    assert said[0].endswith("moved it to 4.unreadable and trying the one before")
+    assert said[0].endswith("moved it to 4.unreadable, resuming from step 2")
     assert [r["step"] for r in continued] == [3, 4, 5, 6]
     assert logged_losses(tmp_path / "run") == uninterrupted
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["2", "4", "4.unreadable", "6", RUN_RECORD]
+
+
+@pytest.mark.parametrize("mask", [0xFF, 0x01], ids=["byte-flipped", "low-bit-flipped"])
+def test_a_checkpoint_changed_in_place_is_named_set_aside_and_the_one_before_resumes(mask, tmp_path,
+                                                                                    uninterrupted, capsys):
+    """A byte, or only its lowest bit (which in a float's mantissa would
+    train on without a NaN to tell), changed in the middle of the newest
+    step's largest array file, its size unchanged: its checksum names it
+    before anything is read."""
+    config = run_config(tmp_path, "checkpoint.every=2", "checkpoint.keep=3")
+    train(config, until_step=4)
+    step_dir = tmp_path / "ckpt" / "4"
+    damaged = _flip_in_largest_file(step_dir, mask).relative_to(step_dir)
+    assert_one_line_error(run_cli("verify", tmp_path / "ckpt"),
+                          f"damaged, step 4: {damaged} changed after it was written (CRC-32 ")
+    capsys.readouterr()
+    continued = train(config)
+    said = capsys.readouterr().out.splitlines()
+    assert said[0].startswith(f"checkpoint step 4 in {str(tmp_path / 'ckpt')!r} cannot be read "
+                              f"({damaged} changed after it was written (CRC-32 ")
+    assert said[0].endswith("moved it to 4.unreadable, resuming from step 2")
+    assert said[1] == f"resuming step 2 from {tmp_path / 'ckpt'}"
+    assert [r["step"] for r in continued] == [3, 4, 5, 6]
+    assert logged_losses(tmp_path / "run") == uninterrupted
+    assert (tmp_path / "ckpt" / "4.unreadable" / damaged).is_file()  # kept for inspection
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["2", "4", "4.unreadable", "6", RUN_RECORD]
+    assert run_cli("verify", tmp_path / "ckpt").returncode == 0  # 4.unreadable is no step
+
+
+def test_a_checkpoint_from_before_checksums_restores_and_says_so_once(tmp_path, uninterrupted, capsys):
+    """Its file list holds sizes alone, as jlong wrote it then."""
+    config = run_config(tmp_path, "checkpoint.every=2")
+    train(config, until_step=4)
+    step_dir = tmp_path / "ckpt" / "4"
+    listed = json.loads((step_dir / FILE_LIST).read_text())["files"]
+    (step_dir / FILE_LIST).write_text(json.dumps({name: size for name, (size, _) in listed.items()}))
+    capsys.readouterr()
+    train(config)
+    said = capsys.readouterr().out.splitlines()
+    before = [line for line in said if "before jlong kept checksums" in line]
+    assert before == [f"checkpoint step 4 in {str(tmp_path / 'ckpt')!r} was written before jlong kept checksums "
+                      "of its files: restored without checking its bytes"]
+    assert logged_losses(tmp_path / "run") == uninterrupted
+
+
+@pytest.mark.fast
+def test_a_save_that_fails_in_jlong_says_so_cleans_up_and_is_recalled_by_the_next_run(tmp_path):
+    """A zero-size array, which orbax refuses to write: not the disk's
+    fault, so no advice to free space; the temporary step is removed, and
+    the next run here says it starts again and why, until a save succeeds."""
+    model = small_config().model
+    with pytest.raises(RunFailure) as failed:
+        Checkpoints(tmp_path).save(5, {"w": jnp.zeros((0, 4)), "b": jnp.ones(4)}, model=model)
+    message = str(failed.value)
+    assert message.startswith(f"writing the checkpoint of step 5 to {str(tmp_path)!r} failed (Cannot save arrays "
+                              "with zero size")
+    assert "no earlier checkpoint exists" in message and "report it as a jlong bug" in message
+    assert "Free space" not in message and "\n" not in message
+    assert [p.name for p in tmp_path.iterdir()] == [FAILED_SAVE]  # no 5.orbax-checkpoint-tmp
+    said = []
+    rerun = Checkpoints(tmp_path)
+    assert rerun.restore_newest_readable(None, None, say=said.append) == (0, None, None)
+    assert len(said) == 1 and said[0].startswith(f"the last run in {str(tmp_path)!r} failed to write its checkpoint "
+                                                 "of step 5 (Cannot save arrays with zero size")
+    assert said[0].endswith("not for lack of space or permissions; this run starts again at step 1 and will likely "
+                            "fail the same way at that checkpoint")
+    rerun.save(5, {"b": jnp.ones(4)}, model=model)
+    assert rerun.failed_save_note(5) is None
+    rerun.close()
 
 
 def test_no_readable_checkpoint_is_a_one_line_error_naming_the_directory(tmp_path):
@@ -86,7 +176,7 @@ def _with_file_size_limit(command: list[str], limit_bytes: int) -> list[str]:
     return ["bash", "-c", shell, "limit", str(max(limit_bytes // 1024, 1)), *command]
 
 
-def test_a_failed_checkpoint_write_exits_1_and_keeps_the_previous_one(tmp_path, uninterrupted):
+def test_a_failed_checkpoint_write_exits_1_and_keeps_the_previous_one(tmp_path, uninterrupted, capsys):
     config = run_config(tmp_path, "checkpoint.every=3")
     train(config, until_step=3)
     largest = max(f.stat().st_size for f in (tmp_path / "ckpt" / "3").rglob("*") if f.is_file())
@@ -97,9 +187,15 @@ def test_a_failed_checkpoint_write_exits_1_and_keeps_the_previous_one(tmp_path, 
     message = failed.stderr.strip().splitlines()[-1]
     assert message.startswith(f"jlong: error: writing the checkpoint of step 6 to {str(tmp_path / 'ckpt')!r} failed")
     assert "File too large" in message and "step 3 is intact" in message
+    assert message.endswith("Free space there (or raise the quota or the file size limit), then run again to resume")
     assert "Traceback" not in failed.stderr
+    assert not list((tmp_path / "ckpt").glob("6.orbax-checkpoint-tmp*"))
+    capsys.readouterr()
     resumed = train(config)  # from step 3, the one the failed write left
     assert [r["step"] for r in resumed] == [4, 5, 6]
+    said = capsys.readouterr().out.splitlines()
+    assert said[0].startswith(f"the last run in {str(tmp_path / 'ckpt')!r} failed to write its checkpoint of step 6 (")
+    assert "File too large" in said[0] and said[0].endswith("); this run resumes step 3")
     assert logged_losses(tmp_path / "run") == uninterrupted
 
 
