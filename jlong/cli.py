@@ -288,14 +288,19 @@ def _eval(args) -> int:
     from jlong.parallel.placement import make_mesh
 
     result = evaluate(config, args.checkpoint, make_mesh(config.mesh), inputs)
-    out = args.out or (config.run_dir and str(Path(config.run_dir) / "eval" / f"step-{result['step']}"))
-    written = report.write(result, Path(out)) if out else []
+    default = Path(config.run_dir) / "eval" / f"step-{result['step']}" if config.run_dir else None
+    out, earlier = report.destination(default, Path(args.out) if args.out else None)
+    written = report.write(result, out) if out else []
     if args.json:
         print(json.dumps(result))
+        if earlier:
+            print(earlier, file=sys.stderr)
     else:
         print(report.summary(result))
         for path in written:
             print(f"wrote {path}")
+        if earlier:
+            print(earlier)
     return 0
 
 

@@ -14,7 +14,7 @@ from helpers import SMALL_MODEL, run_cli, tensorboard_scalars
 from jlong.config import load_config
 from jlong.data.prepare import prepare
 from jlong.eval import passkey, report
-from jlong.eval.evaluate import Evaluator, passkey_accuracy, position_losses
+from jlong.eval.evaluate import Evaluator, not_evaluated, passkey_accuracy, position_losses
 from jlong.eval.positions import loss_by_position
 from jlong.parallel.placement import make_mesh
 from jlong.training.loop import train
@@ -141,6 +141,39 @@ def test_the_report_writes_what_it_summarises(tmp_path):
     assert text[-2:] == ["   0.00        0.25      0.50", "   1.00        0.50      0.75"]
 
 
+@pytest.mark.fast
+def test_eval_names_what_it_leaves_out():
+    config = load_config(None, [*BYTES, "train.seq_len=256"])  # a byte-level prompt takes 173 tokens
+    assert not_evaluated(config) == [
+        {"what": "loss by position", "why": "no held-out tokens: set eval.path (a .npy made by 'jlong prepare') "
+                                            "or eval.mix"},
+        {"what": "passkey lengths 32, 64, 128", "why": "a prompt needs 173 tokens (the default lengths are seq_len "
+                                                       "/ 8, / 4, / 2 and seq_len; a longer train.seq_len reaches more)"}]
+    assert not_evaluated(load_config(None, [*BYTES, "eval.path=x.npy", "eval.passkey_trials=0"])) == [
+        {"what": "passkey retrieval", "why": "eval.passkey_trials=0"}]
+    shown = report.summary({"checkpoint": "ck", "step": 1, "seq_len": 256, "passkey": [],
+                            "not_evaluated": not_evaluated(config)})
+    assert shown.splitlines()[1:] == ["not evaluated: loss by position (no held-out tokens: set eval.path (a .npy "
+                                      "made by 'jlong prepare') or eval.mix)",
+                                      "not evaluated: passkey lengths 32, 64, 128 (a prompt needs 173 tokens (the "
+                                      "default lengths are seq_len / 8, / 4, / 2 and seq_len; a longer train.seq_len "
+                                      "reaches more))"]
+
+
+@pytest.mark.fast
+def test_an_earlier_evaluation_is_kept_or_said_to_be_replaced(tmp_path):
+    default = tmp_path / "eval" / "step-4"
+    assert report.destination(default, None) == (default, None)
+    report.write({"step": 4, "passkey": []}, default)
+    second, said = report.destination(default, None)
+    assert second == tmp_path / "eval" / "step-4-2" and said == f"kept the earlier evaluation in {default}; this one " \
+                                                                 f"is in {second}"
+    report.write({"step": 4, "passkey": []}, second)
+    assert report.destination(default, None)[0] == tmp_path / "eval" / "step-4-3"
+    assert report.destination(default, default) == (default, f"replaced the earlier evaluation in {default}")
+    assert report.destination(None, None) == (None, None)
+
+
 class _WandbStandIn:
     """W&B is not installed here: a stand-in module records what jlong hands it."""
 
@@ -196,6 +229,19 @@ def test_eval_every_logs_the_loss_by_position_and_every_sink_reads_back_as_metri
     assert {"start", "end", "tokens", "loss"} == set(printed["loss_by_position"][0])
     assert {"length", "depth", "trials", "accuracy", "digit_accuracy"} == set(printed["passkey"][0])
     assert (out / "position_loss.png").is_file() and (out / "passkey.png").is_file()
+    assert [item["what"] for item in printed["not_evaluated"]] == ["passkey lengths 32, 64, 128"]  # 173 tokens each
+
+    # Evaluated twice more into the run's directory with other settings: both kept, and said so.
+    shown = []
+    for trials in (1, 2):
+        again = run_cli("eval", config_file, *BYTES, "mesh.fsdp=2", "mesh.sp=4", "train.seq_len=256",
+                        f"eval.passkey_trials={trials}", f"run_dir={tmp_path / 'run'}", "--checkpoint", tmp_path / "ckpt")
+        assert again.returncode == 0, again.stderr
+        shown.append(again.stdout)
+    first, second = tmp_path / "run" / "eval" / "step-4", tmp_path / "run" / "eval" / "step-4-2"
+    assert "not evaluated: loss by position (no held-out tokens" in shown[0] and "kept the earlier" not in shown[0]
+    assert f"kept the earlier evaluation in {first}; this one is in {second}" in shown[1]
+    assert [json.loads((d / "eval.json").read_text())["passkey"][0]["trials"] for d in (first, second)] == [1, 2]
 
 
 def test_plan_covers_the_eval_program(tmp_path):

@@ -154,6 +154,24 @@ def passkey_trials(config: Config) -> list:
                           config.eval.passkey_trials, config.train.seed, digits)
 
 
+def not_evaluated(config: Config) -> list[dict]:
+    """What `jlong eval` leaves out under `config`, and why: [{what, why}]."""
+    left_out = []
+    if not config.eval.held_out:
+        left_out.append({"what": "loss by position", "why": "no held-out tokens: set eval.path (a .npy made by "
+                                                           "'jlong prepare') or eval.mix"})
+    if not config.eval.passkey_trials:
+        left_out.append({"what": "passkey retrieval", "why": "eval.passkey_trials=0"})
+    elif not config.eval.passkey_lengths:
+        seq_len = config.train.seq_len
+        shortest = passkey.shortest_prompt(_text_encoder(config), config.eval.passkey_digits)
+        if short := [n for n in passkey.candidate_lengths(seq_len) if n < shortest]:
+            left_out.append({"what": f"passkey lengths {', '.join(f'{n:,}' for n in short)}",
+                             "why": f"a prompt needs {shortest:,} tokens (the default lengths are seq_len / 8, / 4, "
+                                    "/ 2 and seq_len; a longer train.seq_len reaches more)"})
+    return left_out
+
+
 def passkey_accuracy(evaluator: Evaluator, params: dict, made: list | None = None) -> list[dict]:
     """Accuracy per (length, depth) cell of the trials `made` (by default, the config's)."""
     made = passkey_trials(evaluator.config) if made is None else made
@@ -222,6 +240,7 @@ def evaluate(config: Config, checkpoint: str, mesh, inputs: tuple | None = None)
     if held is not None:
         result.update(position_losses(evaluator, params, held))
     result["passkey"] = passkey_accuracy(evaluator, params, made)
+    result["not_evaluated"] = not_evaluated(config)
     return result
 
 

@@ -41,9 +41,14 @@ def shortest_prompt(encode: Callable[[str], list[int]], digits: int) -> int:
     return sum(len(encode(part)) for part in (INSTRUCTION, NEEDLE.format(key=key), QUESTION, key))
 
 
+def candidate_lengths(seq_len: int) -> list[int]:
+    """seq_len / 8, / 4, / 2 and seq_len."""
+    return sorted({seq_len // d for d in (8, 4, 2, 1)})
+
+
 def default_lengths(seq_len: int, shortest: int) -> list[int]:
-    """seq_len / 8, / 4, / 2 and seq_len, those a prompt fits in."""
-    return sorted({seq_len // d for d in (8, 4, 2, 1) if seq_len // d >= shortest})
+    """The candidate lengths a prompt of `shortest` tokens fits in."""
+    return [n for n in candidate_lengths(seq_len) if n >= shortest]
 
 
 def trials(encode: Callable[[str], list[int]], seq_len: int, lengths, depths, count: int, seed: int,

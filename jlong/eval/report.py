@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -26,6 +27,19 @@ def write(result: dict, out: Path) -> list[Path]:
     return written
 
 
+def destination(default: Path | None, chosen: Path | None) -> tuple[Path | None, str | None]:
+    """Where to write (None: nowhere) and what that does to an earlier evaluation there, said in a line:
+    an `--out` that holds one is replaced; the default directory's is kept, this one going to the first
+    free of default-2, default-3, ..."""
+    if chosen is not None:
+        return chosen, f"replaced the earlier evaluation in {chosen}" if (chosen / JSON).exists() else None
+    if default is None or not (default / JSON).exists():
+        return default, None
+    free = next(path for n in itertools.count(2) if not ((path := default.with_name(f"{default.name}-{n}")) / JSON)
+                .exists())
+    return free, f"kept the earlier evaluation in {default}; this one is in {free}"
+
+
 def passkey_grid(cells: list[dict]) -> tuple[list[int], list[float], dict]:
     """The passkey cells as (lengths, depths, {(length, depth): accuracy})."""
     accuracy = {(c["length"], c["depth"]): c["accuracy"] for c in cells}
@@ -48,6 +62,7 @@ def summary(result: dict) -> str:
         lengths, depths, cell = passkey_grid(result["passkey"])
         lines.append("  depth  " + "".join(f"{n:>10,}" for n in lengths))
         lines += ["  " + f"{d:>5.2f}  " + "".join(f"{cell[n, d]:>10.2f}" for n in lengths) for d in depths]
+    lines += [f"not evaluated: {item['what']} ({item['why']})" for item in result.get("not_evaluated", ())]
     return "\n".join(lines)
 
 
