@@ -17,7 +17,7 @@ from jlong.data.sources import Batches
 from jlong.errors import JlongError
 from jlong.families import family_of
 from jlong.hf import model_config_from_hf
-from jlong.linear_attention import gated_delta
+from jlong.linear_attention import chunks, gated_delta
 from jlong.parallel.placement import make_mesh
 from jlong.program.train_program import TrainProgram
 
@@ -64,7 +64,7 @@ def test_the_chunked_rule_equals_the_rule_token_by_token(chunk, per_block):
 @pytest.mark.fast
 def test_unit_lower_inverse_inverts():
     n = np.tril(np.random.default_rng(0).normal(size=(3, 64, 64)), -1).astype(np.float32) * 0.3
-    got = gated_delta.unit_lower_inverse(jnp.asarray(n))
+    got = chunks.unit_lower_inverse(jnp.asarray(n))
     np.testing.assert_allclose(got @ (np.eye(64) + n), np.broadcast_to(np.eye(64), n.shape), atol=1e-4)
 
 

@@ -217,6 +217,13 @@ class MemoryConfig(_Section):
     loss_tile: NonNegativeInt = 0
 
 
+class KernelsConfig(_Section):
+    """The GPU kernels of the token and channel mixers; `auto` picks by platform (the GPU's own on a GPU)."""
+
+    gated_delta: Text = "auto"  # Gated DeltaNet's rule: auto, or one of `jlong.linear_attention.gated_delta.KERNELS`
+    grouped_matmul: Text = "auto"  # the experts' grouped matmul: auto, or one of `jlong.moe.grouped_matmul.KERNELS`
+
+
 class TrainConfig(_Section):
     steps: PositiveInt = 100
     seq_len: PositiveInt = 2048
@@ -396,6 +403,7 @@ class Config(_Section):
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    kernels: KernelsConfig = Field(default_factory=KernelsConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

@@ -78,7 +78,7 @@ def residual_experts(p, x_BSD, model, moe: MixtureOfExperts, options):
     device's tokens, `mlp_tile` of them at a time, with the options' grouped
     matmul (`jlong.moe.experts`).
     The statistics carry gradients when the load-balancing loss is trained."""
-    moe = dataclasses.replace(moe, kernel=options.grouped_matmul)
+    moe = dataclasses.replace(moe, kernel=options.grouped_matmul, interpret=options.interpret_kernels)
     settings = {"eps": model.rms_norm_eps, "shards": options.shards, "tile": options.mlp_tile}
     statistics = moe.statistics(p, x_BSD, differentiable=options.router_aux_loss, **settings)
     return moe.residual(p, x_BSD, **settings), statistics

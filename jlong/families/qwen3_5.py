@@ -131,7 +131,9 @@ class Qwen3_5Family(OffsetNormFamily):
         """x + token mixer(norm(x)), the mixer the layer type's, then the channel mixer."""
         p = {name: blocks.offset_scale(w) if name in OFFSET_NORMS else w for name, w in p.items()}
         if options.layer_type == LINEAR_ATTENTION:
-            x_BSD = options.sequence_parallel.linear_attention(p, x_BSD, segment_ids_BS, layer=self.linear_layer(model),
+            layer = dataclasses.replace(self.linear_layer(model), kernel=options.gated_delta,
+                                        interpret=options.interpret_kernels)
+            x_BSD = options.sequence_parallel.linear_attention(p, x_BSD, segment_ids_BS, layer=layer,
                                                                shards=options.shards, tile=options.mlp_tile,
                                                                stages=options.head_stages)
         else:

@@ -18,8 +18,16 @@ under a checkpoint, so the backward pass keeps one state per block and
 recomputes a block at a time: memory is bounded by a block, not the sequence.
 Everything is computed in float32.
 
+`triton` (`jlong.linear_attention.gated_delta_triton`) is the same chunked
+form as a GPU runs it fast: the chunks' terms for all chunks at once, the
+recurrence from chunk to chunk in one Pallas Triton kernel per pass.
+
 `recurrent` is the rule token by token (a `lax.scan` over tokens): the
-reference tests compare the chunked form with.
+reference tests compare the chunked forms with.
+
+`KERNELS` holds them by name (setting `kernels.gated_delta`); `kernel_for`
+is what `auto` picks on a platform, and `rule` a kernel ready to call there
+(a GPU kernel on the CPU runs in its interpreter).
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jlong.linear_attention import gated_delta_triton
+from jlong.linear_attention.chunks import chunk_terms, padded_inputs, segment_before_first
 from jlong.ops.tiling import varying_like
 
 CHUNK = 128  # tokens related by one triangular solve
@@ -45,23 +55,12 @@ def chunked(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_befo
     state before the first token (zero when None), left by a token of
     segment `segment_before` [B] (unset: the first token's own, so the first
     token continues it; another segment starts afresh)."""
-    B, S, H, dv = v.shape
-    dk = k.shape[-1]
-    if segment_ids is None:
-        segment_ids = jnp.zeros((B, S), jnp.int32)
+    S = v.shape[1]
     chunk = min(chunk, 1 << max(S - 1, 1).bit_length())  # a power of two (`unit_lower_inverse`)
     block = chunk * max(1, min(chunks_per_block, -(-S // chunk)))
-    padded = -(-S // block) * block
-    # Padding at the end neither reads nor changes the state that earlier tokens see (k = beta = 0, g = 0).
-    pad = functools.partial(_pad_tokens, extra=padded - S)
-    q, k, v, g, beta = map(pad, (q, k, v, g, beta))  # cast to float32 a block at a time
-    segment_ids = jnp.pad(segment_ids, [(0, 0), (0, padded - S)], mode="edge")  # padding joins the last document
-    # The segment before the first token: the first token's own when it continues `initial_state`.
-    first = _segment_before(segment_ids, initial_state, segment_before)
-    previous = jnp.concatenate([first, segment_ids[:, :-1]], axis=1)
-    state = jnp.zeros((B, H, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-    state = varying_like(state, v)  # inside shard_map, the carry varies over the devices as the tokens do
-
+    (q, k, v, g, beta), segment_ids, previous, state = padded_inputs(
+        (q, k, v, g, beta), segment_ids, initial_state, segment_before, multiple=block)
+    B, padded, H, dv = v.shape
     blocks = padded // block
 
     def by_block(t):  # [B, S, ...] -> [blocks, B, block, ...] (a reshape alone for one sequence)
@@ -75,57 +74,11 @@ def chunked(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_befo
     return o, state
 
 
-def _segment_before(segment_ids, initial_state, segment_before):
-    """[B, 1]: the segment of the token before the first (-1: none, so no state to continue)."""
-    if initial_state is None:
-        return jnp.full_like(segment_ids[:, :1], -1)
-    return segment_ids[:, :1] if segment_before is None else segment_before[:, None].astype(segment_ids.dtype)
-
-
-def _pad_tokens(t, *, extra: int):
-    if not extra:
-        return t
-    widths = [(0, 0), (0, extra)] + [(0, 0)] * (t.ndim - 2)
-    return jnp.pad(t, widths)
-
-
 def _block(state, inputs, *, chunk: int):
     """One block of chunks: (state in, (q, k, v, g, beta, segments, previous segments)) -> (state out, o)."""
     q, k, v, g, beta, seg, prev = inputs
-    dtype = v.dtype
-    q, k, v, g, beta = (t.astype(jnp.float32) for t in (q, k, v, g, beta))
     B, T, H, dv = v.shape
-    group = H // k.shape[2]
-    q, k = (jnp.repeat(t, group, axis=2) for t in (q, k))
-    n = T // chunk
-
-    def chunks(t):  # [B, T, H, ...] -> [B, H, n, chunk, ...]
-        t = t.reshape(B, n, chunk, *t.shape[2:])
-        return jnp.moveaxis(t, 3, 1)
-
-    q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
-    seg = seg.reshape(B, 1, n, chunk)
-    before = prev.reshape(B, 1, n, chunk)[..., :1]  # the segment of the token before each chunk
-    last = seg[..., -1:]
-
-    cum = jnp.cumsum(g, axis=-1)  # log of the decay from the chunk's start through each token
-    causal = jnp.tril(jnp.ones((chunk, chunk), bool))
-    same = causal & (seg[..., :, None] == seg[..., None, :])  # [B, 1, n, C, C]: j <= i in one document
-    decay = jnp.where(same, jnp.exp(jnp.where(same, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
-    reads = seg == before  # tokens of the document that runs into the chunk read the incoming state
-    writes = seg == last  # tokens of the document that runs out of the chunk write the outgoing state
-    carries = (last == before)[..., 0]  # [B, 1, n]: no document starts inside the chunk
-
-    k_beta = k * beta[..., None]
-    strictly = ~jnp.eye(chunk, dtype=bool)
-    system = jnp.where(strictly, jnp.einsum("...id,...jd->...ij", k_beta, k) * decay, 0.0)
-    inverse = unit_lower_inverse(system)  # of I + the strictly lower part
-    new_values = inverse @ (v * beta[..., None])  # u: the values the chunk writes, before the state's part
-    state_keys = inverse @ (k_beta * (jnp.exp(cum) * reads)[..., None])  # w: how the state's part enters
-    intra = jnp.einsum("...id,...jd->...ij", q, k) * decay
-    q_read = q * (jnp.exp(cum) * reads)[..., None]
-    k_write = k * (jnp.exp(cum[..., -1:] - cum) * writes)[..., None]
-    chunk_decay = jnp.exp(cum[..., -1]) * carries  # [B, H, n]
+    terms = chunk_terms(q, k, v, g, beta, seg, prev, chunk=chunk)
 
     def one_chunk(state, xs):
         u, w, a, qr, kw, decay_c = xs
@@ -134,32 +87,9 @@ def _block(state, inputs, *, chunk: int):
         state = state * decay_c[..., None, None] + jnp.swapaxes(kw, -1, -2) @ v_new
         return state, o
 
-    along_chunks = [jnp.moveaxis(t, 2, 0) for t in (new_values, state_keys, intra, q_read, k_write)]
-    state, o = jax.lax.scan(one_chunk, state, (*along_chunks, jnp.moveaxis(chunk_decay, 2, 0)))
+    state, o = jax.lax.scan(one_chunk, state, tuple(jnp.moveaxis(t, 2, 0) for t in terms))
     o = jnp.moveaxis(o, 0, 2)  # [B, H, n, C, dv]
-    return state, jnp.moveaxis(o, 1, 3).reshape(B, T, H, dv).astype(dtype)
-
-
-def unit_lower_inverse(strictly_lower):
-    """(I + N)^-1 for strictly lower-triangular N [..., C, C] (C a power of
-    two), by doubling the size of the diagonal blocks already inverted: with
-    X the inverse of the blocks of size b, the blocks of size 2b are
-    [[A, 0], [M, D]]^-1 = [[A^-1, 0], [-D^-1 M A^-1, D^-1]], that is
-    X - X (N on the new off-diagonal blocks) X. Two matmuls per doubling
-    (log2 C of them), where a triangular solve would be C dependent steps
-    (and XLA:CPU's solve can stall multi-device programs)."""
-    C = strictly_lower.shape[-1]
-    if C & (C - 1):
-        raise ValueError(f"chunk size {C} is not a power of two")
-    rows = jnp.arange(C)
-    inverse = jnp.broadcast_to(jnp.eye(C, dtype=strictly_lower.dtype), strictly_lower.shape)
-    size = 1
-    while size < C:
-        new_blocks = (rows[:, None] // (2 * size) == rows[None, :] // (2 * size)) & \
-                     (rows[:, None] // size != rows[None, :] // size)
-        inverse = inverse - inverse @ jnp.where(new_blocks, strictly_lower, 0.0) @ inverse
-        size *= 2
-    return inverse
+    return state, jnp.moveaxis(o, 1, 3).reshape(B, T, H, dv).astype(v.dtype)
 
 
 def recurrent(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_before=None):
@@ -170,7 +100,7 @@ def recurrent(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_be
     q, k = (jnp.repeat(t.astype(jnp.float32), group, axis=2) for t in (q, k))
     if segment_ids is None:
         segment_ids = jnp.zeros((B, S), jnp.int32)
-    first = _segment_before(segment_ids, initial_state, segment_before)
+    first = segment_before_first(segment_ids, initial_state, segment_before)
     starts = segment_ids != jnp.concatenate([first, segment_ids[:, :-1]], axis=1)
     state = jnp.zeros((B, H, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
     state = varying_like(state, v)
@@ -187,4 +117,16 @@ def recurrent(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_be
     return jnp.moveaxis(o, 0, 1).astype(v.dtype), state
 
 
-KERNELS = {"chunked": chunked, "recurrent": recurrent}
+KERNELS = {"chunked": chunked, "triton": gated_delta_triton.triton, "recurrent": recurrent}
+GPU_KERNELS = frozenset({"triton"})  # written for a GPU; `interpret=True` runs them anywhere
+
+
+def kernel_for(platform: str) -> str:
+    """The kernel `auto` runs on `platform` ("gpu" or "cpu")."""
+    return "triton" if platform == "gpu" else "chunked"
+
+
+def rule(name: str, *, interpret: bool = False):
+    """The kernel `name`, interpreted when `interpret` and it is a GPU kernel."""
+    kernel = KERNELS[name]
+    return functools.partial(kernel, interpret=True) if interpret and name in GPU_KERNELS else kernel

@@ -37,7 +37,7 @@ import numpy as np
 
 from jlong.ops.head_stages import sum_over_head_stages
 from jlong.errors import JlongError
-from jlong.linear_attention.gated_delta import KERNELS
+from jlong.linear_attention import gated_delta
 from jlong.linear_attention.ring import halo, ring_rule
 from jlong.ops.layers import rms_norm
 from jlong.ops.tiling import join_tiles, split_tiles, tiles_gradient_into, varying_like
@@ -58,6 +58,7 @@ class GatedDeltaNet:
     value_dim: int  # dv
     norm_eps: float  # of the input RMSNorm and the per-head output norm
     kernel: str = "chunked"  # `gated_delta.KERNELS`
+    interpret: bool = False  # a GPU kernel in its interpreter (on the CPU)
 
     @property
     def channels(self) -> int:
@@ -163,7 +164,7 @@ def gated_deltanet_on_device(p, x_BsD, segment_ids_BS, *, layer: GatedDeltaNet, 
     taps_q, taps_k, taps_v = layer.split_heads(p["gdn_conv"])
     if segment_ids_BS is None:
         segment_ids_BS = jnp.zeros((x_BsD.shape[0], x_BsD.shape[1] * plan.devices), jnp.int32)  # the group's tokens
-    rule = KERNELS[layer.kernel]
+    rule = gated_delta.rule(layer.kernel, interpret=layer.interpret)
 
     def stage_output(x_input_BsD, sink_BsD, stage):
         values, keys = values_of[stage], keys_of[stage]

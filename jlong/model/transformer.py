@@ -25,11 +25,13 @@ from jlong.attention.kernels import AttentionKernel, choose_kernel
 from jlong.attention.methods import SequenceParallelMethod, method_of
 from jlong.attention.methods.ulysses import ULYSSES
 from jlong.config import Config, ModelConfig
+from jlong.errors import JlongError
 from jlong.families import ParamSpec, family_of
 from jlong.families.base import FULL_ATTENTION, shortest_period
+from jlong.linear_attention import gated_delta
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy, token_scores
 from jlong.model.remat import remat_policy, scan_layers, scan_periods
-from jlong.moe.grouped_matmul import kernel_for
+from jlong.moe import grouped_matmul
 from jlong.moe.routing import expert_load_max_over_mean, load_balancing_loss
 from jlong.ops.shards import HIDDEN, OneDevice, Shards
 from jlong.options import DType, RematName, RematSegment
@@ -52,6 +54,8 @@ class ForwardOptions:
     loss_tile: int = 0  # the same for the output projection and the loss
     layer_type: str = FULL_ATTENTION  # the type of the layers being run (`Family.layer_types`)
     grouped_matmul: str = "ragged_dot"  # a mixture of experts' kernel (`jlong.moe.grouped_matmul.KERNELS`)
+    gated_delta: str = "chunked"  # Gated DeltaNet's rule (`jlong.linear_attention.gated_delta.KERNELS`)
+    interpret_kernels: bool = False  # GPU kernels run in their interpreter (chosen on the CPU)
     router_aux_loss: bool = False  # a mixture of experts' loss adds router_aux_loss_coef x the load-balancing loss
 
     @property
@@ -85,9 +89,20 @@ class ForwardOptions:
             remat_segments=config.remat_segments if len(config.remat_segments) > 1 else (),
             mlp_tile=config.memory.mlp_tile,
             loss_tile=config.memory.loss_tile,
-            grouped_matmul=kernel_for(platform),
+            grouped_matmul=_chosen_kernel("grouped_matmul", config.kernels.grouped_matmul, grouped_matmul, platform),
+            gated_delta=_chosen_kernel("gated_delta", config.kernels.gated_delta, gated_delta, platform),
+            interpret_kernels=platform == "cpu",
             router_aux_loss=config.train.router_aux_loss,
         )
+
+
+def _chosen_kernel(setting: str, name: str, registry, platform: str) -> str:
+    """`kernels.<setting>` resolved on `platform`: `auto` the registry's pick, else a name it holds."""
+    if name == "auto":
+        return registry.kernel_for(platform)
+    if name not in registry.KERNELS:
+        raise JlongError(f"kernels.{setting} must be auto or one of {', '.join(registry.KERNELS)}, got {name!r}")
+    return name
 
 
 def layer_runs(config: ModelConfig, options: ForwardOptions) -> list[tuple[int, int, ForwardOptions]]:

@@ -29,7 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jlong.moe.grouped_matmul import KERNELS
+from jlong.moe.grouped_matmul import matmul
 from jlong.moe.routing import group_by_expert, no_statistics, route, tile_statistics
 from jlong.ops.layers import rms_norm, swiglu
 from jlong.ops.shards import HIDDEN, REPLICATED
@@ -46,6 +46,7 @@ class MixtureOfExperts:
     normalize: bool  # renormalise each token's top-k probabilities to sum to one
     shared_expert: bool = False  # plus a SwiGLU every token runs, gated per token (Qwen3.5-MoE)
     kernel: str = "ragged_dot"  # `grouped_matmul.KERNELS`
+    interpret: bool = False  # a GPU kernel in its interpreter (on the CPU)
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -60,7 +61,7 @@ class MixtureOfExperts:
         _, weights_Tk, experts_Tk = route(h_TD, p["router"], top_k=k, normalize=self.normalize)
         order_P, group_sizes_E = group_by_expert(experts_Tk, self.num_experts)
         rows_PD = jnp.take(h_TD, order_P // k, axis=0)
-        grouped = functools.partial(KERNELS[self.kernel], group_sizes_G=group_sizes_E)
+        grouped = functools.partial(matmul(self.kernel, interpret=self.interpret), group_sizes_G=group_sizes_E)
         hidden_PF = jax.nn.silu(grouped(rows_PD, p["expert_gate"])) * grouped(rows_PD, p["expert_up"])
         out_PD = grouped(hidden_PF, p["expert_down"])
         in_token_order = jnp.zeros_like(order_P).at[order_P].set(jnp.arange(T * k, dtype=order_P.dtype))

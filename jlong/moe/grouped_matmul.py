@@ -2,8 +2,10 @@
 multiplied by its own matrix, [M, K] x [G, K, N] -> [M, N], group g being
 the next group_sizes[g] rows.
 
-`KERNELS` holds them by name (`MixtureOfExperts.kernel`); `kernel_for`
-picks one for a platform:
+`KERNELS` holds them by name (setting `kernels.grouped_matmul`;
+`MixtureOfExperts.kernel`); `kernel_for` is what `auto` picks on a platform,
+and `matmul` a kernel ready to call there (a GPU kernel on the CPU runs in
+its interpreter):
 
 - `ragged_dot`: `jax.lax.ragged_dot`, XLA's own: what the CPU runs, and the
   reference. XLA:GPU in jax 0.10 lowers it to a product with every group's
@@ -13,6 +15,8 @@ picks one for a platform:
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 
@@ -25,8 +29,15 @@ def ragged_dot(x_MK, w_GKN, group_sizes_G):
 
 
 KERNELS = {"ragged_dot": ragged_dot, "triton": grouped_matmul_triton.grouped_matmul}
+GPU_KERNELS = frozenset({"triton"})  # written for a GPU; `interpret=True` runs them anywhere
 
 
 def kernel_for(platform: str) -> str:
-    """The grouped matmul a platform ("gpu" or "cpu") runs."""
+    """The grouped matmul `auto` runs on `platform` ("gpu" or "cpu")."""
     return "triton" if platform == "gpu" else "ragged_dot"
+
+
+def matmul(name: str, *, interpret: bool = False):
+    """The kernel `name`, interpreted when `interpret` and it is a GPU kernel."""
+    kernel = KERNELS[name]
+    return functools.partial(kernel, interpret=True) if interpret and name in GPU_KERNELS else kernel

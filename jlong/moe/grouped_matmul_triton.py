@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jlong.ops.tiling import varying_result
+
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call XLA:GPU runs a Pallas Triton kernel as
 PRODUCT, WEIGHT_GRADIENT = "grouped_matmul", "grouped_matmul_weight_gradient"  # the kernels' names
 ROWS_OPERAND = {PRODUCT: 5, WEIGHT_GRADIENT: 2}  # which operand of each kernel's call is its rows [M, K]
@@ -64,11 +66,6 @@ def work_items(group_sizes_G, rows: int, block_m: int):
     group = jnp.minimum(jnp.searchsorted(item_ends, item, side="right"), G - 1).astype(jnp.int32)
     tile = (first_tile[group] + item - (item_ends[group] - tiles[group])).astype(jnp.int32)
     return group, tile, item_ends[-1].astype(jnp.int32)
-
-
-def _like(x, shape, dtype) -> jax.ShapeDtypeStruct:
-    """A result of `shape` and `dtype` that varies over the mesh axes x varies over (inside `shard_map`)."""
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(x).manual_axis_type)
 
 
 def _bounds(group_sizes_G):
@@ -112,7 +109,7 @@ def _product(x_MK, w, group_sizes_G, *, transpose_w: bool, interpret: bool):
                                transpose_w=transpose_w)
     return pl.pallas_call(
         kernel,
-        out_shape=_like(x_MK, (M, N), x_MK.dtype),
+        out_shape=varying_result(x_MK, (M, N), x_MK.dtype),
         grid=(group.shape[0], N // block_n),
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret,
@@ -148,7 +145,7 @@ def _weight_gradient(x_MK, dy_MN, group_sizes_G, dtype, *, interpret: bool):
     kernel = functools.partial(_weight_gradient_kernel, block_m=BLOCK_M, block_n=block_n, block_k=block_k)
     return pl.pallas_call(
         kernel,
-        out_shape=_like(x_MK, (G, K, N), dtype),
+        out_shape=varying_result(x_MK, (G, K, N), dtype),
         grid=(G, K // block_k, N // block_n),
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret,

@@ -9,11 +9,17 @@ import dataclasses
 import math
 
 from jlong.attention.kernels import price_custom_call
-from jlong.moe.grouped_matmul_triton import call_flops
 from jlong.attention.step import CallCost
 from jlong.errors import JlongError
+from jlong.linear_attention import gated_delta_triton
+from jlong.moe import grouped_matmul_triton
 from jlong.planner.hlo import Computation, HloModule, Instruction
 from jlong.planner.targets import GpuModel
+
+
+# jlong's GPU kernels, each with its FLOPs from its custom call and the kind of kernel it is priced as
+# (the kind's efficiency in `Efficiency`).
+KERNEL_PRICES = ((grouped_matmul_triton.call_flops, "grouped matmul"), (gated_delta_triton.call_flops, "gated delta"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +30,10 @@ class Efficiency:
     # measured: 143-184 TFLOP/s, jlong's Triton grouped matmul (forward, both gradients) at Qwen3.5-35B-A3B's
     # expert shapes, 65,536 routed rows over 8-128 experts, on an H100 SXM (experiments/results/gpu-truth-follow-ups.md)
     grouped_matmul: float = 0.16
+    # Not yet raced: the Triton gated delta rule's recurrence kernels priced so that, with nothing else, the rule
+    # at 32,768 tokens, 16 heads of 128 (60 GFLOP in its two kernels) would run at half of FLA's published
+    # 9 M tokens/s: 60e9 / (32,768 / 4.5e6 s) = 8.3 TFLOP/s, 0.008 of an H100's bf16 peak.
+    gated_delta: float = 0.008
     attention_fwd: float = 0.60
     attention_bwd: float = 0.53  # measured: 522 TFLOP/s, cuDNN 9.19 causal backward at 32K on an H100 SXM
     hbm: float = 0.80
@@ -125,7 +135,7 @@ class Pricer:
             target = (inst.attribute("custom_call_target") or "").strip('"')
             if (cost := kernel_call_cost(inst, computation)) is not None:
                 return "compute", self._attention(inst, computation, cost, tally)
-            if "cublas" not in target and _grouped_matmul_flops(inst, computation) is None:
+            if "cublas" not in target and _kernel_flops(inst, computation) is None:
                 # its FLOPs are unknown: counted at its memory traffic, and reported
                 hbm = self._hbm_bytes(inst, computation)
                 tally.unpriced[target][0] += 1
@@ -135,7 +145,8 @@ class Pricer:
         tally.hbm_bytes += hbm
         tally.flops["matmul"] += flops.matmul
         tally.flops["other"] += flops.other
-        efficiency = {"matmul": self.eff.gemm, "grouped matmul": self.eff.grouped_matmul}.get(kind, 1.0)
+        efficiency = {"matmul": self.eff.gemm, "grouped matmul": self.eff.grouped_matmul,
+                      "gated delta": self.eff.gated_delta}.get(kind, 1.0)
         rate = self.gpu.peak_bf16_flops * efficiency
         seconds = max(flops.total / rate, hbm / (self.gpu.hbm_bytes_per_s * self.eff.hbm))
         tally.busy_s[kind] += seconds
@@ -189,11 +200,12 @@ class Pricer:
         return sum(a.bytes for a in result if not a.on_host) or sum(a.bytes for a in operands if not a.on_host)
 
     def _flops(self, inst: Instruction, computation: Computation) -> tuple[_Flops, str]:
-        """Its FLOPs and the kind of kernel it is priced as: matmul, grouped matmul or other kernels."""
+        """Its FLOPs and the kind of kernel it is priced as: matmul, one of jlong's kernels
+        (`KERNEL_PRICES`) or other kernels."""
         if inst.opcode == "custom-call" and "cublas" in (inst.attribute("custom_call_target") or ""):
             return _Flops(matmul=_cublas_flops(inst, computation)), "matmul"
-        if inst.opcode == "custom-call" and (grouped := _grouped_matmul_flops(inst, computation)) is not None:
-            return _Flops(matmul=grouped), "grouped matmul"
+        if inst.opcode == "custom-call" and (priced := _kernel_flops(inst, computation)) is not None:
+            return _Flops(matmul=priced[0]), priced[1]
         if inst.opcode == "fusion":
             flops = self._fused_flops(inst.called[0])
             return flops, "matmul" if flops.matmul > 0 else "other kernels"
@@ -299,11 +311,20 @@ def _cublas_flops(inst: Instruction, computation: Computation) -> float:
     return 2.0 * inst.arrays[0].elements * contracted
 
 
-def _grouped_matmul_flops(inst: Instruction, computation: Computation) -> float | None:
-    """A mixture of experts' grouped matmul kernel call, at its routed rows' FLOPs (None: another call)."""
+def kernel_flops(target: str, attributes: str, operand_dims: list, result_dims: tuple) -> tuple[float, str] | None:
+    """(FLOPs, kind) of a call of one of jlong's own GPU kernels, from its
+    custom-call target, attributes (as the HLO text prints them), operand
+    and result shapes; None for any other call."""
+    for call_flops, kind in KERNEL_PRICES:
+        if (flops := call_flops(target, attributes, operand_dims, result_dims)) is not None:
+            return flops, kind
+    return None
+
+
+def _kernel_flops(inst: Instruction, computation: Computation) -> tuple[float, str] | None:
     target = (inst.attribute("custom_call_target") or "").strip('"')
-    return call_flops(target, inst.attributes, [a.dims for a in computation.operand_arrays(inst)],
-                      inst.arrays[0].dims)
+    return kernel_flops(target, inst.attributes, [a.dims for a in computation.operand_arrays(inst)],
+                        inst.arrays[0].dims)
 
 
 def _elementwise_flops(inst: Instruction) -> float:

@@ -1,0 +1,131 @@
+"""What the chunked forms of the gated delta rule share: the inputs padded
+to whole chunks with each token's predecessor's segment, and each chunk's
+terms (the WY / UT representation of its products of (I - beta k k^T),
+attention inside the chunk, the decays), computed for all chunks at once in
+float32. Only the recurrence from chunk to chunk is left to a kernel
+(`gated_delta.chunked`, `gated_delta_triton`)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jlong.ops.tiling import varying_like
+
+
+def padded_inputs(tokens, segment_ids, initial_state, segment_before, *, multiple: int):
+    """What the chunked forms start from: the tokens (q, k, v, g, beta)
+    padded at the end to a `multiple` of tokens, their segment ids, each
+    token's predecessor's segment id ([B, S'] int) and the starting state
+    [B, H, dk, dv] in float32 (zeros when `initial_state` is None)."""
+    q, k, v, g, beta = tokens
+    B, S, H, dv = v.shape
+    if segment_ids is None:
+        segment_ids = jnp.zeros((B, S), jnp.int32)
+    extra = -(-S // multiple) * multiple - S
+    # Padding at the end neither reads nor changes the state that earlier tokens see (k = beta = 0, g = 0).
+    tokens = tuple(_pad_tokens(t, extra=extra) for t in tokens)
+    segment_ids = jnp.pad(segment_ids, [(0, 0), (0, extra)], mode="edge")  # padding joins the last document
+    # The segment before the first token: the first token's own when it continues `initial_state`.
+    first = segment_before_first(segment_ids, initial_state, segment_before)
+    previous = jnp.concatenate([first, segment_ids[:, :-1]], axis=1)
+    shape = (B, H, k.shape[-1], dv)
+    state = jnp.zeros(shape, jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+    # inside shard_map, the state varies over the devices as the tokens do
+    return tokens, segment_ids, previous, varying_like(state, v)
+
+
+def segment_before_first(segment_ids, initial_state, segment_before):
+    """[B, 1]: the segment of the token before the first (-1: none, so no state to continue)."""
+    if initial_state is None:
+        return jnp.full_like(segment_ids[:, :1], -1)
+    return segment_ids[:, :1] if segment_before is None else segment_before[:, None].astype(segment_ids.dtype)
+
+
+def _pad_tokens(t, *, extra: int):
+    if not extra:
+        return t
+    widths = [(0, 0), (0, extra)] + [(0, 0)] * (t.ndim - 2)
+    return jnp.pad(t, widths)
+
+
+class ChunkTerms(NamedTuple):
+    """What each chunk of `chunk` tokens contributes, computed for all chunks
+    at once ([B, H, n, C, ...] float32; C = chunk). With S the state entering
+    a chunk, the chunk's outputs and the state it leaves are
+
+        v_new = u - w S,   o = qr S + a v_new,   S' = decay S + kw^T v_new
+
+    so only this recurrence runs chunk after chunk."""
+
+    u: jax.Array  # [.., C, dv] the values the chunk writes, before the state's part
+    w: jax.Array  # [.., C, dk] how the incoming state enters them
+    a: jax.Array  # [.., C, C] attention inside the chunk (causal, within a document, decayed)
+    qr: jax.Array  # [.., C, dk] the queries that read the incoming state, decayed
+    kw: jax.Array  # [.., C, dk] the keys that write the outgoing state, decayed to the chunk's end
+    decay: jax.Array  # [..] the incoming state's decay over the chunk (0 where a document starts inside)
+
+
+def chunk_terms(q, k, v, g, beta, seg, prev, *, chunk: int) -> ChunkTerms:
+    """The `ChunkTerms` of tokens q, k [B, T, Hk, dk], v [B, T, H, dv], g,
+    beta [B, T, H] (T a multiple of `chunk`), segment ids `seg` and each
+    token's predecessor's `prev` [B, T]."""
+    q, k, v, g, beta = (t.astype(jnp.float32) for t in (q, k, v, g, beta))
+    B, T, H, dv = v.shape
+    group = H // k.shape[2]
+    q, k = (jnp.repeat(t, group, axis=2) for t in (q, k))
+    n = T // chunk
+
+    def chunks(t):  # [B, T, H, ...] -> [B, H, n, chunk, ...]
+        t = t.reshape(B, n, chunk, *t.shape[2:])
+        return jnp.moveaxis(t, 3, 1)
+
+    q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
+    seg = seg.reshape(B, 1, n, chunk)
+    before = prev.reshape(B, 1, n, chunk)[..., :1]  # the segment of the token before each chunk
+    last = seg[..., -1:]
+
+    cum = jnp.cumsum(g, axis=-1)  # log of the decay from the chunk's start through each token
+    causal = jnp.tril(jnp.ones((chunk, chunk), bool))
+    same = causal & (seg[..., :, None] == seg[..., None, :])  # [B, 1, n, C, C]: j <= i in one document
+    decay = jnp.where(same, jnp.exp(jnp.where(same, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
+    reads = seg == before  # tokens of the document that runs into the chunk read the incoming state
+    writes = seg == last  # tokens of the document that runs out of the chunk write the outgoing state
+    carries = (last == before)[..., 0]  # [B, 1, n]: no document starts inside the chunk
+
+    k_beta = k * beta[..., None]
+    strictly = ~jnp.eye(chunk, dtype=bool)
+    system = jnp.where(strictly, jnp.einsum("...id,...jd->...ij", k_beta, k) * decay, 0.0)
+    inverse = unit_lower_inverse(system)  # of I + the strictly lower part
+    return ChunkTerms(
+        u=inverse @ (v * beta[..., None]),
+        w=inverse @ (k_beta * (jnp.exp(cum) * reads)[..., None]),
+        a=jnp.einsum("...id,...jd->...ij", q, k) * decay,
+        qr=q * (jnp.exp(cum) * reads)[..., None],
+        kw=k * (jnp.exp(cum[..., -1:] - cum) * writes)[..., None],
+        decay=jnp.exp(cum[..., -1]) * carries,
+    )
+
+
+def unit_lower_inverse(strictly_lower):
+    """(I + N)^-1 for strictly lower-triangular N [..., C, C] (C a power of
+    two), by doubling the size of the diagonal blocks already inverted: with
+    X the inverse of the blocks of size b, the blocks of size 2b are
+    [[A, 0], [M, D]]^-1 = [[A^-1, 0], [-D^-1 M A^-1, D^-1]], that is
+    X - X (N on the new off-diagonal blocks) X. Two matmuls per doubling
+    (log2 C of them), where a triangular solve would be C dependent steps
+    (and XLA:CPU's solve can stall multi-device programs)."""
+    C = strictly_lower.shape[-1]
+    if C & (C - 1):
+        raise ValueError(f"chunk size {C} is not a power of two")
+    rows = jnp.arange(C)
+    inverse = jnp.broadcast_to(jnp.eye(C, dtype=strictly_lower.dtype), strictly_lower.shape)
+    size = 1
+    while size < C:
+        new_blocks = (rows[:, None] // (2 * size) == rows[None, :] // (2 * size)) & \
+                     (rows[:, None] // size != rows[None, :] // size)
+        inverse = inverse - inverse @ jnp.where(new_blocks, strictly_lower, 0.0) @ inverse
+        size *= 2
+    return inverse

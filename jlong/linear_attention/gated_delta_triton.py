@@ -1,0 +1,182 @@
+"""The gated delta rule as FLA structures it on a GPU: the chunk-local work
+for all chunks at once, and only the chunk-to-chunk state recurrence in
+sequence, inside one Pallas Triton kernel per pass (`interpret=True` runs the
+same kernels on the CPU, as the tests do).
+
+1. `gated_delta.chunk_terms`: every chunk's WY / UT terms, intra-chunk
+   attention and decays, as batched XLA operations over all chunks (large
+   kernels, a fixed number of them whatever the length);
+2. the forward kernel walks the chunks of one (sequence, head) and block of
+   value columns, the state [dk, block_v] kept on chip in float32:
+
+       v_new = u - w S,   o = qr S + a v_new,   S <- decay S + kw^T v_new
+
+   writing o, the state entering each chunk and v_new (the backward pass
+   needs them);
+3. the backward kernel walks the chunks in reverse with the state's
+   gradient dS on chip:
+
+       dv_new = a^T do + kw dS,   dS <- qr^T do + decay dS - w^T dv_new
+
+   and the gradients of the chunk terms are again batched XLA products over
+   all chunks, through which autodiff reaches q, k, v, g and beta.
+
+The matrices enter the kernels in bf16 when v is bf16 (as FLA's do; the
+state and every accumulation stay float32) and in float32 otherwise (the
+ring's summaries, the tests). Same contract as `gated_delta.chunked`.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jlong.linear_attention.chunks import chunk_terms, padded_inputs
+from jlong.ops.tiling import varying_result
+
+CHUNK = 64  # tokens per chunk, as FLA's
+BLOCK_V = 64  # value columns per program
+NUM_WARPS, NUM_STAGES = 4, 1
+TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call XLA:GPU runs a Pallas Triton kernel as
+FORWARD, BACKWARD = "gated_delta_forward", "gated_delta_backward"  # the kernels' names
+
+
+def triton(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_before=None, *, interpret: bool = False,
+           chunk: int = CHUNK):
+    """o [B, S, H, dv] in v's dtype and the final state [B, H, dk, dv] in
+    float32, as `gated_delta.chunked` computes them."""
+    S = v.shape[1]
+    (q, k, v, g, beta), segment_ids, previous, state = padded_inputs(
+        (q, k, v, g, beta), segment_ids, initial_state, segment_before, multiple=chunk)
+    B, T, H, dv = v.shape
+    dk = k.shape[-1]
+    terms = chunk_terms(q, k, v, g, beta, segment_ids, previous, chunk=chunk)
+    operand = jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
+    heads = lambda t: t.reshape(B * H, *t.shape[2:])  # noqa: E731  [B, H, ...] -> [B H, ...]
+    matrices = (heads(t).astype(operand) for t in (terms.u, terms.w, terms.a, terms.qr, terms.kw))
+    o, state = _recurrence(*matrices, heads(terms.decay), heads(state), interpret)
+    o = jnp.moveaxis(o.reshape(B, H, T, dv), 1, 2)[:, :S]
+    return o.astype(v.dtype), state.reshape(B, H, dk, dv)
+
+
+def _block_v(dv: int) -> int:
+    block = min(BLOCK_V, dv)
+    if dv % block or block < 16 or block & (block - 1):
+        raise ValueError(f"the Triton gated delta rule needs value widths that are multiples of 16, got {dv}")
+    return block
+
+
+def _forward_kernel(u_ref, w_ref, a_ref, qr_ref, kw_ref, decay_ref, state_ref, o_ref, final_ref, states_ref,
+                    v_new_ref, *, chunks: int, block_v: int):
+    bh, columns = pl.program_id(0), pl.ds(pl.program_id(1) * block_v, block_v)
+    operand = w_ref.dtype
+
+    def one_chunk(c, S):
+        states_ref[bh, c, :, columns] = S
+        S_op = S.astype(operand)
+        v_new = u_ref[bh, c, :, columns].astype(jnp.float32) - plgpu.dot(w_ref[bh, c], S_op)
+        v_new_ref[bh, c, :, columns] = v_new
+        v_new_op = v_new.astype(operand)
+        o_ref[bh, c, :, columns] = plgpu.dot(qr_ref[bh, c], S_op) + plgpu.dot(a_ref[bh, c], v_new_op)
+        return S * decay_ref[bh, c] + plgpu.dot(kw_ref[bh, c], v_new_op, trans_a=True)
+
+    final_ref[bh, :, columns] = jax.lax.fori_loop(0, chunks, one_chunk, state_ref[bh, :, columns])
+
+
+def _backward_kernel(do_ref, w_ref, a_ref, qr_ref, kw_ref, decay_ref, d_final_ref, d_v_new_ref, d_next_ref,
+                     d_state_ref, *, chunks: int, block_v: int):
+    bh, columns = pl.program_id(0), pl.ds(pl.program_id(1) * block_v, block_v)
+    operand = w_ref.dtype
+
+    def one_chunk(i, dS):
+        c = chunks - 1 - i
+        d_next_ref[bh, c, :, columns] = dS  # the gradient of the state the chunk leaves
+        do = do_ref[bh, c, :, columns]
+        d_v_new = plgpu.dot(a_ref[bh, c], do, trans_a=True) + plgpu.dot(kw_ref[bh, c], dS.astype(operand))
+        d_v_new_ref[bh, c, :, columns] = d_v_new
+        return (plgpu.dot(qr_ref[bh, c], do, trans_a=True) + dS * decay_ref[bh, c]
+                - plgpu.dot(w_ref[bh, c], d_v_new.astype(operand), trans_a=True))
+
+    d_state_ref[bh, :, columns] = jax.lax.fori_loop(0, chunks, one_chunk, d_final_ref[bh, :, columns])
+
+
+def _call(kernel, name: str, like, out_shapes, grid, interpret: bool):
+    return pl.pallas_call(
+        kernel,
+        out_shape=tuple(varying_result(like, shape, jnp.float32) for shape in out_shapes),
+        grid=grid,
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        interpret=interpret,
+        name=name,
+    )
+
+
+def _forward(u, w, a, qr, kw, decay, state, interpret):
+    """o [BH, n, C, dv], the final state [BH, dk, dv], the state entering each
+    chunk [BH, n, dk, dv] and v_new [BH, n, C, dv], all float32."""
+    (BH, n, C, dv), dk = u.shape, w.shape[-1]
+    block_v = _block_v(dv)
+    kernel = functools.partial(_forward_kernel, chunks=n, block_v=block_v)
+    shapes = [(BH, n, C, dv), (BH, dk, dv), (BH, n, dk, dv), (BH, n, C, dv)]
+    return _call(kernel, FORWARD, u, shapes, (BH, dv // block_v), interpret)(u, w, a, qr, kw, decay, state)
+
+
+def _backward(do, d_final, w, a, qr, kw, decay, interpret):
+    """dv_new [BH, n, C, dv], the gradient of the state each chunk leaves
+    [BH, n, dk, dv] and of the initial state [BH, dk, dv]."""
+    (BH, n, C, dv), dk = do.shape, w.shape[-1]
+    block_v = _block_v(dv)
+    kernel = functools.partial(_backward_kernel, chunks=n, block_v=block_v)
+    shapes = [(BH, n, C, dv), (BH, n, dk, dv), (BH, dk, dv)]
+    return _call(kernel, BACKWARD, do, shapes, (BH, dv // block_v), interpret)(do, w, a, qr, kw, decay, d_final)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _recurrence(u, w, a, qr, kw, decay, state, interpret):
+    """(o [BH, T, dv], final state) of the chunks' terms [BH, n, ...] from `state` [BH, dk, dv]."""
+    o, final, _, _ = _forward(u, w, a, qr, kw, decay, state, interpret)
+    return o.reshape(o.shape[0], -1, o.shape[-1]), final
+
+
+def _recurrence_forward(u, w, a, qr, kw, decay, state, interpret):
+    o, final, states, v_new = _forward(u, w, a, qr, kw, decay, state, interpret)
+    return (o.reshape(o.shape[0], -1, o.shape[-1]), final), (w, a, qr, kw, decay, states, v_new)
+
+
+def _recurrence_backward(interpret, saved, cotangents):
+    w, a, qr, kw, decay, states, v_new = saved
+    do, d_final = cotangents
+    BH, n, C, dk = w.shape
+    do = do.reshape(BH, n, C, -1)
+    d_v_new, d_next, d_state = _backward(do.astype(w.dtype), d_final, w, a, qr, kw, decay, interpret)
+    # The chunk terms' gradients, for all chunks at once.
+    by_chunk = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
+    d_u = d_v_new
+    d_w = -by_chunk("bncv,bnkv->bnck", d_v_new, states)
+    d_a = by_chunk("bncv,bnjv->bncj", do, v_new)
+    d_qr = by_chunk("bncv,bnkv->bnck", do, states)
+    d_kw = by_chunk("bncv,bnkv->bnck", v_new, d_next)
+    d_decay = jnp.einsum("bnkv,bnkv->bn", states, d_next)
+    cast = lambda t, like: t.astype(like.dtype)  # noqa: E731
+    return (cast(d_u, w), cast(d_w, w), cast(d_a, a), cast(d_qr, qr), cast(d_kw, kw), d_decay, d_state)
+
+
+_recurrence.defvjp(_recurrence_forward, _recurrence_backward)
+
+
+def call_flops(target: str, attributes: str, operand_dims: list, result_dims: tuple) -> float | None:
+    """The FLOPs of one of these kernels' calls in a compiled program, for the
+    planner: per chunk and value column, the four products of the
+    recurrence, 2 C (3 dk + C) (forward and backward alike); None for any
+    other call."""
+    names = re.findall(r'name = "([^"]+)", num_stages', attributes or "")
+    if target != TRITON_CALL or not names or names[-1] not in (FORWARD, BACKWARD):
+        return None
+    BH, n, C, dv = operand_dims[0]
+    dk = operand_dims[1][-1]  # w [BH, n, C, dk], the second operand of both
+    return 2.0 * BH * n * C * dv * (3 * dk + C)

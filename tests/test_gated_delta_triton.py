@@ -1,0 +1,106 @@
+"""The Triton gated delta rule (interpreted on the CPU: the very kernels a
+GPU runs) against the rule token by token, in float32: outputs and the
+gradients of every input, packed documents, a starting state and its
+gradient, a cotangent on the final state, lengths that are not whole chunks,
+more value heads than key heads, and the ring's call (float32 values of
+width dk + dv from an identity state). Tolerances: 2e-6 absolute on outputs
+of order one, 1e-5 relative to the largest gradient."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_qwen3_5 import _rule_inputs
+
+from jlong.linear_attention import gated_delta, gated_delta_triton
+from jlong.planner import pricing
+
+pytestmark = pytest.mark.fast
+
+triton = jax.jit(lambda *a: gated_delta_triton.triton(*a, interpret=True))
+SEGMENTS = np.repeat(np.array([[0, 1, 2]]), [40, 70, 40], axis=1).repeat(2, 0).astype(np.int32)
+
+
+def _close(got, want, atol=2e-6):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=atol)
+
+
+def _state(B, H, dk, dv, seed=1):
+    return np.random.default_rng(seed).normal(size=(B, H, dk, dv)).astype(np.float32)
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "state"])
+def test_outputs_equal_the_rule_token_by_token(with_state):
+    """150 tokens: two whole chunks of 64 and a padded third, three documents, Hv = 2 Hk."""
+    q, k, v, g, beta = _rule_inputs(dv=16)
+    args = (SEGMENTS, _state(2, 4, 16, 16), np.array([5, 0])) if with_state else (SEGMENTS,)
+    _close(triton(q, k, v, g, beta, *args), gated_delta.recurrent(q, k, v, g, beta, *args))
+
+
+def test_gradients_of_every_input_equal_the_rule_token_by_token():
+    """With a starting state that the first document continues and a
+    cotangent on the final state as well as on the outputs."""
+    q, k, v, g, beta = _rule_inputs(dv=16)
+    weights = np.cos(np.arange(v.size)).reshape(v.shape).astype(np.float32)
+
+    def loss(rule):
+        def f(q, k, v, g, beta, state):
+            o, final = rule(q, k, v, g, beta, SEGMENTS, state)
+            return jnp.sum(o * weights) + 0.3 * jnp.sum(final)
+        return jax.grad(f, argnums=range(6))
+
+    args = (q, k, v, g, beta, _state(2, 4, 16, 16))
+    got, want = jax.jit(loss(triton))(*args), loss(gated_delta.recurrent)(*args)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5 * np.abs(b).max())
+
+
+def test_the_rings_call_in_float32_with_values_of_width_dk_plus_dv():
+    """`ring_rule`'s summary: an identity state beside zeros, values [0 | v],
+    differentiated through the state and with a cotangent on it."""
+    q, k, v, g, beta = _rule_inputs(B=1, S=96, dv=16)
+    B, _, H, dv = v.shape
+    dk = k.shape[-1]
+    start = jnp.concatenate([jnp.broadcast_to(jnp.eye(dk), (B, H, dk, dk)), jnp.zeros((B, H, dk, dv))], axis=-1)
+    values = jnp.concatenate([jnp.zeros((B, 96, H, dk)), v], axis=-1)
+    segments = np.zeros((1, 96), np.int32)
+
+    def summary(rule):
+        return lambda values, start: rule(q, k, values, g, beta, segments, start, np.array([0]))[1]
+
+    _close(summary(triton)(values, start), summary(gated_delta.recurrent)(values, start), atol=1e-5)
+    cotangent = np.random.default_rng(2).normal(size=start.shape).astype(np.float32)
+    pullback = lambda rule: jax.vjp(summary(rule), values, start)[1](cotangent)  # noqa: E731
+    got, want = pullback(triton), pullback(gated_delta.recurrent)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5 * np.abs(b).max())
+
+
+def test_bfloat16_inputs_stay_near_the_float32_rule():
+    """bf16 matrices into the kernels (the state float32): outputs within 2% of the largest."""
+    q, k, v, g, beta = _rule_inputs(dv=16)
+    bf16 = lambda t: jnp.asarray(t, jnp.bfloat16)  # noqa: E731
+    o, final = triton(bf16(q), bf16(k), bf16(v), g, beta, SEGMENTS)
+    want_o, want_final = gated_delta.recurrent(q, k, v, g, beta, SEGMENTS)
+    assert o.dtype == jnp.bfloat16
+    assert np.abs(np.asarray(o, np.float32) - want_o).max() < 0.02 * np.abs(want_o).max()
+    assert np.abs(np.asarray(final) - want_final).max() < 0.02 * np.abs(want_final).max()
+
+
+def test_the_registry_runs_it_interpreted_where_asked_and_auto_picks_it_on_gpus():
+    assert gated_delta.kernel_for("gpu") == "triton" and gated_delta.kernel_for("cpu") == "chunked"
+    q, k, v, g, beta = _rule_inputs(B=1, S=64, dv=16)
+    _close(gated_delta.rule("triton", interpret=True)(q, k, v, g, beta), gated_delta.recurrent(q, k, v, g, beta))
+    assert gated_delta.rule("chunked", interpret=True) is gated_delta.chunked
+
+
+def test_the_kernels_calls_are_priced_at_their_recurrences_flops():
+    """Forward and backward alike: 2 C (3 dk + C) per chunk, head and value column."""
+    forward = 'name = "gated_delta_forward", num_stages = 1'
+    BH, n, C, dv, dk = 48, 2048, 64, 128, 128
+    dims = [[BH, n, C, dv], [BH, n, C, dk], [BH, n, C, C]]
+    flops = gated_delta_triton.call_flops(gated_delta_triton.TRITON_CALL, forward, dims, (BH, n, C, dv))
+    assert flops == 2.0 * BH * n * C * dv * (3 * dk + C)
+    assert gated_delta_triton.call_flops("other", forward, dims, ()) is None
+    assert pricing.kernel_flops(gated_delta_triton.TRITON_CALL, forward, dims, (BH, n, C, dv)) == (flops, "gated delta")
