@@ -1,0 +1,597 @@
+"""Races jlong's GPU kernels against what a PyTorch user would run, on one
+GPU in one run: Gated DeltaNet's chunked rule against flash-linear-attention
+(FLA), the experts' grouped matmul against `torch._grouped_mm` and a dense
+GEMM of equal FLOPs. Same shapes, dtypes and inputs side by side; medians of
+repeated calls after warm-up (and after FLA's autotuning), forward and
+forward + backward; each kernel's error against a float32 reference.
+
+    python experiments/kernel_race.py [--out DIR]            # one GPU, about 3 minutes
+    python experiments/kernel_race.py --rehearse --out DIR   # the CPU: jlong's kernels interpreted, tiny shapes
+
+jax and PyTorch each run in a child process of their own (one after the
+other, so neither holds GPU memory the other needs); the parent writes
+`kernel-race.json` and `kernel-race.md` in DIR (default experiments/results).
+FLA is imported from wherever Python finds `fla` (the device wheels' README
+says how to carry it). Rows a framework could not run say "not run"; a
+kernel that fails says "failed" with its error, and the race goes on.
+
+- Gated DeltaNet (bf16 q, k, v; float32 log decays g and write strengths
+  beta; q and k unit-norm, no scale: FLA's `scale=1`, its L2 norm off): B=1,
+  T in 8,192 / 32,768 / 131,072, 16 heads of 128, and Qwen3.5-27B's heads on
+  one of 8 sp devices (2 key and 6 value heads of 128) at 131,072. Errors
+  at the first length, against the rule token by token in float32 at the
+  highest precision (`gated_delta.recurrent`): the output (forward), and the
+  worst of q's, k's, v's, g's and beta's gradients (forward + backward), each
+  relative to the reference's largest magnitude.
+- Grouped matmul (bf16, float32 accumulation): 65,536 routed rows at
+  Qwen3-30B-A3B's expert shapes (128 experts, 2048 -> 768 and 768 -> 2048) and
+  Qwen3.5-35B-A3B's (256 experts, 2048 -> 512), rows spread evenly and
+  skewed (a quarter of the experts take half the rows). TFLOP/s count the
+  routed rows' 2 M K N per product (three products forward + backward).
+  Errors against each group's product in float32 at the highest precision.
+- Dense GEMM: [M, K] x [K, N] with the same M, K, N (the grouped matmul's
+  FLOPs in one product).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))
+
+from common import RESULTS, commit, markdown_table, portable  # noqa: E402
+
+GATED_DELTA_SHAPES = [  # (label, B, T, Hk, H, D)
+    ("16 heads", 1, 8_192, 16, 16, 128),
+    ("16 heads", 1, 32_768, 16, 16, 128),
+    ("16 heads", 1, 131_072, 16, 16, 128),
+    ("Qwen3.5-27B, sp=8", 1, 131_072, 2, 6, 128),
+]
+GATED_DELTA_REHEARSAL = [("tiny", 1, 96, 2, 4, 16), ("tiny", 1, 192, 2, 4, 16)]
+GROUPED_SHAPES = [  # (label, M, K, N, G, k)
+    ("Qwen3-30B-A3B gate/up", 65_536, 2048, 768, 128, 8),
+    ("Qwen3-30B-A3B down", 65_536, 768, 2048, 128, 8),
+    ("Qwen3.5-35B-A3B", 65_536, 2048, 512, 256, 8),
+]
+GROUPED_REHEARSAL = [("tiny", 256, 64, 32, 8, 2)]
+DISTRIBUTIONS = ("uniform", "skewed")
+REPEATS = 5
+PEAK_BF16 = 989e12  # H100 and H200 SXM, dense bf16 (jlong.planner.targets)
+
+
+# ---------------------------------------------------------------- inputs, shared by both frameworks (numpy)
+
+def gated_delta_inputs(B, T, Hk, H, D, seed=0):
+    """Unit-norm q, k [B, T, Hk, D] and v [B, T, H, D] (float32, to be rounded to bf16), log decays g and write
+    strengths beta [B, T, H] as Gated DeltaNet makes them, and a cotangent do [B, T, H, D]."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q = unit(rng.standard_normal((B, T, Hk, D), np.float32))
+    k = unit(rng.standard_normal((B, T, Hk, D), np.float32))
+    v = rng.standard_normal((B, T, H, D), np.float32)
+    g = -np.logaddexp(0.0, rng.standard_normal((B, T, H), np.float32) - 3.0).astype(np.float32)  # -softplus
+    beta = (1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, H), np.float32)))).astype(np.float32)
+    do = rng.standard_normal((B, T, H, D), np.float32)
+    return q, k, v, g, beta, do
+
+
+def group_sizes(M: int, G: int, distribution: str):
+    """Rows per group: even, or a quarter of the groups taking half the rows; summing to M."""
+    import numpy as np
+
+    if distribution == "uniform":
+        weights = np.ones(G)
+    else:
+        weights = np.where(np.arange(G) < G // 4, 0.5 / (G // 4), 0.5 / (G - G // 4))
+    sizes = np.floor(weights / weights.sum() * M).astype(np.int32)
+    sizes[: M - sizes.sum()] += 1
+    return sizes
+
+
+def grouped_inputs(M, K, N, G, seed=0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((M, K), np.float32)
+    w = (rng.standard_normal((G, K, N), np.float32) / np.sqrt(K)).astype(np.float32)
+    dy = rng.standard_normal((M, N), np.float32)
+    return x, w, dy
+
+
+def relative_error(got, want) -> float:
+    import numpy as np
+
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def row(kernel, impl, pass_, shape, *, status="ok", tokens_per_s=None, tflops=None, error=None, seconds=None,
+        note=None) -> dict:
+    return {"kernel": kernel, "impl": impl, "pass": pass_, "shape": shape, "status": status,
+            "tokens_per_s": tokens_per_s, "tflops": tflops, "max_rel_error": error, "seconds": seconds,
+            "note": note}
+
+
+def failed(kernel, impl, pass_, shape, exc) -> dict:
+    message = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    return row(kernel, impl, pass_, shape, status="failed", note=f"{type(exc).__name__}: {message}")
+
+
+# ---------------------------------------------------------------- the jax part
+
+def jax_part(rehearse: bool, workdir: Path) -> dict:
+    from jlong.jax_startup import import_jax_quietly
+
+    import_jax_quietly()  # no CUDA plugin's "no driver" lines on a CPU machine
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jlong.linear_attention import gated_delta, gated_delta_triton
+    from jlong.moe import grouped_matmul_triton
+
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and not rehearse:
+        raise SystemExit(2)
+    interpret = not on_gpu
+    repeats = 1 if rehearse else REPEATS
+
+    def median(fn, *args):
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - began)
+        return statistics.median(times)
+
+    rows, rates = [], []
+    kernels = {"jlong:triton": lambda *a, **kw: gated_delta_triton.triton(*a, interpret=interpret, **kw),
+               "jlong:chunked": gated_delta.chunked}
+    for index, (label, B, T, Hk, H, D) in enumerate(GATED_DELTA_REHEARSAL if rehearse else GATED_DELTA_SHAPES):
+        shape = {"B": B, "T": T, "H": H, "Hk": Hk, "D": D, "label": label}
+        q, k, v, g, beta, do = gated_delta_inputs(B, T, Hk, H, D)
+        bf16 = [jnp.asarray(t, jnp.bfloat16) for t in (q, k, v)]
+        f32 = [jnp.asarray(t) for t in (g, beta)]
+        cotangent = jnp.asarray(do, jnp.bfloat16)
+        reference = None
+        if index == 0:  # the numerics: the rule token by token in float32, from the bf16-rounded inputs
+            rounded = [t.astype(jnp.float32) for t in bf16] + f32
+            with jax.default_matmul_precision("highest"):
+                reference = _gated_delta_outputs(gated_delta.recurrent, rounded, cotangent.astype(jnp.float32))
+            np.savez(workdir / "gated_delta_reference.npz", *[np.asarray(t) for t in reference])
+        args = (*bf16, *f32, cotangent)  # the cotangent an argument, not a constant compiled in
+        for impl, rule in kernels.items():
+            forward = jax.jit(lambda *a, rule=rule: rule(*a[:5])[0])
+            both = jax.jit(lambda *a, rule=rule: _gated_delta_outputs(rule, a[:5], a[5])[1:])
+            for pass_, fn in (("fwd", forward), ("fwd+bwd", both)):
+                try:
+                    seconds = median(fn, *args)
+                    error = None
+                    if reference is not None:
+                        got = fn(*args)
+                        error = (relative_error(got, reference[0]) if pass_ == "fwd" else
+                                 max(relative_error(a, b) for a, b in zip(got, reference[1:])))
+                    rows.append(row("gated_delta", impl, pass_, shape, tokens_per_s=B * T / seconds, error=error,
+                                    seconds=seconds))
+                except Exception as exc:  # noqa: BLE001 (a failing kernel is a row, the race goes on)
+                    rows.append(failed("gated_delta", impl, pass_, shape, exc))
+        if on_gpu and T == 32_768:
+            rates.extend(_recurrence_rates(bf16, f32, cotangent, shape, median))
+    for label, M, K, N, G, topk in GROUPED_REHEARSAL if rehearse else GROUPED_SHAPES:
+        x, w, dy = grouped_inputs(M, K, N, G)
+        xb, wb, dyb = (jnp.asarray(t, jnp.bfloat16) for t in (x, w, dy))
+        for distribution in DISTRIBUTIONS:
+            shape = {"M": M, "K": K, "N": N, "G": G, "k": topk, "label": label, "rows": distribution}
+            sizes = group_sizes(M, G, distribution)
+            reference = _grouped_reference(xb, wb, dyb, sizes)
+            product = lambda x, w, s: grouped_matmul_triton.grouped_matmul(x, w, s, interpret=interpret)  # noqa: E731
+            rows.extend(_matmul_rows("grouped_matmul", "jlong:triton", product, (xb, wb, jnp.asarray(sizes)), dyb,
+                                     shape, 2.0 * M * K * N, reference, median))
+        dense_shape = {"M": M, "K": K, "N": N, "label": label}
+        rows.extend(_matmul_rows("dense_gemm", "jax", lambda x, w: x @ w, (xb, wb[0]), dyb, dense_shape,
+                                 2.0 * M * K * N, None, median))
+    return {"rows": rows, "rates": rates, "versions": _jax_versions(on_gpu), "device": _jax_device()}
+
+
+def _gated_delta_outputs(rule, inputs, cotangent):
+    """(o, dq, dk, dv, dg, dbeta) of the rule with cotangent `do` on o."""
+    o, pullback = __import__("jax").vjp(lambda *a: rule(*a)[0], *inputs)
+    return (o, *pullback(cotangent.astype(o.dtype)))
+
+
+def _recurrence_rates(bf16, f32, cotangent, shape, median) -> list[dict]:
+    """The Triton rule's two recurrence kernels alone: their TFLOP/s (the planner prices them at it)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jlong.linear_attention import chunks, gated_delta_triton as gdt
+
+    q, k, v = bf16
+    g, beta = f32
+    (q, k, v, g, beta), seg, prev, state = chunks.padded_inputs((q, k, v, g, beta), None, None, None,
+                                                              multiple=gdt.CHUNK)
+    B, T, H, dv = v.shape
+    terms = chunks.chunk_terms(q, k, v, g, beta, seg, prev, chunk=gdt.CHUNK)
+    heads = lambda t: t.reshape(B * H, *t.shape[2:])  # noqa: E731
+    mats = [heads(t).astype(jnp.bfloat16) for t in (terms.u, terms.w, terms.a, terms.qr, terms.kw)]
+    decay, state = heads(terms.decay), heads(state)
+    forward = jax.jit(lambda *a: gdt._forward(*a, False))
+    outputs = forward(*mats, decay, state)
+    do = jnp.moveaxis(cotangent.reshape(B, T, H, dv), 2, 1).reshape(B * H, -1, gdt.CHUNK, dv)
+    backward = jax.jit(lambda do, final, w, a, qr, kw, decay: gdt._backward(do, final, w, a, qr, kw, decay, False))
+    dims = [list(m.shape) for m in mats]
+    flops = gdt.call_flops(gdt.TRITON_CALL, f'name = "{gdt.FORWARD}", num_stages', dims, ())
+    result = []
+    for name, fn, args in (("forward", forward, (*mats, decay, state)),
+                           ("backward", backward, (do, outputs[1], *mats[1:], decay))):
+        seconds = median(fn, *args)
+        result.append({"name": f"gated_delta recurrence {name}", "shape": shape, "seconds": seconds,
+                       "tflops": flops / seconds / 1e12, "share_of_bf16_peak": flops / seconds / PEAK_BF16})
+    return result
+
+
+def _grouped_reference(x, w, dy, sizes):
+    """(y, dx, dw) group by group in float32 at the highest precision: each
+    group's rows gathered into a window of the largest group's size (the
+    rows past its own size zero), one batched product per output."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    starts, widest = np.cumsum(sizes) - sizes, int(sizes.max())
+    index = starts[:, None] + np.arange(widest)[None]  # [G, widest]
+    real = np.arange(widest)[None] < sizes[:, None]
+    index = np.where(real, index, 0)
+
+    @jax.jit
+    def products(x, w, dy):
+        x, w, dy = (t.astype(jnp.float32) for t in (x, w, dy))
+        x_win, dy_win = (jnp.where(real[..., None], t[index], 0.0) for t in (x, dy))
+        precise = jax.lax.Precision.HIGHEST
+        y = jnp.einsum("gmk,gkn->gmn", x_win, w, precision=precise)
+        dx = jnp.einsum("gmn,gkn->gmk", dy_win, w, precision=precise)
+        return y, dx, jnp.einsum("gmk,gmn->gkn", x_win, dy_win, precision=precise)
+
+    y, dx, dw = (np.asarray(t) for t in products(x, w, dy))
+    return y[real], dx[real], dw  # windows back to rows in order: groups are consecutive
+
+
+def _matmul_rows(kernel, impl, product, args, dy, shape, flops, reference, median) -> list[dict]:
+    """Rows of `product(x, w, *rest)` forward and forward + backward (dx, dw from the cotangent dy)."""
+    import jax
+
+    def outputs(dy, x, w, *rest):
+        y, pullback = jax.vjp(lambda x, w: product(x, w, *rest), x, w)
+        return (y, *pullback(dy))
+
+    forward = jax.jit(lambda dy, *a: product(*a))
+    both = jax.jit(outputs)
+    args = (dy, *args)  # the cotangent an argument, not a constant compiled in
+    rows = []
+    for pass_, fn, count in (("fwd", forward, 1), ("fwd+bwd", both, 3)):
+        try:
+            seconds = median(fn, *args)
+            error = None
+            if reference is not None:
+                got = fn(*args)
+                error = (relative_error(got, reference[0]) if pass_ == "fwd" else
+                         max(relative_error(a, b) for a, b in zip(got, reference)))
+            rows.append(row(kernel, impl, pass_, shape, tflops=count * flops / seconds / 1e12, error=error,
+                            seconds=seconds))
+        except Exception as exc:  # noqa: BLE001
+            rows.append(failed(kernel, impl, pass_, shape, exc))
+    return rows
+
+
+def _jax_versions(on_gpu: bool) -> dict:
+    import jax
+    import jaxlib
+
+    found = {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__}
+    if on_gpu:
+        from jlong.planner.targets import installed_cudnn_version
+
+        cudnn = installed_cudnn_version()
+        found["cudnn"] = ".".join(map(str, cudnn)) if cudnn else None
+    return found
+
+
+def _jax_device() -> dict:
+    import jax
+
+    device = jax.devices()[0]
+    return {"platform": device.platform, "kind": device.device_kind}
+
+
+# ---------------------------------------------------------------- the PyTorch part
+
+def torch_part(workdir: Path) -> dict:
+    import numpy as np
+    import torch
+
+    rows, versions = [], {"torch": torch.__version__}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        pass
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        import fla
+
+        versions["fla"] = getattr(fla, "__version__", "unknown")
+    except ImportError as exc:
+        chunk_gated_delta_rule, fla_missing = None, str(exc)
+    cuda = torch.device("cuda")
+
+    def median(fn, warmups=3):
+        for _ in range(warmups):  # FLA's autotuning happens in the first calls
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(REPEATS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    for index, (label, B, T, Hk, H, D) in enumerate(GATED_DELTA_SHAPES):
+        shape = {"B": B, "T": T, "H": H, "Hk": Hk, "D": D, "label": label}
+        if chunk_gated_delta_rule is None:
+            rows += [row("gated_delta", "fla", p, shape, status="not run", note=fla_missing) for p in ("fwd", "fwd+bwd")]
+            continue
+        q, k, v, g, beta, do = gated_delta_inputs(B, T, Hk, H, D)
+        q, k, v = (torch.tensor(t, device=cuda).to(torch.bfloat16).requires_grad_() for t in (q, k, v))
+        g, beta = (torch.tensor(t, device=cuda).requires_grad_() for t in (g, beta))
+        do = torch.tensor(do, device=cuda).to(torch.bfloat16)
+        reference = np.load(workdir / "gated_delta_reference.npz") if index == 0 else None
+
+        def forward():
+            with torch.no_grad():
+                return chunk_gated_delta_rule(q, k, v, g, beta, scale=1.0, use_qk_l2norm_in_kernel=False)[0]
+
+        def both():
+            o = chunk_gated_delta_rule(q, k, v, g, beta, scale=1.0, use_qk_l2norm_in_kernel=False)[0]
+            return (o, *torch.autograd.grad(o, (q, k, v, g, beta), do))
+
+        for pass_, fn in (("fwd", forward), ("fwd+bwd", both)):
+            try:
+                seconds = median(fn)
+                error = None
+                if reference is not None:
+                    got = [t.float().cpu().numpy() for t in fn()] if pass_ == "fwd+bwd" else [fn().float().cpu().numpy()]
+                    want = [reference[f"arr_{i}"] for i in range(6)]
+                    error = (relative_error(got[0], want[0]) if pass_ == "fwd" else
+                             max(relative_error(a, b) for a, b in zip(got[1:], want[1:])))
+                rows.append(row("gated_delta", "fla", pass_, shape, tokens_per_s=B * T / seconds, error=error,
+                                seconds=seconds))
+            except Exception as exc:  # noqa: BLE001
+                rows.append(failed("gated_delta", "fla", pass_, shape, exc))
+        del q, k, v, g, beta, do
+        torch.cuda.empty_cache()
+
+    for label, M, K, N, G, topk in GROUPED_SHAPES:
+        x, w, dy = grouped_inputs(M, K, N, G)
+        xb = torch.tensor(x, device=cuda).to(torch.bfloat16).requires_grad_()
+        # [G, N, K] stored, handed over transposed: the layout torchtitan gives torch._grouped_mm
+        wb = torch.tensor(w, device=cuda).to(torch.bfloat16).transpose(-2, -1).contiguous().transpose(-2, -1)
+        wb.requires_grad_()
+        dyb = torch.tensor(dy, device=cuda).to(torch.bfloat16)
+        for distribution in DISTRIBUTIONS:
+            shape = {"M": M, "K": K, "N": N, "G": G, "k": topk, "label": label, "rows": distribution}
+            sizes = group_sizes(M, G, distribution)
+            offsets = torch.tensor(np.cumsum(sizes), device=cuda, dtype=torch.int32)
+            reference = _torch_grouped_reference(xb, wb, dyb, sizes)
+            product = lambda: torch._grouped_mm(xb, wb, offs=offsets)  # noqa: E731
+            rows += _torch_matmul_rows("grouped_matmul", product, (xb, wb), dyb, shape, 2.0 * M * K * N, reference,
+                                       median)
+        dense_w = wb[0].detach().clone().requires_grad_()
+        rows += _torch_matmul_rows("dense_gemm", lambda: xb @ dense_w, (xb, dense_w), dyb,
+                                   {"M": M, "K": K, "N": N, "label": label}, 2.0 * M * K * N, None, median)
+        del xb, wb, dyb
+        torch.cuda.empty_cache()
+    return {"rows": rows, "versions": versions}
+
+
+def _torch_grouped_reference(x, w, dy, sizes):
+    import numpy as np
+    import torch
+
+    x, w, dy = (t.detach().float() for t in (x, w, dy))
+    ys, dxs, dws, start = [], [], [], 0
+    prior = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for group, size in enumerate(sizes):
+        rows = slice(start, start + int(size))
+        ys.append((x[rows] @ w[group]).cpu().numpy())
+        dxs.append((dy[rows] @ w[group].T).cpu().numpy())
+        dws.append((x[rows].T @ dy[rows]).cpu().numpy())
+        start += int(size)
+    torch.backends.cuda.matmul.allow_tf32 = prior
+    return np.concatenate(ys), np.concatenate(dxs), np.stack(dws)
+
+
+def _torch_matmul_rows(kernel, product, leaves, dy, shape, flops, reference, median) -> list[dict]:
+    import torch
+
+    def forward():
+        with torch.no_grad():
+            return product()
+
+    def both():
+        y = product()
+        return (y, *torch.autograd.grad(y, leaves, dy))
+
+    rows = []
+    for pass_, fn, count in (("fwd", forward, 1), ("fwd+bwd", both, 3)):
+        try:
+            seconds = median(fn)
+            error = None
+            if reference is not None:
+                got = [t.float().cpu().numpy() for t in (fn() if pass_ == "fwd+bwd" else (fn(),))]
+                error = max(relative_error(a, b) for a, b in zip(got, reference))
+            rows.append(row(kernel, "torch", pass_, shape, tflops=count * flops / seconds / 1e12, error=error,
+                            seconds=seconds))
+        except Exception as exc:  # noqa: BLE001
+            rows.append(failed(kernel, "torch", pass_, shape, exc))
+    return rows
+
+
+def not_run_torch_rows(reason: str) -> list[dict]:
+    rows = []
+    for label, B, T, Hk, H, D in GATED_DELTA_REHEARSAL:
+        shape = {"B": B, "T": T, "H": H, "Hk": Hk, "D": D, "label": label}
+        rows += [row("gated_delta", "fla", p, shape, status="not run", note=reason) for p in ("fwd", "fwd+bwd")]
+    for label, M, K, N, G, topk in GROUPED_REHEARSAL:
+        for distribution in DISTRIBUTIONS:
+            shape = {"M": M, "K": K, "N": N, "G": G, "k": topk, "label": label, "rows": distribution}
+            rows += [row("grouped_matmul", "torch", p, shape, status="not run", note=reason)
+                     for p in ("fwd", "fwd+bwd")]
+        rows += [row("dense_gemm", "torch", p, {"M": M, "K": K, "N": N, "label": label}, status="not run",
+                     note=reason) for p in ("fwd", "fwd+bwd")]
+    return rows
+
+
+# ---------------------------------------------------------------- the parent: children, merge, report
+
+def gpu_present() -> bool:
+    if not shutil.which("nvidia-smi"):
+        return False
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return listed.returncode == 0 and "GPU" in listed.stdout
+
+
+def run_child(part: str, args, workdir: Path) -> dict:
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    command = [sys.executable, str(HERE), "--part", part, "--workdir", str(workdir)]
+    if args.rehearse:
+        command.append("--rehearse")
+    done = subprocess.run(command, env=env)
+    out = workdir / f"{part}.json"
+    if done.returncode or not out.is_file():
+        raise SystemExit(f"kernel_race: the {part} part failed (exit {done.returncode}); see its output above")
+    return json.loads(out.read_text())
+
+
+def driver() -> dict:
+    try:
+        line = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
+        name, version = (part.strip() for part in line.split(","))
+        return {"name": name, "driver": version}
+    except (OSError, IndexError, ValueError, subprocess.SubprocessError):
+        return {}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rehearse", action="store_true", help="on the CPU: jlong's kernels interpreted, tiny shapes")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where kernel-race.json and .md go")
+    parser.add_argument("--part", choices=("jax", "torch"), help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.part:
+        result = jax_part(args.rehearse, args.workdir) if args.part == "jax" else torch_part(args.workdir)
+        (args.workdir / f"{args.part}.json").write_text(json.dumps(result))
+        return 0
+    on_gpu = gpu_present()
+    if not on_gpu and not args.rehearse:
+        print("kernel_race needs a GPU (nvidia-smi finds none); --rehearse runs jlong's kernels on the CPU",
+              file=sys.stderr)
+        return 2
+    started = time.time()
+    with tempfile.TemporaryDirectory() as workdir:
+        jax_result = run_child("jax", args, Path(workdir))
+        if args.rehearse:
+            torch_result = {"rows": not_run_torch_rows("rehearsal: no GPU"), "versions": {}}
+        else:
+            torch_result = run_child("torch", args, Path(workdir))
+    report = {
+        "device": {**jax_result["device"], **driver()},
+        "versions": {**jax_result["versions"], **torch_result["versions"]},
+        "rehearsal": args.rehearse,
+        "commit": commit(),
+        "command": " ".join(["python", "experiments/kernel_race.py", *(portable(a) for a in (argv or sys.argv[1:]))]),
+        "seconds": round(time.time() - started, 1),
+        "rows": jax_result["rows"] + torch_result["rows"],
+        "rates": jax_result["rates"],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kernel-race.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out / "kernel-race.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+def _key(r) -> tuple:
+    shape = {k: v for k, v in r["shape"].items()}
+    return r["kernel"], r["pass"], json.dumps(shape, sort_keys=True)
+
+
+def markdown(report: dict) -> str:
+    """The race as a table: each rate beside its anchor's in the same run (FLA for the gated delta rule,
+    torch._grouped_mm for the grouped matmul) and beside the dense GEMM of equal FLOPs."""
+    rows = report["rows"]
+    anchors = {_key(r): r for r in rows if r["impl"] in ("fla", "torch") and r["status"] == "ok"}
+    dense = {(r["pass"], r["shape"]["M"], r["shape"]["K"], r["shape"]["N"]): r for r in rows
+             if r["kernel"] == "dense_gemm" and r["impl"] == "jax" and r["status"] == "ok"}
+    table = []
+    for r in rows:
+        rate = r["tokens_per_s"] if r["kernel"] == "gated_delta" else r["tflops"]
+        anchor = anchors.get(_key(r))
+        anchor_rate = None if anchor is None else (anchor["tokens_per_s"] or anchor["tflops"])
+        versus = f"{rate / anchor_rate:.2f}" if rate and anchor_rate and anchor is not r else ""
+        same = dense.get((r["pass"], r["shape"].get("M"), r["shape"].get("K"), r["shape"].get("N")))
+        versus_dense = (f"{rate / same['tflops']:.2f}" if same and rate and r["kernel"] == "grouped_matmul" else "")
+        unit = "tokens/s" if r["kernel"] == "gated_delta" else "TFLOP/s"
+        shape = ", ".join(f"{k}={v}" for k, v in r["shape"].items())
+        error = "" if r["max_rel_error"] is None else f"{r['max_rel_error']:.1e}"
+        shown = "" if rate is None else (f"{rate:,.0f} {unit}" if unit == "tokens/s" else f"{rate:.1f} {unit}")
+        table.append([r["kernel"], r["impl"], r["pass"], shape, r["status"] + (f" ({r['note']})" if r["note"] and
+                      r["status"] != "ok" else ""), shown, error, versus, versus_dense])
+    device = report["device"]
+    head = [
+        "# Kernel race" + (" (rehearsal on the CPU: jlong's kernels interpreted, nothing timed means anything)"
+                           if report["rehearsal"] else ""),
+        "",
+        f"Produced by `{report['command']}` at commit {report['commit'] or 'unknown'} in {report['seconds']} s on "
+        f"{device.get('name') or device.get('kind')} (driver {device.get('driver', 'none')}); versions: "
+        + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + ".",
+        "",
+        "Measured: medians of repeated calls after warm-up. `vs anchor` is the rate over FLA's (gated delta) or "
+        "torch._grouped_mm's (grouped matmul) at the same shape and pass in this run; `vs dense` the grouped "
+        "matmul's TFLOP/s over jax's dense GEMM of the same M, K, N. Errors: relative to the float32 reference's "
+        "largest magnitude (gated delta: at the first length only).",
+        "",
+        markdown_table(["kernel", "impl", "pass", "shape", "status", "rate", "max rel. error", "vs anchor",
+                        "vs dense"], table),
+    ]
+    if report["rates"]:
+        head += ["", "The Triton gated delta rule's recurrence kernels alone (what the planner prices them at):", "",
+                 markdown_table(["kernel", "seconds", "TFLOP/s", "share of bf16 peak"],
+                                [[r["name"], f"{r['seconds']:.2e}", f"{r['tflops']:.1f}",
+                                  f"{r['share_of_bf16_peak']:.4f}"] for r in report["rates"]])]
+    return "\n".join(head) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
