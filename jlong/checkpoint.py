@@ -117,7 +117,11 @@ class Checkpoints:
                 f"writing the checkpoint of step {step} to {str(self.directory)!r} failed ({_reason(failure)}); "
                 f"{kept}. {_remedy(failure, resumable=previous is not None)}"
             ) from None
-        self._list_files(step)
+        try:
+            self._list_files(step)
+        except OSError as err:
+            raise RunFailure(f"listing the files of checkpoint step {step} in {str(self.directory)!r} failed ({err}); "
+                             f"the step is written but will be read unchecked. {_remedy(err, resumable=True)}") from None
         if jax.process_index() == 0:
             (self.directory / FAILED_SAVE).unlink(missing_ok=True)
 
@@ -217,8 +221,8 @@ class Checkpoints:
             if isinstance(restored, tuple):
                 self._say_set_aside(set_aside, f"resuming from step {step}", say)
                 if not has_checksums(self.directory / str(step)):
-                    say(f"checkpoint step {step} in {str(self.directory)!r} was written before jlong kept checksums "
-                        "of its files: restored without checking its bytes")
+                    say(f"checkpoint step {step} in {str(self.directory)!r} has no checksums of its files (written "
+                        "before jlong kept them, or its save was cut short): restored without checking its bytes")
                 if note := self.failed_save_note(step):
                     say(note)
                 return step, *restored

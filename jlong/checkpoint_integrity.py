@@ -19,8 +19,9 @@ disk) took 5.4-10.2 s and its checksums 0.48-0.88 s more (about 9%);
 checking them at a restore took 0.55-0.80 s. Files are summed on several
 threads (zlib releases the GIL), each process its own files.
 
-Steps written before checksums were kept list sizes only (or nothing):
-they are checked as far as their lists go, and `has_checksums` tells.
+Steps without checksums (written by an older jlong, which listed sizes
+only or nothing, or whose save stopped before its list was written) are
+checked as far as their lists go, and `has_checksums` tells.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def verify_directory(directory: str | Path) -> str:
     unchecked = [s for s in steps if s not in checked]
     said = [f"{_steps(checked)} intact"] if checked else []
     if unchecked:
-        said.append(f"{_steps(unchecked)} written before jlong kept checksums (not checked byte for byte)")
+        said.append(f"{_steps(unchecked)} {'has' if len(unchecked) == 1 else 'have'} no checksums (not checked byte "
+                    "for byte)")
     return f"{str(directory)!r}: {'; '.join(said)}"
 
 
@@ -132,9 +134,21 @@ def _steps(steps: list[int]) -> str:
 
 def _read_list(step_dir: Path, process: int) -> dict:
     listed = json.loads((step_dir / list_name(process)).read_text())
-    if not isinstance(listed, dict):
+    if not _is_file_list(listed, process):
         raise ValueError("not a list of files")
     return listed
+
+
+def _is_file_list(listed, process: int) -> bool:
+    """{"checksum", "files": {name: [size, crc]}} (and process 0's "processes"),
+    or an older jlong's {name: size} of process 0."""
+    if not isinstance(listed, dict):
+        return False
+    if "checksum" not in listed:
+        return all(isinstance(size, int) for size in listed.values())
+    files = listed.get("files")
+    return (isinstance(files, dict) and all(isinstance(entry, list) and len(entry) == 2 for entry in files.values())
+            and (process > 0 or isinstance(listed.get("processes"), int)))
 
 
 def _size_damage(step_dir: Path, files: dict) -> str | None:
@@ -149,16 +163,12 @@ def _size_damage(step_dir: Path, files: dict) -> str | None:
 
 def _checksum_damage(step_dir: Path, files: dict) -> str | None:
     names = list(files)
-    for name, now in zip(names, _checksums([step_dir / n for n in names])):
+    for name, now in zip(names, _checksums([step_dir / n for n in names], _crc32_or_error)):
+        if isinstance(now, OSError):
+            return f"{name} cannot be read ({now.strerror or now})"
         if now != files[name][1]:
             return f"{name} changed after it was written (CRC-32 {now}, {files[name][1]} when written)"
     return None
-
-
-def _checksums(paths: list[Path]) -> list[str]:
-    """CRC-32 of each file, as 8 hex digits, several files at a time."""
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        return list(pool.map(_crc32, paths))
 
 
 def _crc32(path: Path) -> str:
@@ -167,3 +177,16 @@ def _crc32(path: Path) -> str:
         while block := f.read(_BLOCK_BYTES):
             crc = zlib.crc32(block, crc)
     return f"{crc:08x}"
+
+
+def _crc32_or_error(path: Path) -> str | OSError:
+    try:
+        return _crc32(path)
+    except OSError as err:
+        return err
+
+
+def _checksums(paths: list[Path], checksum=_crc32) -> list:
+    """`checksum` of each file (the CRC-32 as 8 hex digits), several files at a time."""
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(checksum, paths))

@@ -77,7 +77,7 @@ def test_a_step_listed_by_an_older_jlong_is_checked_for_size(tmp_path):
     _flip_middle_byte(step_dir / "params/ocdbt.process_0/d/aa11")  # not seen: no checksum to compare
     result = run_cli("verify", tmp_path)
     assert result.returncode == 0
-    assert result.stdout == f"{str(tmp_path)!r}: step 3 written before jlong kept checksums (not checked byte for byte)\n"
+    assert result.stdout == f"{str(tmp_path)!r}: step 3 has no checksums (not checked byte for byte)\n"
     (step_dir / "params/_METADATA").write_bytes(b"")
     assert find_damage(step_dir).startswith("params/_METADATA holds 0 bytes, ")
 
@@ -92,3 +92,12 @@ def test_verify_names_each_damaged_step_in_one_line(tmp_path):
                           f"{str(tmp_path)!r}: damaged, step 4: params/manifest.ocdbt changed after it was written")
     assert_one_line_error(run_cli("verify", tmp_path / "4"), "holds no checkpoint steps")
     assert_one_line_error(run_cli("verify", tmp_path / "absent"), "is not a directory")
+
+
+def test_a_list_that_is_no_list_names_the_step_damaged(tmp_path):
+    step_dir = _step(tmp_path)
+    (step_dir / list_name(1)).write_text('{"checksum": "crc32"}')
+    assert find_damage(step_dir) == ("jlong_files.process_1.json (process 1's list of its files) cannot be read: "
+                                     "not a list of files")
+    (step_dir / FILE_LIST).write_text("[]")
+    assert find_damage(step_dir) == f"its {FILE_LIST} cannot be read: not a list of files"
