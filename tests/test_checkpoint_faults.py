@@ -7,6 +7,7 @@ intact, and the next run says it. And host memory is checked against what
 the node has before the first step."""
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -92,6 +93,10 @@ def test_a_checkpoint_changed_in_place_is_named_set_aside_and_the_one_before_res
     damaged = _flip_in_largest_file(step_dir, mask).relative_to(step_dir)
     assert_one_line_error(run_cli("verify", tmp_path / "ckpt"),
                           f"damaged, step 4: {damaged} changed after it was written (CRC-32 ")
+    reader = Checkpoints(tmp_path / "ckpt")  # as `jlong eval`, `jlong convert` and train.init_from read a step
+    with pytest.raises(JlongError, match=f"checkpoint step 4 in .* is damaged \\({re.escape(str(damaged))} changed"):
+        reader.restore(4, abstract_params=None)  # refused before the arrays' layout is even looked at
+    reader.close()
     capsys.readouterr()
     continued = train(config)
     said = capsys.readouterr().out.splitlines()
