@@ -114,8 +114,11 @@ def verify_directory(directory: str | Path) -> str:
     if not directory.is_dir():
         raise JlongError(f"{str(directory)!r} is not a directory")
     steps = saved_steps(directory)
+    aside = ", ".join(sorted(p.name for p in directory.glob("*.unreadable*")))
+    aside_note = f" ({aside} set aside by a run: not checked)" if aside else ""
     if not steps:
-        raise JlongError(f"{str(directory)!r} holds no checkpoint steps (directories named by their step)")
+        raise JlongError(f"{str(directory)!r} holds no checkpoint steps (directories named by their step"
+                         f"{f'; only {aside}, set aside by a run' if aside else ''})")
     damaged = [f"step {s}: {d}" for s in steps if (d := find_damage(directory / str(s)))]
     if damaged:
         raise JlongError(f"{str(directory)!r}: damaged, {'; '.join(damaged)}")
@@ -125,7 +128,7 @@ def verify_directory(directory: str | Path) -> str:
     if unchecked:
         said.append(f"{_steps(unchecked)} {'has' if len(unchecked) == 1 else 'have'} no checksums (not checked byte "
                     "for byte)")
-    return f"{str(directory)!r}: {'; '.join(said)}"
+    return f"{str(directory)!r}: {'; '.join(said)}{aside_note}"
 
 
 def _steps(steps: list[int]) -> str:

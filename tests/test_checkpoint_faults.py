@@ -108,7 +108,10 @@ def test_a_checkpoint_changed_in_place_is_named_set_aside_and_the_one_before_res
     assert logged_losses(tmp_path / "run") == uninterrupted
     assert (tmp_path / "ckpt" / "4.unreadable" / damaged).is_file()  # kept for inspection
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["2", "4", "4.unreadable", "6", RUN_RECORD]
-    assert run_cli("verify", tmp_path / "ckpt").returncode == 0  # 4.unreadable is no step
+    verified = run_cli("verify", tmp_path / "ckpt")
+    assert verified.returncode == 0
+    assert verified.stdout == f"{str(tmp_path / 'ckpt')!r}: steps 2, 4, 6 intact (4.unreadable set aside by a run: " \
+                              "not checked)\n"
 
 
 def test_a_checkpoint_from_before_checksums_restores_and_says_so_once(tmp_path, uninterrupted, capsys):
