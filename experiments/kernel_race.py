@@ -65,6 +65,7 @@ GROUPED_SHAPES = [  # (label, M, K, N, G, k)
     ("Qwen3.5-35B-A3B", 65_536, 2048, 512, 256, 8),
 ]
 GROUPED_REHEARSAL = [("tiny", 256, 64, 32, 8, 2)]
+QUICK_LENGTHS = (8_192, 32_768)  # --quick: two lengths of 16 heads and the first expert shape
 DISTRIBUTIONS = ("uniform", "skewed")
 REPEATS = 5
 PEAK_BF16 = 989e12  # H100 and H200 SXM, dense bf16 (jlong.planner.targets)
@@ -120,9 +121,17 @@ def relative_error(got, want) -> float:
 
 def row(kernel, impl, pass_, shape, *, status="ok", tokens_per_s=None, tflops=None, error=None, seconds=None,
         note=None) -> dict:
-    return {"kernel": kernel, "impl": impl, "pass": pass_, "shape": shape, "status": status,
-            "tokens_per_s": tokens_per_s, "tflops": tflops, "max_rel_error": error, "seconds": seconds,
-            "note": note}
+    found = {"kernel": kernel, "impl": impl, "pass": pass_, "shape": shape, "status": status,
+             "tokens_per_s": tokens_per_s, "tflops": tflops, "max_rel_error": error, "seconds": seconds,
+             "note": note}
+    if STREAM is not None:  # each row as it is measured: a part stopped by its time limit keeps what it had
+        with STREAM.open("a") as out:
+            out.write(json.dumps(found) + "\n")
+        print(f"kernel_race: {json.dumps(found)}", flush=True)
+    return found
+
+
+STREAM: Path | None = None  # a part's rows file (`workdir/PART.jsonl`)
 
 
 def failed(kernel, impl, pass_, shape, exc) -> dict:
@@ -132,7 +141,16 @@ def failed(kernel, impl, pass_, shape, exc) -> dict:
 
 # ---------------------------------------------------------------- the jax part
 
-def jax_part(rehearse: bool, workdir: Path) -> dict:
+def gated_delta_shapes(quick: bool) -> list:
+    return [s for s in GATED_DELTA_SHAPES if s[0] == "16 heads" and s[2] in QUICK_LENGTHS] if quick else \
+        GATED_DELTA_SHAPES
+
+
+def grouped_shapes(quick: bool) -> list:
+    return GROUPED_SHAPES[:1] if quick else GROUPED_SHAPES
+
+
+def jax_part(rehearse: bool, quick: bool, workdir: Path) -> dict:
     from jlong.jax_startup import import_jax_quietly
 
     import_jax_quietly()  # no CUDA plugin's "no driver" lines on a CPU machine
@@ -161,13 +179,14 @@ def jax_part(rehearse: bool, workdir: Path) -> dict:
     rows, rates = [], []
     kernels = {"jlong:triton": lambda *a, **kw: gated_delta_triton.triton(*a, interpret=interpret, **kw),
                "jlong:chunked": gated_delta.chunked}
-    for index, (label, B, T, Hk, H, D) in enumerate(GATED_DELTA_REHEARSAL if rehearse else GATED_DELTA_SHAPES):
+    for index, (label, B, T, Hk, H, D) in enumerate(GATED_DELTA_REHEARSAL if rehearse else gated_delta_shapes(quick)):
         shape = {"B": B, "T": T, "H": H, "Hk": Hk, "D": D, "label": label}
         q, k, v, g, beta, do = gated_delta_inputs(B, T, Hk, H, D)
         bf16 = [jnp.asarray(t, jnp.bfloat16) for t in (q, k, v)]
         f32 = [jnp.asarray(t) for t in (g, beta)]
         cotangent = jnp.asarray(do, jnp.bfloat16)
         reference = None
+        print(f"kernel_race: gated delta at {shape}", flush=True)
         if index == 0:  # the numerics: the rule token by token in float32, from the bf16-rounded inputs
             rounded = [t.astype(jnp.float32) for t in bf16] + f32
             with jax.default_matmul_precision("highest"):
@@ -191,7 +210,7 @@ def jax_part(rehearse: bool, workdir: Path) -> dict:
                     rows.append(failed("gated_delta", impl, pass_, shape, exc))
         if on_gpu and T == 32_768:
             rates.extend(_recurrence_rates(bf16, f32, cotangent, shape, median))
-    for label, M, K, N, G, topk in GROUPED_REHEARSAL if rehearse else GROUPED_SHAPES:
+    for label, M, K, N, G, topk in GROUPED_REHEARSAL if rehearse else grouped_shapes(quick):
         x, w, dy = grouped_inputs(M, K, N, G)
         xb, wb, dyb = (jnp.asarray(t, jnp.bfloat16) for t in (x, w, dy))
         for distribution in DISTRIBUTIONS:
@@ -319,7 +338,7 @@ def _jax_device() -> dict:
 
 # ---------------------------------------------------------------- the PyTorch part
 
-def torch_part(workdir: Path) -> dict:
+def torch_part(quick: bool, workdir: Path) -> dict:
     import numpy as np
     import torch
 
@@ -354,11 +373,12 @@ def torch_part(workdir: Path) -> dict:
             times.append(start.elapsed_time(end) / 1e3)
         return statistics.median(times)
 
-    for index, (label, B, T, Hk, H, D) in enumerate(GATED_DELTA_SHAPES):
+    for index, (label, B, T, Hk, H, D) in enumerate(gated_delta_shapes(quick)):
         shape = {"B": B, "T": T, "H": H, "Hk": Hk, "D": D, "label": label}
         if chunk_gated_delta_rule is None:
             rows += [row("gated_delta", "fla", p, shape, status="not run", note=fla_missing) for p in ("fwd", "fwd+bwd")]
             continue
+        print(f"kernel_race: FLA at {shape}", flush=True)
         q, k, v, g, beta, do = gated_delta_inputs(B, T, Hk, H, D)
         q, k, v = (torch.tensor(t, device=cuda).to(torch.bfloat16).requires_grad_() for t in (q, k, v))
         g, beta = (torch.tensor(t, device=cuda).requires_grad_() for t in (g, beta))
@@ -389,7 +409,7 @@ def torch_part(workdir: Path) -> dict:
         del q, k, v, g, beta, do
         torch.cuda.empty_cache()
 
-    for label, M, K, N, G, topk in GROUPED_SHAPES:
+    for label, M, K, N, G, topk in grouped_shapes(quick):
         x, w, dy = grouped_inputs(M, K, N, G)
         xb = torch.tensor(x, device=cuda).to(torch.bfloat16).requires_grad_()
         # [G, N, K] stored, handed over transposed: the layout torchtitan gives torch._grouped_mm
@@ -480,16 +500,22 @@ def gpu_present() -> bool:
     return listed.returncode == 0 and "GPU" in listed.stdout
 
 
-def run_child(part: str, args, workdir: Path) -> dict:
+def run_child(part: str, args, workdir: Path, limit_s: float | None) -> dict:
+    """The part's result; where it failed or ran out of time, the rows it had streamed, and a note."""
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     command = [sys.executable, str(HERE), "--part", part, "--workdir", str(workdir)]
-    if args.rehearse:
-        command.append("--rehearse")
-    done = subprocess.run(command, env=env)
+    command += ["--rehearse"] * args.rehearse + ["--quick"] * args.quick
+    try:
+        returncode = subprocess.run(command, env=env, timeout=limit_s).returncode
+    except subprocess.TimeoutExpired:
+        returncode = f"stopped after {limit_s:.0f} s"
     out = workdir / f"{part}.json"
-    if done.returncode or not out.is_file():
-        raise SystemExit(f"kernel_race: the {part} part failed (exit {done.returncode}); see its output above")
-    return json.loads(out.read_text())
+    if not returncode and out.is_file():
+        return json.loads(out.read_text())
+    stream = workdir / f"{part}.jsonl"
+    rows = [json.loads(line) for line in stream.read_text().splitlines()] if stream.is_file() else []
+    print(f"kernel_race: the {part} part did not finish ({returncode}); {len(rows)} rows kept", file=sys.stderr)
+    return {"rows": rows, "rates": [], "versions": {}, "device": {}, "unfinished": f"{part}: {returncode}"}
 
 
 def driver() -> dict:
@@ -506,11 +532,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rehearse", action="store_true", help="on the CPU: jlong's kernels interpreted, tiny shapes")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where kernel-race.json and .md go")
+    parser.add_argument("--quick", action="store_true",
+                        help="T = 8,192 and 32,768 of 16 heads, the first expert shape (a short device lease)")
+    parser.add_argument("--part-limit", type=float, help="seconds each framework's part may run (default: none)")
     parser.add_argument("--part", choices=("jax", "torch"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.part:
-        result = jax_part(args.rehearse, args.workdir) if args.part == "jax" else torch_part(args.workdir)
+        global STREAM
+        STREAM = args.workdir / f"{args.part}.jsonl"
+        result = (jax_part(args.rehearse, args.quick, args.workdir) if args.part == "jax" else
+                  torch_part(args.quick, args.workdir))
         (args.workdir / f"{args.part}.json").write_text(json.dumps(result))
         return 0
     on_gpu = gpu_present()
@@ -520,11 +552,11 @@ def main(argv=None) -> int:
         return 2
     started = time.time()
     with tempfile.TemporaryDirectory() as workdir:
-        jax_result = run_child("jax", args, Path(workdir))
+        jax_result = run_child("jax", args, Path(workdir), args.part_limit)
         if args.rehearse:
             torch_result = {"rows": not_run_torch_rows("rehearsal: no GPU"), "versions": {}}
         else:
-            torch_result = run_child("torch", args, Path(workdir))
+            torch_result = run_child("torch", args, Path(workdir), args.part_limit)
     report = {
         "device": {**jax_result["device"], **driver()},
         "versions": {**jax_result["versions"], **torch_result["versions"]},
@@ -534,6 +566,7 @@ def main(argv=None) -> int:
         "seconds": round(time.time() - started, 1),
         "rows": jax_result["rows"] + torch_result["rows"],
         "rates": jax_result["rates"],
+        "unfinished": [r["unfinished"] for r in (jax_result, torch_result) if "unfinished" in r],
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kernel-race.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -585,6 +618,9 @@ def markdown(report: dict) -> str:
         markdown_table(["kernel", "impl", "pass", "shape", "status", "rate", "max rel. error", "vs anchor",
                         "vs dense"], table),
     ]
+    if report["unfinished"]:
+        head += ["", "Parts that did not finish (their rows above are those measured before): "
+                 + "; ".join(report["unfinished"]) + "."]
     if report["rates"]:
         head += ["", "The Triton gated delta rule's recurrence kernels alone (what the planner prices them at):", "",
                  markdown_table(["kernel", "seconds", "TFLOP/s", "share of bf16 peak"],
