@@ -534,7 +534,7 @@ def _prepare(args) -> int:
         )
         return 0
     read = (f"the first {summary['sources']:,} of {summary['sources_found']:,} sources (stopped at --max-tokens "
-            f"{args.max_tokens:,})" if summary["stopped_at_max_tokens"] else f"{summary['sources']:,} sources")
+            f"{args.max_tokens:,})" if summary.get("stopped_at_max_tokens") else f"{summary['sources']:,} sources")
     print(
         f"wrote {where}: {summary['tokens']:,} tokens in {summary['documents']:,} documents from "
         f"{read} (vocab {summary['vocab_size']}, end-of-document id {summary['eos_id']}); "

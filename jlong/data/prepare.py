@@ -68,8 +68,9 @@ def prepare(
     train_on: str = "assistant",
 ) -> dict:
     """Writes the token file (or shards) and index; returns the summary
-    (documents, tokens, vocab, eos id, lengths, `sources` read of
-    `sources_found`, `stopped_at_max_tokens`; with `chat`, trained tokens
+    (documents, tokens, vocab, eos id, lengths, sources; where max_tokens
+    stopped it, `stopped_at_max_tokens` and `sources_found`, of which
+    `sources` were read; with `chat`, trained tokens
     and skipped conversations; `shards`: the files written)."""
     if shard_tokens is not None and shard_tokens < 1:
         raise JlongError(f"shard_tokens must be positive, got {shard_tokens}", "shard_tokens")
@@ -134,7 +135,8 @@ def prepare(
         finished = True
         summary = summarize(np.concatenate([w.lengths for w in written]), encoder, sources_read if stopped else len(found),
                             _trained_count(written))
-        summary.update(sources_found=len(found), stopped_at_max_tokens=stopped)
+        if stopped:  # `sources` counts those read before the limit
+            summary.update(stopped_at_max_tokens=max_tokens, sources_found=len(found))
         if chat:
             summary["skipped_conversations"] = skipped
         return {**summary, "shards": [str(w.path) for w in written]} if sharded else summary
