@@ -15,7 +15,7 @@ import importlib
 _EXPORTS = {
     "Config": "jlong.config",
     "ModelConfig": "jlong.config",
-    "load_config": "jlong.config",
+    "load_config": "jlong.api",  # with the families and methods a config names registered
     "JlongError": "jlong.errors",
     "Plan": "jlong.api",
     "plan": "jlong.api",

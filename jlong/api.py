@@ -21,6 +21,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable, Sequence
 
+import jlong.components  # noqa: F401  (the families and methods a config names register themselves)
 from jlong.config import Config, load_config
 from jlong.errors import JlongError
 from jlong.jax_startup import start_backends

@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             stop_requests = args.stop_requests = StopRequests.installed()
         if args.command not in ("prepare", "verify"):  # they never need jax
             import_jax_quietly()
+            import jlong.components  # noqa: F401  (the families and methods a config names register themselves)
         return args.handler(args) or 0
     except JlongError as err:
         print(f"jlong: error: {err.for_command_line()}", file=sys.stderr)

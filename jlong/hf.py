@@ -20,11 +20,12 @@ from safetensors import safe_open
 from safetensors.flax import save_file
 
 from jlong.config import ModelConfig, model_config
+from jlong.config.huggingface import read_hf_config
 from jlong.errors import JlongError
 from jlong.files import with_normal_permissions
 from jlong.families import family_of
 from jlong.families.base import HFTensor
-from jlong.hf_config import hf_config_dict, read_hf_config
+from jlong.hf_config import hf_config_dict
 from jlong.model.transformer import ForwardOptions, Transformer
 
 SHARD_BYTES = 4 << 30  # safetensors file size cap when writing

@@ -1,57 +1,17 @@
-"""Hugging Face config.json <-> jlong `model` fields, without jax: the
-file's `model_type` names the family (`jlong.families`), which reads and
-writes its own fields."""
+"""jlong `model` fields -> a Hugging Face config.json, as the model's family
+writes it (every built-in family registered: `jlong.components`)."""
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jlong.errors import JlongError
-from jlong.families import family_named, family_of, names
+import jlong.components  # noqa: F401
+from jlong.config.registry import FAMILIES
 
 if TYPE_CHECKING:
-    from jlong.config import ModelConfig
-
-
-# Image-text checkpoints whose text model is a family jlong knows: model_type -> what it is.
-IMAGE_TEXT = {"gemma3": "Gemma 3", "qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE"}
-_noted: set[tuple[str, str]] = set()
-
-
-def read_hf_config(path: str | Path) -> dict[str, Any]:
-    """The jlong `model` fields that a Hugging Face config.json describes (of
-    an image-text checkpoint, its text model's: `text_config`)."""
-    config_path = Path(path) / "config.json"
-    if not config_path.is_file():
-        raise JlongError(f"Hugging Face checkpoint {str(path)!r} has no config.json")
-    try:
-        hf = json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
-        raise JlongError(f"cannot parse {config_path}: {err.msg} at line {err.lineno}") from None
-    model_type = hf.get("model_type")
-    if model_type in IMAGE_TEXT and isinstance(hf.get("text_config"), dict):
-        _note(config_path, f"a {IMAGE_TEXT[model_type]} image-text checkpoint: reading its text model "
-                           "(text_config and the language model's tensors); the vision tower is left out")
-        hf = {"model_type": f"{model_type}_text", **hf["text_config"]}
-        model_type = hf["model_type"]
-    if model_type not in names():
-        raise JlongError(f"{config_path}: model_type {model_type!r} is not supported (supported: {', '.join(names())})")
-    family = family_named(model_type)
-    for part in family.hf_left_out(hf):
-        _note(config_path, f"{part} is left out")
-    return family.hf_fields(hf, str(config_path))
-
-
-def _note(config_path: Path, what: str) -> None:
-    """Says `what` on stderr, once per checkpoint and note."""
-    if (str(config_path), what) not in _noted:
-        _noted.add((str(config_path), what))
-        print(f"jlong: {config_path}: {what}", file=sys.stderr)
+    from jlong.config.schema import ModelConfig
 
 
 def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
     """config.json for `config`, as its family writes it."""
-    return family_of(config).hf_config(config)
+    return FAMILIES.named(config.family).hf_config(config)

@@ -12,6 +12,9 @@ RematName = Literal["none", "full", "save_inputs", "offload_inputs", "save_atten
 
 REMAT_NAMES: tuple[str, ...] = typing.get_args(RematName)
 
+DEFAULT_BLOCK_SIZE = 512  # attention.block_size: the blockwise kernel's query and key blocks
+DEFAULT_MAX_DOCUMENTS = 64  # attention.max_documents: the packed documents per sequence cuDNN takes
+
 
 class RematSegment(typing.NamedTuple):
     """Consecutive decoder layers under one `memory.remat` policy."""

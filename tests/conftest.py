@@ -23,3 +23,5 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import jlong.components  # noqa: E402, F401  (the families and methods a config names, as jlong's entry points load them)

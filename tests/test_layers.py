@@ -12,22 +12,25 @@ pytestmark = pytest.mark.fast  # every test here is quick: the fast tier (pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jlong"
 
-# Lowest first: shared names and hardware-free helpers, the maths that
-# attention and the model share, attention, the model families (each an
-# architecture: its layout, blocks, Hugging Face form), the config (which
-# asks the families and attention's methods what they need), the model, its placement on
-# a mesh, weights in and out, data, the program, then what runs the program
-# (planner, evaluator, loop), then the ways in (Python API, command line).
+# Lowest first: shared names and hardware-free helpers, the config (plain
+# data: it asks the families and attention's methods what they need through
+# what they register with it), the maths that attention and the model share,
+# attention, the model families (each an architecture: its layout, blocks,
+# Hugging Face form), every built-in part registered (components), the model,
+# its placement on a mesh, weights in and out, data, the program, then what
+# runs the program (planner, evaluator, loop), then the ways in (Python API,
+# command line).
 LAYERS = [
     "errors", "options", "files", "plots", "jax_private", "jax_startup",
+    "config",
     "ops",
     "linear_attention", "moe",
     "attention",
     "families",
-    "hf_config", "config",
+    "components", "hf_config",
     "model",
     "parallel",
-    "hf", "checkpoint",
+    "hf", "checkpoint_integrity", "checkpoint",
     "data",
     "program",
     "planner", "eval",

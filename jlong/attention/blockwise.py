@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from einops import rearrange
 
 from jlong.attention.step import MASKED, Band, Documents
+from jlong.options import DEFAULT_BLOCK_SIZE
 
 
 def group_queries(x_BSHd, num_kv_heads: int):
@@ -36,9 +37,6 @@ def while_range(lower, upper, body, carry):
 
     start = jnp.asarray(lower, jnp.int32)
     return jax.lax.while_loop(lambda state: state[0] < upper, step, (start, carry))[1]
-
-
-DEFAULT_BLOCK_SIZE = 512  # attention.block_size
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,8 +42,8 @@ from einops import rearrange
 from jlong.attention.blockwise import BlockwiseStep
 from jlong.attention.step import MASKED, Band, CallCost, Documents
 from jlong.jax_private import private
+from jlong.options import DEFAULT_MAX_DOCUMENTS
 
-DEFAULT_MAX_DOCUMENTS = 64  # attention.max_documents
 CUSTOM_CALL = "__cudnn$fmha"  # the prefix of its custom calls' targets in a compiled program
 
 FUSED_ATTENTION = "jax._src.cudnn.fused_attention_stablehlo"  # the private module whose primitives are bound

@@ -17,7 +17,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from jlong.config.schema import SECTIONS, Config, ModelConfig
 from jlong.config.types import did_you_mean
 from jlong.errors import JlongError
-from jlong.hf_config import read_hf_config
+from jlong.config.huggingface import read_hf_config
 
 # The fields that give the weights their shapes and roles: a checkpoint's
 # config.json decides them. The others (RoPE, norm epsilon, positions) may be
@@ -28,30 +28,24 @@ WEIGHT_DEFINING_FIELDS = (
 )
 
 
-def load_config(path: str | Path | None, overrides: list[str] = (), *, base: dict | None = None,
-                check_stages: bool = True) -> Config:
+def read_config(path: str | Path | None, overrides: list[str] = (), *, base: dict | None = None) -> Config:
     """Reads a YAML config (or starts from `base`, a config's dict), applies
-    `a.b=value` overrides, validates (each stage's config too, unless
-    `check_stages` is False: for evaluating one stage's checkpoint)."""
+    `a.b=value` overrides, validates (its stages' own configs are
+    `jlong.config.stages`'s to check: `load_config`)."""
     raw = _read_yaml(Path(path)) if path is not None else copy.deepcopy(base or {})
     for override in overrides:
         _apply_override(raw, override)
-    return config_from_dict(raw, check_stages=check_stages)
+    return config_from_dict(raw)
 
 
-def config_from_dict(raw: dict[str, Any], *, check_stages: bool = True) -> Config:
+def config_from_dict(raw: dict[str, Any]) -> Config:
     raw = dict(raw)
     for name in SECTIONS:
         if raw.get(name, {}) is None:  # an empty section in YAML
             raw[name] = {}
     if isinstance(raw.get("model"), dict):
         raw["model"] = _resolve_model_fields(raw["model"])
-    config = validated(Config, raw)
-    if config.stages and check_stages:
-        from jlong.config.stages import stage_runs  # stages are configs of this module's making
-
-        stage_runs(config)  # every stage's config checked
-    return config
+    return validated(Config, raw)
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:

@@ -18,10 +18,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from jlong.attention.blockwise import DEFAULT_BLOCK_SIZE
-from jlong.attention.cudnn import DEFAULT_MAX_DOCUMENTS
-from jlong.attention.methods import method_of
 from jlong.config import validation
+from jlong.config.registry import SP_METHODS
 from jlong.config.types import (
     Flag,
     Integer,
@@ -40,7 +38,7 @@ from jlong.config.types import (
     sequence_of,
 )
 from jlong.errors import JlongError
-from jlong.options import REMAT_NAMES, DType, RematName, RematSegment
+from jlong.options import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_DOCUMENTS, REMAT_NAMES, DType, RematName, RematSegment
 
 # The share of each GPU a run asks XLA for by default. The rest is for what
 # lives outside XLA's pool: the CUDA context, cuBLAS/cuDNN handles, NCCL's
@@ -419,7 +417,7 @@ class Config(_Section):
     @property
     def heads_per_stage(self) -> int:
         """U resolved: the sequence-parallel method's default unless set, every head for "all"."""
-        return method_of(self).heads_per_stage(self)
+        return SP_METHODS.named(self.attention.sp_method).heads_per_stage(self)
 
     @property
     def chooses_layout(self) -> bool:
@@ -450,7 +448,7 @@ class Config(_Section):
         sequence-parallel method's granule, every device's shard a multiple
         of each tile in use, and in a zigzag layout every chunk a multiple of
         the attention block."""
-        method = method_of(self)
+        method = SP_METHODS.named(self.attention.sp_method)
         tiles = [t for t in (self.memory.mlp_tile, self.memory.loss_tile) if t]
         multiples = [method.granule(self)[0], self.mesh.sequence_shards * math.lcm(1, *tiles)]
         if (ranks := method.layout(self).ranks) > 1:

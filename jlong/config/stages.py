@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 
 from jlong.config.identity import flatten
-from jlong.config.loading import config_from_dict, config_to_dict, load_config
+from jlong.config.loading import config_from_dict, config_to_dict, read_config
 from jlong.config.schema import Config
 from jlong.errors import JlongError
 
@@ -33,6 +34,17 @@ _STAGE_SETTINGS = {
 }
 _STAGE_SECTIONS = ("mesh.", "attention.", "memory.", "eval.")
 _NOT_STAGE_SETTINGS = {"memory.optimizer_offload"}  # it lays the optimizer's state out differently
+
+
+def load_config(path: str | Path | None, overrides: list[str] = (), *, base: dict | None = None,
+                check_stages: bool = True) -> Config:
+    """Reads a YAML config (or starts from `base`, a config's dict), applies
+    `a.b=value` overrides, validates (each stage's config too, unless
+    `check_stages` is False: for evaluating one stage's checkpoint)."""
+    config = read_config(path, overrides, base=base)
+    if config.stages and check_stages:
+        stage_runs(config)  # every stage's config checked
+    return config
 
 
 def stage_may_set(key: str) -> bool:
@@ -120,4 +132,4 @@ def config_at_step(config: Config, step: int, overrides: list[str] = ()) -> Conf
         base = _with_settings(base, stage.set, f"stages[{number}]")
     elif not overrides:
         return config
-    return load_config(None, list(overrides), base=base)
+    return read_config(None, list(overrides), base=base)

@@ -1,25 +1,23 @@
 """The configuration's rules that a single field cannot state: the model's
-own consistency (its family's checks), and the rules that join sections:
-the sequence-parallel method's (heads and lengths over the mesh, checked
-first: no sequence length helps heads that sp cannot split), the batch over
-data x fsdp, lengths over tiles, layer groups.
+own consistency (its family's checks: its shapes, every layer type its
+parameters need), and the rules that join sections: the sequence-parallel
+method's (heads and lengths over the mesh, and the kernel; checked first: no
+sequence length helps heads that sp cannot split), what the model needs of
+that method (sliding windows, linear attention), the batch over data x
+fsdp, lengths over tiles, layer groups.
 
+The family and the method are the registered ones (`jlong.config.registry`):
+each checks its own requirements; this module only calls them, in order.
 Each raises a `JlongError` whose one line names the keys and a fix.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from jlong.attention.kernels import check_impl
-from jlong.attention.methods import method_named
+from jlong.config.registry import FAMILIES, SP_METHODS
 from jlong.errors import JlongError
-from jlong.families import family_named
-from jlong.families.base import shortest_period
-from jlong.linear_attention.gated_deltanet import LINEAR_ATTENTION
 
-if TYPE_CHECKING:
-    from jlong.config.schema import Config, ModelConfig
+# `Config` and `ModelConfig` (`jlong.config.schema`, whose validators call these checks) are named in the
+# annotations without an import, which would close a circle: schema -> validation -> schema.
 
 # The RoPE scaling methods jlong computes as Hugging Face does, and the keys each needs.
 ROPE_KEYS = {
@@ -42,11 +40,11 @@ def with_family(values: dict) -> dict:
         family = "qwen3" if values.get("qk_norm") else "qwen2" if values.get("attention_bias") else "llama"
     if not isinstance(family, str):
         raise JlongError(f"model.family must be a name, got {family!r}")
-    return {**family_named(family).config_defaults(), **values, "family": family}
+    return {**FAMILIES.named(family).config_defaults(), **values, "family": family}
 
 
 def check_model(m: ModelConfig) -> None:
-    family = family_named(m.family)
+    family = FAMILIES.named(m.family)
     family.check(m)
     if m.sliding_window and not family.windows(m):
         raise JlongError(f"model.sliding_window is not part of model.family={m.family} "
@@ -86,18 +84,16 @@ def _check_rope_scaling(scaling: dict) -> None:
 
 
 def check_run(config: Config) -> None:
-    check_impl(config.attention.impl)
-    method = method_named(config.attention.sp_method)
+    method = SP_METHODS.named(config.attention.sp_method)
+    method.check_kernel(config)
     method.check(config)  # heads, lengths and chunks over the mesh
-    family = family_named(config.model.family)
-    if LINEAR_ATTENTION in family.layer_types(config.model):
-        method.check_linear_attention(config, family.linear_layer(config.model))
+    family = FAMILIES.named(config.model.family)
+    family.check_parallel(config, method)  # what the model needs of the method: windows, linear attention
     if config.train.profile_steps and not config.run_dir:
         raise JlongError("train.profile_steps writes its trace into run_dir: set run_dir")
     _check_batch_split(config)
     _check_tiles(config)
     _check_layer_groups(config)
-    _check_windows(config)
     _check_eval(config)
     _check_eos_id(config)
 
@@ -147,42 +143,11 @@ def _check_layer_groups(config: Config) -> None:
             f"memory.layers_per_checkpoint ({k}) must divide the {rest} layers{after}; "
             f"values that work: {', '.join(map(str, workable))}"
         )
-    runs = grouped_runs(config.model, in_runs)
+    runs = FAMILIES.named(config.model.family).scanned_runs(config.model, in_runs)
     if k > 1 and any(run % k for run in runs):
         raise JlongError(f"memory.layers_per_checkpoint ({k}) must divide each run of layers of one type, or their "
                          "period where their types repeat "
                          f"({', '.join(map(str, runs))} layers in model.family={config.model.family})")
-
-
-def grouped_runs(model: ModelConfig, first: int = 0) -> list[int]:
-    """The lengths of the layer loops' bodies from layer `first` on (after memory.remat_runs'): the layers'
-    period where their types repeat (one loop over the periods, `jlong.model.transformer.layer_groups`), else
-    each run of one type; memory.layers_per_checkpoint must divide every one."""
-    family = family_named(model.family)
-    kinds = family.layer_types(model)[first:]
-    period = shortest_period(kinds)
-    if 1 < period < len(kinds):
-        return [period]
-    runs, start = [], 0
-    for _, layers in family.layer_runs(model):
-        if start + layers > first:
-            runs.append(start + layers - max(start, first))
-        start += layers
-    return runs
-
-
-def _check_windows(config: Config) -> None:
-    """Sliding windows run in Ulysses' stages and on a ring's halos (`jlong.attention.sliding`), where a
-    window must fit in half a zigzag chunk."""
-    window = max(family_named(config.model.family).windows(config.model), default=0)
-    if not window:
-        return
-    if not method_named(config.attention.sp_method).sliding_windows:
-        raise JlongError(f"attention.sp_method={config.attention.sp_method} has no sliding windows, which "
-                         f"model.family={config.model.family} has: use attention.sp_method=ulysses")
-    if (ranks := config.mesh.ring) > 1 and window > (chunk := config.train.seq_len // (2 * ranks)):
-        raise JlongError(f"model.sliding_window ({window}) is longer than the {chunk} tokens of each zigzag chunk "
-                         f"(train.seq_len / (2 x mesh.ring)): use a longer train.seq_len or a smaller ring")
 
 
 def _check_eos_id(config: Config) -> None:

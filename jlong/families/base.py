@@ -33,7 +33,8 @@ from jlong.families import blocks
 from jlong.families.params import ParamSpec, Role
 
 if TYPE_CHECKING:
-    from jlong.config import ModelConfig
+    from jlong.attention.methods import SequenceParallelMethod
+    from jlong.config import Config, ModelConfig
 
 # The Hugging Face config.json keys that are jlong `model` fields by the same name.
 SHARED_HF_KEYS = (
@@ -214,6 +215,35 @@ class Family:
     def windows(self, model: ModelConfig) -> set[int]:
         """The sliding windows its layers use (without 0)."""
         return {w for kind in set(self.layer_types(model)) if (w := self.attention_window(model, kind))}
+
+    def scanned_runs(self, model: ModelConfig, first: int = 0) -> list[int]:
+        """The lengths of the layer loops' bodies from layer `first` on (after memory.remat_runs'): the layers'
+        period where their types repeat (one loop over the periods, `jlong.model.transformer.layer_groups`),
+        else each run of one type; memory.layers_per_checkpoint must divide every one."""
+        kinds = self.layer_types(model)[first:]
+        period = shortest_period(kinds)
+        if 1 < period < len(kinds):
+            return [period]
+        runs, start = [], 0
+        for _, layers in self.layer_runs(model):
+            if start + layers > first:
+                runs.append(start + layers - max(start, first))
+            start += layers
+        return runs
+
+    def check_parallel(self, config: Config, method: SequenceParallelMethod) -> None:
+        """One-line errors for a model that the run's sequence-parallel method cannot run on its mesh: sliding
+        windows run in Ulysses' stages and on a ring's halos (`jlong.attention.sliding`), where a window must
+        fit in half a zigzag chunk."""
+        window = max(self.windows(config.model), default=0)
+        if not window:
+            return
+        if not method.sliding_windows:
+            raise JlongError(f"attention.sp_method={config.attention.sp_method} has no sliding windows, which "
+                             f"model.family={self.name} has: use attention.sp_method=ulysses")
+        if (ranks := config.mesh.ring) > 1 and window > (chunk := config.train.seq_len // (2 * ranks)):
+            raise JlongError(f"model.sliding_window ({window}) is longer than the {chunk} tokens of each zigzag "
+                             "chunk (train.seq_len / (2 x mesh.ring)): use a longer train.seq_len or a smaller ring")
 
     def matmul_params_per_token(self, model: ModelConfig) -> float:
         """The matrix parameters each token is multiplied by: every layer's

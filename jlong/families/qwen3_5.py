@@ -42,7 +42,8 @@ from jlong.linear_attention.gated_delta import CHUNK
 from jlong.ops.shards import HIDDEN
 
 if TYPE_CHECKING:
-    from jlong.config import ModelConfig
+    from jlong.attention.methods import SequenceParallelMethod
+    from jlong.config import Config, ModelConfig
 
 LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
 # Qwen3_5TextConfig's defaults, for the fields a config.json leaves out.
@@ -83,6 +84,11 @@ class Qwen3_5Family(OffsetNormFamily):
         if model.linear_num_value_heads % model.linear_num_key_heads:
             raise JlongError(f"model.linear_num_value_heads ({model.linear_num_value_heads}) must be a multiple of "
                              f"model.linear_num_key_heads ({model.linear_num_key_heads})")
+
+    def check_parallel(self, config: Config, method: SequenceParallelMethod) -> None:
+        super().check_parallel(config, method)
+        if LINEAR_ATTENTION in self.layer_types(config.model):
+            method.check_linear_attention(config, self.linear_layer(config.model))
 
     def linear_layer(self, model: ModelConfig) -> GatedDeltaNet:
         """The Gated DeltaNet of the "linear_attention" layers."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jlong.errors import JlongError
+from jlong.config.registry import FAMILIES
 from jlong.families.base import Family
 from jlong.families.gemma3 import GEMMA3_TEXT
 from jlong.families.llama import LLAMA, QWEN2, QWEN3
@@ -16,26 +16,24 @@ from jlong.families.qwen3_moe import QWEN3_MOE
 if TYPE_CHECKING:
     from jlong.config import ModelConfig
 
-_FAMILIES: dict[str, Family] = {family.name: family for family in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, GEMMA3_TEXT,
-                                                                 QWEN3_5_TEXT, QWEN3_5_MOE_TEXT)}
-
 
 def register(family: Family) -> Family:
-    """Makes `family` known as `model.family=<family.name>` (replacing one of
-    the same name, so a notebook can register an edited family again)."""
-    _FAMILIES[family.name] = family
-    return family
+    """Makes `family` known as `model.family=<family.name>`, to the config too
+    (`jlong.config.registry`), replacing one of the same name, so a notebook
+    can register an edited family again."""
+    return FAMILIES.add(family.name, family)
+
+
+for _family in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, GEMMA3_TEXT, QWEN3_5_TEXT, QWEN3_5_MOE_TEXT):
+    register(_family)
 
 
 def names() -> list[str]:
-    return sorted(_FAMILIES)
+    return FAMILIES.names()
 
 
 def family_named(name: str, where: str = "model.family") -> Family:
-    if name not in _FAMILIES:
-        raise JlongError(f"{where} {name!r} is not a model family jlong knows (known: {', '.join(names())}; "
-                         "a new one is registered with jlong.families.register)")
-    return _FAMILIES[name]
+    return FAMILIES.named(name, where)
 
 
 def family_of(model: ModelConfig) -> Family:

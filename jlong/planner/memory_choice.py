@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from jlong.attention.methods import method_of
 from jlong.config import Config, with_values
 from jlong.config.stages import StageRun
-from jlong.config.validation import grouped_runs
+from jlong.families import family_of
 from jlong.planner.memory import (
     CompiledStep,
     MemoryPlan,
@@ -330,8 +330,10 @@ def frugal(config: Config) -> Config:
 
 
 def _can_group_by_two(config: Config) -> bool:
-    """Whether k is free and 2 divides every run of layers the model scans (`grouped_runs`)."""
-    return config.memory.layers_per_checkpoint == 1 and all(run % 2 == 0 for run in grouped_runs(config.model))
+    """Whether k is free and 2 divides every run of layers the model scans (`Family.scanned_runs`)."""
+    model = config.model
+    return config.memory.layers_per_checkpoint == 1 and all(run % 2 == 0 for run in
+                                                            family_of(model).scanned_runs(model))
 
 
 def _attention_forward_s_per_layer(reference: Planned) -> float | None:

@@ -18,7 +18,7 @@ from jlong.checkpoint import Checkpoints, saved_steps, weights_kind
 from jlong.config import Config, ModelConfig
 from jlong.config.loading import WEIGHT_DEFINING_FIELDS
 from jlong.errors import JlongError
-from jlong.hf_config import read_hf_config
+from jlong.config.huggingface import read_hf_config
 from jlong.program.train_program import TrainProgram
 
 SETTING = "train.init_from"

@@ -16,24 +16,21 @@ from typing import TYPE_CHECKING
 from jlong.attention.methods.allgather import ALLGATHER
 from jlong.attention.methods.base import SequenceParallelMethod
 from jlong.attention.methods.ulysses import ULYSSES
-from jlong.errors import JlongError
+from jlong.config.registry import SP_METHODS
 
 if TYPE_CHECKING:
     from jlong.config import Config
 
-_METHODS: dict[str, SequenceParallelMethod] = {method.name: method for method in (ULYSSES, ALLGATHER)}
-
+for _method in (ULYSSES, ALLGATHER):
+    SP_METHODS.add(_method.name, _method)
 
 def register(method: SequenceParallelMethod) -> SequenceParallelMethod:
-    _METHODS[method.name] = method
-    return method
+    """Makes `method` known as attention.sp_method=<method.name>, to the config too (`jlong.config.registry`)."""
+    return SP_METHODS.add(method.name, method)
 
 
 def method_named(name: str) -> SequenceParallelMethod:
-    if name not in _METHODS:
-        raise JlongError(f"attention.sp_method {name!r} is not a sequence-parallel method jlong knows "
-                         f"(known: {', '.join(sorted(_METHODS))})")
-    return _METHODS[name]
+    return SP_METHODS.named(name)
 
 
 def method_of(config: Config) -> SequenceParallelMethod:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import jax
 
+from jlong.attention.kernels import check_impl
 from jlong.attention.ring import ATTENTION_LSE, ATTENTION_OUT
 from jlong.errors import JlongError
 from jlong.ops import head_stages
@@ -56,6 +57,10 @@ class SequenceParallelMethod:
     def granule(self, config: Config) -> tuple[int, str]:
         """What seq_len must be a multiple of on this mesh, and why (for the error)."""
         raise NotImplementedError
+
+    def check_kernel(self, config: Config) -> None:
+        """Raises a one-line `JlongError` for an attention.impl that is no kernel the method can run."""
+        check_impl(config.attention.impl)
 
     def check(self, config: Config) -> None:
         """Raises a one-line `JlongError` for a config this method cannot run:
