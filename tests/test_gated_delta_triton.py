@@ -10,12 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import H100, needs_gpu_compiler, small_config
 from test_qwen3_5 import _rule_inputs
 
 from jlong.linear_attention import gated_delta, gated_delta_triton
 from jlong.planner import pricing
+from jlong.planner.memory import compile_train_step
+from jlong.planner.step_cost import step_cost
 
-pytestmark = pytest.mark.fast
+fast = pytest.mark.fast
 
 triton = jax.jit(lambda *a: gated_delta_triton.triton(*a, interpret=True))
 SEGMENTS = np.repeat(np.array([[0, 1, 2]]), [40, 70, 40], axis=1).repeat(2, 0).astype(np.int32)
@@ -30,6 +33,7 @@ def _state(B, H, dk, dv, seed=1):
     return np.random.default_rng(seed).normal(size=(B, H, dk, dv)).astype(np.float32)
 
 
+@fast
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "state"])
 def test_outputs_equal_the_rule_token_by_token(with_state):
     """150 tokens: two whole chunks of 64 and a padded third, three documents, Hv = 2 Hk."""
@@ -38,6 +42,7 @@ def test_outputs_equal_the_rule_token_by_token(with_state):
     _close(triton(q, k, v, g, beta, *args), gated_delta.recurrent(q, k, v, g, beta, *args))
 
 
+@fast
 def test_gradients_of_every_input_equal_the_rule_token_by_token():
     """With a starting state that the first document continues and a
     cotangent on the final state as well as on the outputs."""
@@ -56,6 +61,7 @@ def test_gradients_of_every_input_equal_the_rule_token_by_token():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5 * np.abs(b).max())
 
 
+@fast
 def test_the_rings_call_in_float32_with_values_of_width_dk_plus_dv():
     """`ring_rule`'s summary: an identity state beside zeros, values [0 | v],
     differentiated through the state and with a cotangent on it."""
@@ -77,6 +83,7 @@ def test_the_rings_call_in_float32_with_values_of_width_dk_plus_dv():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5 * np.abs(b).max())
 
 
+@fast
 def test_bfloat16_inputs_stay_near_the_float32_rule():
     """bf16 matrices into the kernels (the state float32): outputs within 2% of the largest."""
     q, k, v, g, beta = _rule_inputs(dv=16)
@@ -88,6 +95,7 @@ def test_bfloat16_inputs_stay_near_the_float32_rule():
     assert np.abs(np.asarray(final) - want_final).max() < 0.02 * np.abs(want_final).max()
 
 
+@fast
 def test_the_registry_runs_it_interpreted_where_asked_and_auto_picks_it_on_gpus():
     assert gated_delta.kernel_for("gpu") == "triton" and gated_delta.kernel_for("cpu") == "chunked"
     q, k, v, g, beta = _rule_inputs(B=1, S=64, dv=16)
@@ -95,6 +103,7 @@ def test_the_registry_runs_it_interpreted_where_asked_and_auto_picks_it_on_gpus(
     assert gated_delta.rule("chunked", interpret=True) is gated_delta.chunked
 
 
+@fast
 def test_the_kernels_calls_are_priced_at_their_recurrences_flops():
     """Forward and backward alike: 2 C (3 dk + C) per chunk, head and value column."""
     forward = 'name = "gated_delta_forward", num_stages = 1'
@@ -104,3 +113,17 @@ def test_the_kernels_calls_are_priced_at_their_recurrences_flops():
     assert flops == 2.0 * BH * n * C * dv * (3 * dk + C)
     assert gated_delta_triton.call_flops("other", forward, dims, ()) is None
     assert pricing.kernel_flops(gated_delta_triton.TRITON_CALL, forward, dims, (BH, n, C, dv)) == (flops, "gated delta")
+
+
+@pytest.mark.parametrize("layout", [["mesh.sp=8"], ["mesh.ring=2", "mesh.sp=4"]], ids=["ulysses", "ring"])
+@needs_gpu_compiler
+def test_a_qwen3_5_step_compiles_for_h100s_with_the_triton_rule_priced(layout):
+    """XLA:GPU, deviceless: `auto` runs the Triton rule on a GPU, on Ulysses and on the ring; its kernels'
+    calls are priced at their FLOPs (as "gated delta"), none left unpriced."""
+    config = small_config("model.preset=tiny-qwen3.5", "model.num_hidden_layers=4", "train.seq_len=2048", "train.batch_size=1",
+                          *layout)
+    step = compile_train_step(config, H100)
+    hlo = step.compiled.as_text()
+    assert hlo.count(f'"{gated_delta_triton.FORWARD}"') > 0 and hlo.count(f'"{gated_delta_triton.BACKWARD}"') > 0
+    cost = step_cost(step)
+    assert not cost.unpriced_custom_calls and cost.time_by_kind["gated delta"] > 0

@@ -151,8 +151,9 @@ SP = ["mesh.sp=4", "mesh.fsdp=2"]
 RING = ["mesh.ring=2", "mesh.sp=2", "mesh.fsdp=2", "memory.remat=offload_inputs"]
 
 
-@pytest.mark.parametrize("model, layout", [("qwen3-moe", SP + TILED), ("qwen3.5-moe", RING + TILED)],
-                         ids=["qwen3-moe-sp4-fsdp2-tiled", "qwen3.5-moe-ring2-sp2-fsdp2-tiled"])
+@pytest.mark.parametrize("model, layout", [
+    ("qwen3-moe", SP + TILED), ("qwen3.5-moe", RING + TILED), ("qwen3-moe", SP + ["kernels.grouped_matmul=triton"]),
+], ids=["qwen3-moe-sp4-fsdp2-tiled", "qwen3.5-moe-ring2-sp2-fsdp2-tiled", "qwen3-moe-sp4-fsdp2-triton"])
 def test_training_on_a_mesh_equals_one_device(model, layout):
     """Loss (with the load-balancing loss) and gradients of packed documents,
     the experts in sequence tiles of 32 tokens (a device's whole shard as one

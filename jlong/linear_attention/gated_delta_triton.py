@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jlong.linear_attention.chunks import chunk_terms, padded_inputs
-from jlong.ops.tiling import varying_result
+from jlong.ops.pallas_calls import kernel_call
 
 CHUNK = 64  # tokens per chunk, as FLA's
 BLOCK_V = 64  # value columns per program
@@ -77,15 +77,17 @@ def _forward_kernel(u_ref, w_ref, a_ref, qr_ref, kw_ref, decay_ref, state_ref, o
     operand = w_ref.dtype
 
     def one_chunk(c, S):
-        states_ref[bh, c, :, columns] = S
+        load = lambda ref, *index: plgpu.load(ref.at[bh, c, *index])  # noqa: E731
+        plgpu.store(states_ref.at[bh, c, :, columns], S)
         S_op = S.astype(operand)
-        v_new = u_ref[bh, c, :, columns].astype(jnp.float32) - plgpu.dot(w_ref[bh, c], S_op)
-        v_new_ref[bh, c, :, columns] = v_new
+        v_new = load(u_ref, slice(None), columns).astype(jnp.float32) - plgpu.dot(load(w_ref), S_op)
+        plgpu.store(v_new_ref.at[bh, c, :, columns], v_new)
         v_new_op = v_new.astype(operand)
-        o_ref[bh, c, :, columns] = plgpu.dot(qr_ref[bh, c], S_op) + plgpu.dot(a_ref[bh, c], v_new_op)
-        return S * decay_ref[bh, c] + plgpu.dot(kw_ref[bh, c], v_new_op, trans_a=True)
+        plgpu.store(o_ref.at[bh, c, :, columns], plgpu.dot(load(qr_ref), S_op) + plgpu.dot(load(a_ref), v_new_op))
+        return S * plgpu.load(decay_ref.at[bh, c]) + plgpu.dot(load(kw_ref), v_new_op, trans_a=True)
 
-    final_ref[bh, :, columns] = jax.lax.fori_loop(0, chunks, one_chunk, state_ref[bh, :, columns])
+    state = plgpu.load(state_ref.at[bh, :, columns])
+    plgpu.store(final_ref.at[bh, :, columns], jax.lax.fori_loop(0, chunks, one_chunk, state))
 
 
 def _backward_kernel(do_ref, w_ref, a_ref, qr_ref, kw_ref, decay_ref, d_final_ref, d_v_new_ref, d_next_ref,
@@ -95,23 +97,25 @@ def _backward_kernel(do_ref, w_ref, a_ref, qr_ref, kw_ref, decay_ref, d_final_re
 
     def one_chunk(i, dS):
         c = chunks - 1 - i
-        d_next_ref[bh, c, :, columns] = dS  # the gradient of the state the chunk leaves
-        do = do_ref[bh, c, :, columns]
-        d_v_new = plgpu.dot(a_ref[bh, c], do, trans_a=True) + plgpu.dot(kw_ref[bh, c], dS.astype(operand))
-        d_v_new_ref[bh, c, :, columns] = d_v_new
-        return (plgpu.dot(qr_ref[bh, c], do, trans_a=True) + dS * decay_ref[bh, c]
-                - plgpu.dot(w_ref[bh, c], d_v_new.astype(operand), trans_a=True))
+        load = lambda ref, *index: plgpu.load(ref.at[bh, c, *index])  # noqa: E731
+        plgpu.store(d_next_ref.at[bh, c, :, columns], dS)  # the gradient of the state the chunk leaves
+        do = load(do_ref, slice(None), columns)
+        d_v_new = plgpu.dot(load(a_ref), do, trans_a=True) + plgpu.dot(load(kw_ref), dS.astype(operand))
+        plgpu.store(d_v_new_ref.at[bh, c, :, columns], d_v_new)
+        return (plgpu.dot(load(qr_ref), do, trans_a=True) + dS * plgpu.load(decay_ref.at[bh, c])
+                - plgpu.dot(load(w_ref), d_v_new.astype(operand), trans_a=True))
 
-    d_state_ref[bh, :, columns] = jax.lax.fori_loop(0, chunks, one_chunk, d_final_ref[bh, :, columns])
+    d_final = plgpu.load(d_final_ref.at[bh, :, columns])
+    plgpu.store(d_state_ref.at[bh, :, columns], jax.lax.fori_loop(0, chunks, one_chunk, d_final))
 
 
-def _call(kernel, name: str, like, out_shapes, grid, interpret: bool):
-    return pl.pallas_call(
+def _call(kernel, name: str, out_shapes, grid, interpret: bool):
+    return kernel_call(
         kernel,
-        out_shape=tuple(varying_result(like, shape, jnp.float32) for shape in out_shapes),
+        tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in out_shapes),
+        interpret=interpret,
         grid=grid,
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
-        interpret=interpret,
         name=name,
     )
 
@@ -123,7 +127,7 @@ def _forward(u, w, a, qr, kw, decay, state, interpret):
     block_v = _block_v(dv)
     kernel = functools.partial(_forward_kernel, chunks=n, block_v=block_v)
     shapes = [(BH, n, C, dv), (BH, dk, dv), (BH, n, dk, dv), (BH, n, C, dv)]
-    return _call(kernel, FORWARD, u, shapes, (BH, dv // block_v), interpret)(u, w, a, qr, kw, decay, state)
+    return _call(kernel, FORWARD, shapes, (BH, dv // block_v), interpret)(u, w, a, qr, kw, decay, state)
 
 
 def _backward(do, d_final, w, a, qr, kw, decay, interpret):
@@ -133,7 +137,7 @@ def _backward(do, d_final, w, a, qr, kw, decay, interpret):
     block_v = _block_v(dv)
     kernel = functools.partial(_backward_kernel, chunks=n, block_v=block_v)
     shapes = [(BH, n, C, dv), (BH, n, dk, dv), (BH, dk, dv)]
-    return _call(kernel, BACKWARD, do, shapes, (BH, dv // block_v), interpret)(do, w, a, qr, kw, decay, d_final)
+    return _call(kernel, BACKWARD, shapes, (BH, dv // block_v), interpret)(do, w, a, qr, kw, decay, d_final)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))

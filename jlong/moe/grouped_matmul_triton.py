@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jlong.ops.tiling import varying_result
+from jlong.ops.pallas_calls import kernel_call
 
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call XLA:GPU runs a Pallas Triton kernel as
 PRODUCT, WEIGHT_GRADIENT = "grouped_matmul", "grouped_matmul_weight_gradient"  # the kernels' names
@@ -107,12 +107,12 @@ def _product(x_MK, w, group_sizes_G, *, transpose_w: bool, interpret: bool):
     start, end = _bounds(group_sizes_G)
     kernel = functools.partial(_product_kernel, block_m=BLOCK_M, block_n=block_n, block_k=block_k,
                                transpose_w=transpose_w)
-    return pl.pallas_call(
+    return kernel_call(
         kernel,
-        out_shape=varying_result(x_MK, (M, N), x_MK.dtype),
+        jax.ShapeDtypeStruct((M, N), x_MK.dtype),
+        interpret=interpret,
         grid=(group.shape[0], N // block_n),
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
-        interpret=interpret,
         name=PRODUCT,
     )(group, tile, real[None], start, end, x_MK, w)
 
@@ -143,12 +143,12 @@ def _weight_gradient(x_MK, dy_MN, group_sizes_G, dtype, *, interpret: bool):
     block_n, block_k = _block(N, BLOCK_N), _block(K, BLOCK_K)
     start, end = _bounds(group_sizes_G)
     kernel = functools.partial(_weight_gradient_kernel, block_m=BLOCK_M, block_n=block_n, block_k=block_k)
-    return pl.pallas_call(
+    return kernel_call(
         kernel,
-        out_shape=varying_result(x_MK, (G, K, N), dtype),
+        jax.ShapeDtypeStruct((G, K, N), dtype),
+        interpret=interpret,
         grid=(G, K // block_k, N // block_n),
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
-        interpret=interpret,
         name=WEIGHT_GRADIENT,
     )(start, end, x_MK, dy_MN)
 

@@ -54,12 +54,6 @@ def varying_like(params, x):
     return jax.tree.map(mark, params) if axes else params
 
 
-def varying_result(x, shape, dtype) -> jax.ShapeDtypeStruct:
-    """A kernel's result of `shape` and `dtype` that varies over the mesh axes
-    x varies over (inside `shard_map`; a `pallas_call` must be told)."""
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(x).manual_axis_type)
-
-
 def float32_zeros(params):
     return jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
 

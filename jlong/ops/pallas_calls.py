@@ -1,0 +1,55 @@
+"""Pallas kernel calls that work on every mesh and, interpreted, on the CPU."""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental import pallas as pl
+
+
+def kernel_call(kernel, out_shape, *, interpret: bool, **params):
+    """`pl.pallas_call(kernel, out_shape=...)` as a function of its operands
+    that works inside `shard_map` too: there the operands are marked as
+    varying over every mesh axis any of them varies over, and so are the
+    results (a kernel's results must say how they vary).
+
+    `interpret=True` runs the kernel in Pallas' interpreter. jax 0.10's
+    interpreter cannot slice data that varies over a mesh (its discharge
+    rules pad and slice with values that do not), so inside `shard_map` the
+    operands of every device are gathered, the interpreted kernel runs over
+    all of them (mapped over the devices) and each device keeps its own
+    results: the same kernel, its work repeated on every device (tests' sizes)."""
+
+    def call(*operands):
+        axes = tuple(sorted(frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in operands))))
+        if not axes:
+            return pl.pallas_call(kernel, out_shape=out_shape, interpret=interpret, **params)(*operands)
+        operands = [_varying(x, axes) for x in operands]
+        if not interpret:
+            return pl.pallas_call(kernel, out_shape=_typed_like(out_shape, operands[0]), **params)(*operands)
+        mine = jax.lax.axis_index(axes)
+        everyone = [_gathered(x, axes, mine) for x in operands]
+        shapes = _typed_like(out_shape, everyone[0])
+        results = jax.vmap(pl.pallas_call(kernel, out_shape=shapes, interpret=True, **params))(*everyone)
+        return jax.tree.map(lambda r: r[mine], results)
+
+    return call
+
+
+def _gathered(x, axes: tuple[str, ...], mine):
+    """[devices, ...]: every device's x, the same on every device (not varying): a sum of each device's x
+    placed at its own index (all_gather's result still varies)."""
+    devices = jax.lax.psum(1, axes)
+    placed = jax.numpy.zeros((devices, *x.shape), x.dtype).at[mine].set(x)
+    return jax.lax.psum(placed, axes)
+
+
+def _typed_like(out_shape, x):
+    """The results' shapes, varying over the mesh as x does."""
+    manual = jax.typeof(x).manual_axis_type
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=manual), out_shape)
+
+
+def _varying(x, axes: tuple[str, ...]):
+    """x marked as varying over `axes` (those it does not already vary over)."""
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
