@@ -30,10 +30,10 @@ class Efficiency:
     # measured: 143-184 TFLOP/s, jlong's Triton grouped matmul (forward, both gradients) at Qwen3.5-35B-A3B's
     # expert shapes, 65,536 routed rows over 8-128 experts, on an H100 SXM (experiments/results/gpu-truth-follow-ups.md)
     grouped_matmul: float = 0.16
-    # Not yet raced: the Triton gated delta rule's recurrence kernels priced so that, with nothing else, the rule
-    # at 32,768 tokens, 16 heads of 128 (60 GFLOP in its two kernels) would run at half of FLA's published
-    # 9 M tokens/s: 60e9 / (32,768 / 4.5e6 s) = 8.3 TFLOP/s, 0.008 of an H100's bf16 peak.
-    gated_delta: float = 0.008
+    # measured: 17.3 TFLOP/s forward, 19.6 backward, the Triton gated delta rule's two recurrence kernels
+    # (32,768 tokens, 16 heads of 128) on an H200, jax 0.11.2 (experiments/results/kernel-race.md): latency, not
+    # the tensor cores, bounds them (one chunk after another, 32 programs)
+    gated_delta: float = 0.018
     attention_fwd: float = 0.60
     attention_bwd: float = 0.53  # measured: 522 TFLOP/s, cuDNN 9.19 causal backward at 32K on an H100 SXM
     hbm: float = 0.80
