@@ -127,11 +127,12 @@ def row(kernel, impl, pass_, shape, *, status="ok", tokens_per_s=None, tflops=No
     if STREAM is not None:  # each row as it is measured: a part stopped by its time limit keeps what it had
         with STREAM.open("a") as out:
             out.write(json.dumps(found) + "\n")
-        print(f"kernel_race: {json.dumps(found)}", flush=True)
+        print(f"kernel_race: {time.perf_counter() - STARTED:.0f} s: {json.dumps(found)}", flush=True)
     return found
 
 
 STREAM: Path | None = None  # a part's rows file (`workdir/PART.jsonl`)
+STARTED = time.perf_counter()
 
 
 def failed(kernel, impl, pass_, shape, exc) -> dict:
@@ -398,7 +399,8 @@ def torch_part(quick: bool, workdir: Path) -> dict:
                 seconds = median(fn)
                 error = None
                 if reference is not None:
-                    got = [t.float().cpu().numpy() for t in fn()] if pass_ == "fwd+bwd" else [fn().float().cpu().numpy()]
+                    outputs = fn() if pass_ == "fwd+bwd" else (fn(),)
+                    got = [t.detach().float().cpu().numpy() for t in outputs]
                     want = [reference[f"arr_{i}"] for i in range(6)]
                     error = (relative_error(got[0], want[0]) if pass_ == "fwd" else
                              max(relative_error(a, b) for a, b in zip(got[1:], want[1:])))
@@ -467,7 +469,7 @@ def _torch_matmul_rows(kernel, product, leaves, dy, shape, flops, reference, med
             seconds = median(fn)
             error = None
             if reference is not None:
-                got = [t.float().cpu().numpy() for t in (fn() if pass_ == "fwd+bwd" else (fn(),))]
+                got = [t.detach().float().cpu().numpy() for t in (fn() if pass_ == "fwd+bwd" else (fn(),))]
                 error = max(relative_error(a, b) for a, b in zip(got, reference))
             rows.append(row(kernel, "torch", pass_, shape, tflops=count * flops / seconds / 1e12, error=error,
                             seconds=seconds))
