@@ -36,6 +36,7 @@ kernel that fails says "failed" with its error, and the race goes on.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -47,10 +48,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from jlong.jax_startup import import_jax_quietly
+
+import_jax_quietly()  # before `common` imports jax: no CUDA plugin's "no driver" lines on a CPU machine
+
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
-from common import RESULTS, commit, markdown_table, portable  # noqa: E402
+from common import RESULTS, commit, markdown_table, median_seconds, portable  # noqa: E402
 
 GATED_DELTA_SHAPES = [  # (label, B, T, Hk, H, D)
     ("16 heads", 1, 8_192, 16, 16, 128),
@@ -119,6 +124,13 @@ def relative_error(got, want) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
+def pass_error(pass_: str, got, forward_reference, backward_references) -> float:
+    """A row's error: its output's (fwd), or the worst of its gradients' (fwd+bwd)."""
+    if pass_ == "fwd":
+        return relative_error(got, forward_reference)
+    return max(relative_error(a, b) for a, b in zip(got, backward_references))
+
+
 def row(kernel, impl, pass_, shape, *, status="ok", tokens_per_s=None, tflops=None, error=None, seconds=None,
         note=None) -> dict:
     found = {"kernel": kernel, "impl": impl, "pass": pass_, "shape": shape, "status": status,
@@ -152,9 +164,6 @@ def grouped_shapes(quick: bool) -> list:
 
 
 def jax_part(rehearse: bool, quick: bool, workdir: Path) -> dict:
-    from jlong.jax_startup import import_jax_quietly
-
-    import_jax_quietly()  # no CUDA plugin's "no driver" lines on a CPU machine
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -168,15 +177,7 @@ def jax_part(rehearse: bool, quick: bool, workdir: Path) -> dict:
     interpret = not on_gpu
     repeats = 1 if rehearse else REPEATS
 
-    def median(fn, *args):
-        jax.block_until_ready(fn(*args))
-        times = []
-        for _ in range(repeats):
-            began = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - began)
-        return statistics.median(times)
-
+    median = functools.partial(median_seconds, repeats=repeats)
     rows, rates = [], []
     kernels = {"jlong:triton": lambda *a, **kw: gated_delta_triton.triton(*a, interpret=interpret, **kw),
                "jlong:chunked": gated_delta.chunked}
@@ -203,8 +204,7 @@ def jax_part(rehearse: bool, quick: bool, workdir: Path) -> dict:
                     error = None
                     if reference is not None:
                         got = fn(*args)
-                        error = (relative_error(got, reference[0]) if pass_ == "fwd" else
-                                 max(relative_error(a, b) for a, b in zip(got, reference[1:])))
+                        error = pass_error(pass_, got, reference[0], reference[1:])
                     rows.append(row("gated_delta", impl, pass_, shape, tokens_per_s=B * T / seconds, error=error,
                                     seconds=seconds))
                 except Exception as exc:  # noqa: BLE001 (a failing kernel is a row, the race goes on)
@@ -308,8 +308,7 @@ def _matmul_rows(kernel, impl, product, args, dy, shape, flops, reference, media
             error = None
             if reference is not None:
                 got = fn(*args)
-                error = (relative_error(got, reference[0]) if pass_ == "fwd" else
-                         max(relative_error(a, b) for a, b in zip(got, reference)))
+                error = pass_error(pass_, got, reference[0], reference)
             rows.append(row(kernel, impl, pass_, shape, tflops=count * flops / seconds / 1e12, error=error,
                             seconds=seconds))
         except Exception as exc:  # noqa: BLE001
@@ -402,8 +401,7 @@ def torch_part(quick: bool, workdir: Path) -> dict:
                     outputs = fn() if pass_ == "fwd+bwd" else (fn(),)
                     got = [t.detach().float().cpu().numpy() for t in outputs]
                     want = [reference[f"arr_{i}"] for i in range(6)]
-                    error = (relative_error(got[0], want[0]) if pass_ == "fwd" else
-                             max(relative_error(a, b) for a, b in zip(got[1:], want[1:])))
+                    error = pass_error(pass_, got[0] if pass_ == "fwd" else got[1:], want[0], want[1:])
                 rows.append(row("gated_delta", "fla", pass_, shape, tokens_per_s=B * T / seconds, error=error,
                                 seconds=seconds))
             except Exception as exc:  # noqa: BLE001
@@ -470,7 +468,7 @@ def _torch_matmul_rows(kernel, product, leaves, dy, shape, flops, reference, med
             error = None
             if reference is not None:
                 got = [t.detach().float().cpu().numpy() for t in (fn() if pass_ == "fwd+bwd" else (fn(),))]
-                error = max(relative_error(a, b) for a, b in zip(got, reference))
+                error = pass_error(pass_, got[0] if pass_ == "fwd" else got, reference[0], reference)
             rows.append(row(kernel, "torch", pass_, shape, tflops=count * flops / seconds / 1e12, error=error,
                             seconds=seconds))
         except Exception as exc:  # noqa: BLE001
