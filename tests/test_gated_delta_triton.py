@@ -21,6 +21,9 @@ from jlong.planner.step_cost import step_cost
 fast = pytest.mark.fast
 
 triton = jax.jit(lambda *a: gated_delta_triton.triton(*a, interpret=True))
+# The same in blocks of 64 tokens (one chunk each; sequences longer than `BLOCK` run so): the state passed
+# between blocks, each block recomputed in the backward pass.
+in_blocks = jax.jit(lambda *a: gated_delta_triton.triton(*a, interpret=True, block=64))
 SEGMENTS = np.repeat(np.array([[0, 1, 2]]), [40, 70, 40], axis=1).repeat(2, 0).astype(np.int32)
 
 
@@ -35,15 +38,17 @@ def _state(B, H, dk, dv, seed=1):
 
 @fast
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "state"])
-def test_outputs_equal_the_rule_token_by_token(with_state):
+@pytest.mark.parametrize("rule", [triton, in_blocks], ids=["one-block", "blocks"])
+def test_outputs_equal_the_rule_token_by_token(with_state, rule):
     """150 tokens: two whole chunks of 64 and a padded third, three documents, Hv = 2 Hk."""
     q, k, v, g, beta = _rule_inputs(dv=16)
     args = (SEGMENTS, _state(2, 4, 16, 16), np.array([5, 0])) if with_state else (SEGMENTS,)
-    _close(triton(q, k, v, g, beta, *args), gated_delta.recurrent(q, k, v, g, beta, *args))
+    _close(rule(q, k, v, g, beta, *args), gated_delta.recurrent(q, k, v, g, beta, *args))
 
 
 @fast
-def test_gradients_of_every_input_equal_the_rule_token_by_token():
+@pytest.mark.parametrize("rule", [triton, in_blocks], ids=["one-block", "blocks"])
+def test_gradients_of_every_input_equal_the_rule_token_by_token(rule):
     """With a starting state that the first document continues and a
     cotangent on the final state as well as on the outputs."""
     q, k, v, g, beta = _rule_inputs(dv=16)
@@ -56,7 +61,7 @@ def test_gradients_of_every_input_equal_the_rule_token_by_token():
         return jax.grad(f, argnums=range(6))
 
     args = (q, k, v, g, beta, _state(2, 4, 16, 16))
-    got, want = jax.jit(loss(triton))(*args), loss(gated_delta.recurrent)(*args)
+    got, want = jax.jit(loss(rule))(*args), loss(gated_delta.recurrent)(*args)
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5 * np.abs(b).max())
 

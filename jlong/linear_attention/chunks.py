@@ -15,6 +15,32 @@ import jax.numpy as jnp
 from jlong.ops.tiling import varying_like
 
 
+def over_blocks(run_block, tokens, segment_ids, initial_state, segment_before, *, block: int):
+    """(o [B, S, H, dv] in v's dtype, the final state [B, H, dk, dv] in
+    float32) of the rule on `tokens` (q, k, v, g, beta) a block of `block`
+    tokens at a time: `run_block(state, (q, k, v, g, beta, segments,
+    previous segments))` -> (state, o) on one block, under a checkpoint
+    where there are several, so the backward pass keeps one state per block
+    and recomputes a block at a time (memory bounded by a block, not the
+    sequence)."""
+    S = tokens[2].shape[1]
+    tokens, segment_ids, previous, state = padded_inputs(tokens, segment_ids, initial_state, segment_before,
+                                                         multiple=block)
+    B, padded, H, dv = tokens[2].shape
+    blocks = padded // block
+
+    def by_block(t):  # [B, S, ...] -> [blocks, B, block, ...] (a reshape alone for one sequence)
+        if B == 1:
+            return t.reshape(blocks, 1, block, *t.shape[2:])
+        return jnp.moveaxis(t.reshape(B, blocks, block, *t.shape[2:]), 1, 0)
+
+    if blocks > 1:
+        run_block = jax.checkpoint(run_block, prevent_cse=False)
+    state, o = jax.lax.scan(run_block, state, tuple(map(by_block, (*tokens, segment_ids, previous))))
+    o = (o if B == 1 else jnp.moveaxis(o, 0, 1)).reshape(B, padded, H, dv)[:, :S]
+    return o, state
+
+
 def padded_inputs(tokens, segment_ids, initial_state, segment_before, *, multiple: int):
     """What the chunked forms start from: the tokens (q, k, v, g, beta)
     padded at the end to a `multiple` of tokens, their segment ids, each

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from jlong.linear_attention import gated_delta_triton
-from jlong.linear_attention.chunks import chunk_terms, padded_inputs, segment_before_first
+from jlong.linear_attention.chunks import chunk_terms, over_blocks, segment_before_first
 from jlong.ops.tiling import varying_like
 
 CHUNK = 128  # tokens related by one triangular solve
@@ -58,20 +58,8 @@ def chunked(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_befo
     S = v.shape[1]
     chunk = min(chunk, 1 << max(S - 1, 1).bit_length())  # a power of two (`unit_lower_inverse`)
     block = chunk * max(1, min(chunks_per_block, -(-S // chunk)))
-    (q, k, v, g, beta), segment_ids, previous, state = padded_inputs(
-        (q, k, v, g, beta), segment_ids, initial_state, segment_before, multiple=block)
-    B, padded, H, dv = v.shape
-    blocks = padded // block
-
-    def by_block(t):  # [B, S, ...] -> [blocks, B, block, ...] (a reshape alone for one sequence)
-        if B == 1:
-            return t.reshape(blocks, 1, block, *t.shape[2:])
-        return jnp.moveaxis(t.reshape(B, blocks, block, *t.shape[2:]), 1, 0)
-
-    run_block = jax.checkpoint(functools.partial(_block, chunk=chunk), prevent_cse=False)
-    state, o = jax.lax.scan(run_block, state, tuple(map(by_block, (q, k, v, g, beta, segment_ids, previous))))
-    o = (o if B == 1 else jnp.moveaxis(o, 0, 1)).reshape(B, padded, H, dv)[:, :S]
-    return o, state
+    return over_blocks(functools.partial(_block, chunk=chunk), (q, k, v, g, beta), segment_ids, initial_state,
+                       segment_before, block=block)
 
 
 def _block(state, inputs, *, chunk: int):

@@ -36,10 +36,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jlong.linear_attention.chunks import chunk_terms, padded_inputs
+from jlong.linear_attention.chunks import chunk_terms, over_blocks
 from jlong.ops.pallas_calls import kernel_call
 
 CHUNK = 64  # tokens per chunk, as FLA's
+# Tokens whose chunks run at once. Longer sequences run a block at a time under a checkpoint: the chunk
+# terms and the states entering each chunk (what the backward kernel reads) are O(block), and a block's
+# forward runs twice in training. 32,768 tokens of 6 heads of 128 hold about 0.8 GB of them in float32.
+BLOCK = 32_768
 BLOCK_V = 64  # value columns per program
 NUM_WARPS, NUM_STAGES = 4, 1
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call XLA:GPU runs a Pallas Triton kernel as
@@ -47,12 +51,18 @@ FORWARD, BACKWARD = "gated_delta_forward", "gated_delta_backward"  # the kernels
 
 
 def triton(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_before=None, *, interpret: bool = False,
-           chunk: int = CHUNK):
+           chunk: int = CHUNK, block: int = BLOCK):
     """o [B, S, H, dv] in v's dtype and the final state [B, H, dk, dv] in
-    float32, as `gated_delta.chunked` computes them."""
-    S = v.shape[1]
-    (q, k, v, g, beta), segment_ids, previous, state = padded_inputs(
-        (q, k, v, g, beta), segment_ids, initial_state, segment_before, multiple=chunk)
+    float32, as `gated_delta.chunked` computes them: `block` tokens at a
+    time (fewer when the sequence is shorter), each block's chunks at once."""
+    block = min(block, -(-v.shape[1] // chunk) * chunk)
+    run_block = functools.partial(_block, chunk=chunk, interpret=interpret)
+    return over_blocks(run_block, (q, k, v, g, beta), segment_ids, initial_state, segment_before, block=block)
+
+
+def _block(state, inputs, *, chunk: int, interpret: bool):
+    """One block: (state in, (q, k, v, g, beta, segments, previous segments)) -> (state out, o)."""
+    q, k, v, g, beta, segment_ids, previous = inputs
     B, T, H, dv = v.shape
     dk = k.shape[-1]
     terms = chunk_terms(q, k, v, g, beta, segment_ids, previous, chunk=chunk)
@@ -60,8 +70,8 @@ def triton(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_befor
     heads = lambda t: t.reshape(B * H, *t.shape[2:])  # noqa: E731  [B, H, ...] -> [B H, ...]
     matrices = (heads(t).astype(operand) for t in (terms.u, terms.w, terms.a, terms.qr, terms.kw))
     o, state = _recurrence(*matrices, heads(terms.decay), heads(state), interpret)
-    o = jnp.moveaxis(o.reshape(B, H, T, dv), 1, 2)[:, :S]
-    return o.astype(v.dtype), state.reshape(B, H, dk, dv)
+    o = jnp.moveaxis(o.reshape(B, H, T, dv), 1, 2)
+    return state.reshape(B, H, dk, dv), o.astype(v.dtype)
 
 
 def _block_v(dv: int) -> int:
