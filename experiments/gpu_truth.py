@@ -375,8 +375,13 @@ def rates(args, on_gpu: bool) -> list[dict]:
 
 
 def rate(name: str, assumed: float, measured: float, basis: str) -> dict:
-    return {"name": name, "assumed": round(assumed, 3), "measured": round(measured, 3),
-            "measured_over_assumed": round(measured / assumed, 3), "assumed_from": basis}
+    return {"name": name, "assumed": significant(assumed), "measured": significant(measured),
+            "measured_over_assumed": significant(measured / assumed), "assumed_from": basis}
+
+
+def significant(value: float, digits: int = 4) -> float:
+    """`value` to `digits` significant digits: an interpreted kernel's rate on the CPU rounds to 0 at 3 decimals."""
+    return float(f"{value:.{digits}g}")
 
 
 def gemm_flops_per_s(n: int) -> float:
@@ -451,30 +456,31 @@ def grouped_matmul_rates(args, assumed_flops: float, basis: str) -> list[dict]:
 
 
 def gated_delta_rate(args, gpu, eff) -> dict:
-    """The chunked gated delta rule forward and backward over --linear-len tokens of Qwen3.5-0.8B's linear
-    attention (16 heads of 128), in tokens/s: measured, beside the planner's estimate of the very program that
-    ran (priced as `jlong plan` prices a step: kernels, launches; on the rehearsal the CPU's program)."""
+    """The gated delta rule a step runs there (`kernels.gated_delta: auto`: Triton on a GPU, chunked on the CPU)
+    forward and backward over --linear-len tokens of Qwen3.5-0.8B's linear attention (16 heads of 128), in
+    tokens/s: measured, beside the planner's estimate of the very program that ran (priced as `jlong plan`
+    prices a step: kernels, launches; on the rehearsal the CPU's program)."""
     import jax
     import jax.numpy as jnp
 
     from gpu_kernels import gated_delta_inputs
-    from jlong.linear_attention.gated_delta import chunked
+    from jlong.linear_attention.gated_delta import kernel_for, rule
     from jlong.planner.hlo import parse_module
     from jlong.planner.step_cost import estimate
 
-    tokens = args.linear_len
+    tokens, name = args.linear_len, kernel_for(jax.default_backend())
     inputs, segments, (do, dstate) = gated_delta_inputs(tokens, 16, 16, 128, 1)
     inputs = tuple(t.astype(jnp.bfloat16) for t in inputs[:3]) + inputs[3:]
 
     def forward_backward(inputs):
-        (o, state), pullback = jax.vjp(chunked, *inputs)
+        (o, state), pullback = jax.vjp(rule(name), *inputs)
         return pullback((do.astype(o.dtype), dstate))
 
     step = jax.jit(forward_backward)
     program = parse_module(step.lower(inputs).compile().as_text())
     estimated = estimate(program, gpu=gpu, efficiency=eff, node_of=[0], tokens_per_step=tokens,
                          model_flops_per_device=1.0)
-    return rate(f"chunked gated delta rule forward + backward, {tokens:,} tokens, 16 heads of 128, tokens/s",
+    return rate(f"{name} gated delta rule forward + backward, {tokens:,} tokens, 16 heads of 128, tokens/s",
                 estimated.tokens_per_s, tokens / median_seconds(step, inputs),
                 f"jlong plan's estimate of this program ({estimated.kernels:,.0f} kernel launches "
                 f"at launch_us {eff.launch_us:g})")
