@@ -5,6 +5,8 @@ apply to every config, to try a setting across them.
 
     python experiments/frontier.py [--target h100] [--configs configs/A.yaml ...] [key=value ...]
 
+Without --configs it plans every committed config of 1,048,576 tokens or more.
+
 Writes experiments/results/frontier.md.
 """
 
@@ -18,16 +20,20 @@ import jlong
 from common import GIB, ROOT, add_target_argument, invocation, markdown_table, plan, planning_target, provenance, \
     write_result
 
-CONFIGS = [
-    "configs/llama3-8b-2m.yaml", "configs/llama3-8b-5m.yaml", "configs/llama3-8b-8m.yaml", "configs/qwen3-32b-3m.yaml",
-    "configs/llama3-8b-32m-4nodes.yaml", "configs/llama3-8b-16m-2nodes.yaml", "configs/qwen3-32b-8m-2nodes.yaml",
-]
+
+
+def long_context_configs() -> list[str]:
+    """Every committed run config of a million tokens or more (the tests plan three of them; the rest, minutes
+    each on a small machine, are planned here)."""
+    paths = sorted((ROOT / "configs").glob("*.yaml"))
+    return [str(path.relative_to(ROOT)) for path in paths if jlong.load_config(path).train.seq_len >= 2**20]
 
 
 def row(path: str, overrides: list[str], target) -> list:
     config = jlong.load_config(ROOT / path, overrides)
     began = time.perf_counter()
-    result = plan(config, target).memory
+    planned = plan(config, target)
+    result = planned.memory
     seconds = time.perf_counter() - began
     m = config.memory
     knobs = f"{m.remat}, k={m.layers_per_checkpoint}, optimizer {'host' if m.optimizer_offload else 'device'}"
@@ -38,18 +44,28 @@ def row(path: str, overrides: list[str], target) -> list:
             f"{result.temporaries / GIB:.2f}", f"{result.cudnn_workspace / GIB:.2f}",
             f"{result.device_total / GIB:.2f}", f"{result.budget / GIB:.2f}",
             f"{result.host_per_node / GIB:,.0f}", f"{result.host_budget_per_node / GIB:,.0f}",
-            "yes" if result.fits else "no: " + " and ".join(result.exceeded), f"{seconds:.1f}"]
+            "yes" if result.fits else "no: " + " and ".join(result.exceeded), estimated_per_gpu(planned),
+            f"{seconds:.1f}"]
+
+
+def estimated_per_gpu(planned) -> str:
+    """Estimated tokens/s per GPU, read from the compiled program (no estimate on the cpu target); flagged
+    where a custom call went unpriced."""
+    if planned.cost is None:
+        return ""
+    unpriced = " (unpriced calls)" if planned.cost.unpriced_custom_calls else ""
+    return f"{planned.cost.tokens_per_s / planned.cost.devices:,.1f}{unpriced}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_target_argument(parser)
-    parser.add_argument("--configs", nargs="+", default=CONFIGS)
+    parser.add_argument("--configs", nargs="+", help="run configs to plan (default: every one of 1M tokens or more)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     target = planning_target(args.target)
     rows = []
-    for path in args.configs:
+    for path in args.configs or long_context_configs():
         rows.append(row(path, args.overrides, target))
         print(" | ".join(map(str, rows[-1])), flush=True)
     command = invocation(__file__, argv)
@@ -58,12 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         provenance(command, target.compiler()),
         "GiB per device (host: per node of 8 GPUs). States: parameters + gradients + optimizer state on the device "
         "(the compute-dtype copies when the optimizer is in host memory). cuDNN workspace: what cuDNN's attention "
-        "backward needs beside XLA's buffers (counted by the planner; deviceless compilation shows it empty). Seconds: the plan's wall time "
+        "backward needs beside XLA's buffers (counted by the planner; deviceless compilation shows it empty). Tokens/s per GPU: "
+        "an estimate read from the compiled program (never a measurement). Seconds: the plan's wall time "
         "(lowering and compiling) on this machine.",
         markdown_table(["config", "model", "seq_len", "nodes x GPUs: mesh", "remat, layers per checkpoint, optimizer",
                         "states",
                         "temporaries", "cuDNN workspace", "device total", "device budget", "host per node", "host budget", "fits",
-                        "seconds"], rows),
+                        "est. tokens/s per GPU", "seconds"], rows),
     ]) + "\n"
     print(f"wrote {write_result('frontier.md', text)}")
     return 0

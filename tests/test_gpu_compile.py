@@ -117,19 +117,13 @@ def test_ring_attention_across_two_nodes_keeps_ulysses_inside_each():
 
 
 @needs_gpu_compiler
-@pytest.mark.parametrize(
-    "name, seq_len",
-    [("llama3-8b-2m", 2 * 2**20), ("llama3-8b-5m", 5 * 2**20), ("llama3-8b-8m", 8 * 2**20),
-     ("qwen3-32b-3m", 3 * 2**20), ("qwen3.5-27b-3m", 3 * 2**20), ("qwen3.5-9b-5m", 5 * 2**20),
-     ("qwen3-30b-a3b-9m", 9 * 2**20), ("qwen3-30b-a3b-1m", 2**20),
-     ("llama3-8b-32m-4nodes", 32 * 2**20),
-     ("llama3-8b-16m-2nodes", 16 * 2**20), ("qwen3-32b-8m-2nodes", 8 * 2**20)],
-)
+@pytest.mark.parametrize("name, seq_len", [("llama3-8b-2m", 2 * 2**20), ("llama3-8b-5m", 5 * 2**20),
+                                           ("qwen3-30b-a3b-1m", 2**20)])
 def test_the_long_context_configs_fit_their_default_budgets_on_h100(name, seq_len):
-    # auto settings: the planner's, but for the two-node configs: its choice (offload_inputs, experiments/results/
-    # frontier.md) written out, one compile instead of the search's several (llama3-8b-5m tests the search here)
-    pinned = ["memory.remat=offload_inputs"] if name.endswith("2nodes") else []
-    choice = choose(load_config(REPO / "configs" / f"{name}.yaml", pinned), H100)
+    """Three of the committed configs, each with checks of its own. Every committed config is planned by
+    experiments/frontier.py (its table: experiments/results/frontier.md); the longest plans take minutes
+    each on CI's two cores, so they live there rather than here."""
+    choice = choose(load_config(REPO / "configs" / f"{name}.yaml"), H100)
     config, step, result = choice.config, choice.chosen.step, choice.chosen.plan
     assert config.train.seq_len == seq_len
     assert result.budget == int(default_budget_gib("h100", config.train.gpu_memory_fraction) * 2**30)
@@ -145,11 +139,6 @@ def test_the_long_context_configs_fit_their_default_budgets_on_h100(name, seq_le
     # (with fresh buffers for updated states that XLA does not update in place: at most one more copy).
     offloaded = saved_layer_input_bytes(config) + offloaded_attention_bytes(config)
     assert offloaded + result.host_states <= result.host_offload <= offloaded + 2 * result.host_states
-    if name == "qwen3.5-27b-3m":  # full attention in cuDNN; the Gated DeltaNet layers' chunk loops priced
-        cost = step_cost(step)
-        assert cudnn_attention_calls(step.compiled.as_text()) >= 2
-        assert cost.step_time_s > 0 and not cost.unpriced_custom_calls and not cost.unknown_trip_loops
-        assert cost.executed_flops >= cost.model_flops
     if name == "qwen3-30b-a3b-1m":  # set for speed: the attention forward pass runs once; experts priced
         cost = step_cost(step)
         assert cost.recompute_factor <= 1.25 and not cost.unpriced_custom_calls and not cost.unknown_trip_loops

@@ -112,25 +112,25 @@ def test_plan_on_a_mesh_without_enough_devices_is_refused():
 
 
 def test_maxlen_searches_the_settings_left_open_and_names_the_best(tmp_path):
-    """Offloaded layer inputs bind the host budget at 64K with one input per
+    """Offloaded layer inputs bind the host budget at 16K with one input per
     layer (the search stops there, before the device budget of 1000 GiB);
     one per two layers halves them and reaches further."""
     config = tmp_path / "small.yaml"
     config.write_text("{}\n")
-    base = small_long("memory.mlp_tile=4096", "memory.loss_tile=4096", "train.seq_len=65536")
-    host_budget_gib = 8 * saved_layer_input_bytes(base) / GIB  # a node of 8 at 64K, one input per layer
-    result = run_cli("maxlen", config, *SMALL_LONG, "memory.mlp_tile=4096", "memory.loss_tile=4096",
-                     "train.seq_len=65536", "--target", "cpu", "--budget-gib", "1000",
+    base = small_long("memory.mlp_tile=1024", "memory.loss_tile=1024", "train.seq_len=16384")
+    host_budget_gib = 8 * saved_layer_input_bytes(base) / GIB  # a node of 8 at 16K, one input per layer
+    result = run_cli("maxlen", config, *SMALL_LONG, "memory.mlp_tile=1024", "memory.loss_tile=1024",
+                     "train.seq_len=16384", "--target", "cpu", "--budget-gib", "1000",
                      "--host-budget-gib", f"{host_budget_gib:.9f}", "--search", "memory.layers_per_checkpoint=1,2")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "setting memory.layers_per_checkpoint=1:" in out and "setting memory.layers_per_checkpoint=2:" in out
-    assert "memory.layers_per_checkpoint=1: longest 65,536; the host budget binds" in out
+    assert "memory.layers_per_checkpoint=1: longest 16,384; the host budget binds" in out
     first = out.split("setting memory.layers_per_checkpoint=2:")[0]
     probes = [line.split(":")[0].split()[-1] for line in first.splitlines() if "  seq_len" in line]
-    assert probes == ["65,536", "131,072", "98,304"]  # 64K fits, the 32K granules above it do not
+    assert probes == ["16,384", "32,768", "24,576"]  # 16K fits, the 8K granules above it do not
     assert "best setting: memory.layers_per_checkpoint=2" in out
-    assert "longest seq_len that fits: 131,072" in out
+    assert "longest seq_len that fits: 32,768" in out
 
 
 @pytest.mark.fast
