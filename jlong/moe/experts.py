@@ -9,6 +9,14 @@ pairs back in token order and sum each token's k outputs weighted by its
 router probabilities. A shared expert (Qwen3.5-MoE) is a SwiGLU every token
 runs, scaled by sigmoid(h . w_shared_gate), added to the routed experts'.
 
+GPT-OSS's experts differ in options of `MixtureOfExperts`, each off by
+default: the router's bias and its weights from a softmax over the chosen
+logits (`routing.route`); one gate-and-up matrix [E, D, 2F] whose columns
+alternate gate, up (Hugging Face's `gate_up_proj`), so one grouped matmul
+makes both; a bias per expert on each projection, gathered for each sorted
+row by the row's expert and added to the grouped matmul's output; and the
+clamped SwiGLU (`ClampedSwiGLU`).
+
 No capacity limit: every pair is computed, so the output is exactly the
 dense definition's. Memory is bounded by a tile (`memory.mlp_tile`, or the
 device's whole shard when unset): its pairs' rows and intermediates, as the
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +45,31 @@ from jlong.ops.shards import HIDDEN, REPLICATED
 from jlong.ops.tiling import map_tiles, tile_at, varying_like
 
 ROUTED_PARAMS = ("mlp_norm", "router", "expert_gate", "expert_up", "expert_down")
+FUSED_PARAMS = ("mlp_norm", "router", "expert_gate_up", "expert_down")  # gate and up in one matrix (GPT-OSS)
 SHARED_PARAMS = ("w_gate", "w_up", "w_down", "shared_expert_gate")
+ROUTER_BIAS = "router_bias"
+EXPERT_BIASES = {"expert_gate_up": "expert_gate_up_bias", "expert_gate": "expert_gate_bias",
+                 "expert_up": "expert_up_bias", "expert_down": "expert_down_bias"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ClampedSwiGLU:
+    """GPT-OSS's expert activation: the gate clamped above at `limit`, up to
+    [-limit, limit], then (up + 1) x gate x sigmoid(alpha x gate); in float32."""
+
+    limit: float = 7.0
+    alpha: float = 1.702
+
+    def __call__(self, gate, up):
+        dtype = gate.dtype
+        gate = jnp.minimum(gate.astype(jnp.float32), self.limit)
+        up = jnp.clip(up.astype(jnp.float32), -self.limit, self.limit)
+        return ((up + 1.0) * gate * jax.nn.sigmoid(self.alpha * gate)).astype(dtype)
+
+
+def silu_gate(gate, up):
+    """SwiGLU's activation: silu(gate) x up."""
+    return jax.nn.silu(gate) * up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,23 +80,56 @@ class MixtureOfExperts:
     shared_expert: bool = False  # plus a SwiGLU every token runs, gated per token (Qwen3.5-MoE)
     kernel: str = "ragged_dot"  # `grouped_matmul.KERNELS`
     interpret: bool = False  # a GPU kernel in its interpreter (on the CPU)
+    router_bias: bool = False  # the router's logits have a bias per expert, `router_bias` [E] (GPT-OSS)
+    softmax_after_top_k: bool = False  # weights: a softmax over the k chosen logits (GPT-OSS)
+    fused_gate_up: bool = False  # `expert_gate_up` [E, D, 2F], columns alternating gate, up (GPT-OSS)
+    expert_bias: bool = False  # each projection has a bias per expert: `expert_gate_up_bias` [E, 2F], ... (GPT-OSS)
+    activation: Callable = silu_gate  # (gate, up) -> hidden; GPT-OSS's `ClampedSwiGLU`
 
     @property
     def param_names(self) -> tuple[str, ...]:
-        return ROUTED_PARAMS + (SHARED_PARAMS if self.shared_expert else ())
+        names = FUSED_PARAMS if self.fused_gate_up else ROUTED_PARAMS
+        if self.router_bias:
+            names += (ROUTER_BIAS,)
+        if self.expert_bias:
+            names += tuple(EXPERT_BIASES[name] for name in names if name in EXPERT_BIASES)
+        return names + (SHARED_PARAMS if self.shared_expert else ())
+
+    @property
+    def router_param_names(self) -> tuple[str, ...]:
+        """What the routing statistics read."""
+        return ("mlp_norm", "router", ROUTER_BIAS) if self.router_bias else ("mlp_norm", "router")
+
+    def route(self, p, h_TD):
+        """`routing.route` of tokens h [T, D] by this mixture's router."""
+        return route(h_TD, p["router"], top_k=self.top_k, normalize=self.normalize,
+                     bias_E=p[ROUTER_BIAS] if self.router_bias else None, softmax_after_top_k=self.softmax_after_top_k)
 
     def __call__(self, p, h_TD):
         """The experts' output [T, D] for normed tokens h [T, D]: `router` [D, E],
-        `expert_gate`, `expert_up` [E, D, F], `expert_down` [E, F, D] (and the
+        `expert_gate`, `expert_up` [E, D, F] (or `expert_gate_up` [E, D, 2F]),
+        `expert_down` [E, F, D], the biases its options name (and the
         shared expert's `w_gate`, `w_up`, `w_down`, `shared_expert_gate` [D])."""
         T, D = h_TD.shape
         k = self.top_k
-        _, weights_Tk, experts_Tk = route(h_TD, p["router"], top_k=k, normalize=self.normalize)
+        _, weights_Tk, experts_Tk = self.route(p, h_TD)
         order_P, group_sizes_E = group_by_expert(experts_Tk, self.num_experts)
         rows_PD = jnp.take(h_TD, order_P // k, axis=0)
-        grouped = functools.partial(matmul(self.kernel, interpret=self.interpret), group_sizes_G=group_sizes_E)
-        hidden_PF = jax.nn.silu(grouped(rows_PD, p["expert_gate"])) * grouped(rows_PD, p["expert_up"])
-        out_PD = grouped(hidden_PF, p["expert_down"])
+        matmul_ = functools.partial(matmul(self.kernel, interpret=self.interpret), group_sizes_G=group_sizes_E)
+        expert_P = jnp.take(experts_Tk.reshape(-1), order_P) if self.expert_bias else None  # each sorted row's
+
+        def grouped(x_PK, name):
+            y_PN = matmul_(x_PK, p[name])
+            if self.expert_bias:
+                y_PN = y_PN + jnp.take(p[EXPERT_BIASES[name]], expert_P, axis=0).astype(y_PN.dtype)
+            return y_PN
+
+        if self.fused_gate_up:
+            gate_up_PF2 = grouped(rows_PD, "expert_gate_up")
+            gate_PF, up_PF = gate_up_PF2[:, 0::2], gate_up_PF2[:, 1::2]
+        else:
+            gate_PF, up_PF = grouped(rows_PD, "expert_gate"), grouped(rows_PD, "expert_up")
+        out_PD = grouped(self.activation(gate_PF, up_PF), "expert_down")
         in_token_order = jnp.zeros_like(order_P).at[order_P].set(jnp.arange(T * k, dtype=order_P.dtype))
         out_TkD = jnp.take(out_PD, in_token_order, axis=0).reshape(T, k, D)
         out_TD = jnp.einsum("tkd,tk->td", out_TkD, weights_Tk.astype(out_TkD.dtype))
@@ -91,7 +157,7 @@ class MixtureOfExperts:
         """The layer's `routing` statistics over every device's tokens (each
         device's tiles, summed over the mesh); `differentiable`: the router
         probabilities' sums carry gradients (for the load-balancing loss)."""
-        params = {"mlp_norm": p["mlp_norm"], "router": p["router"]}
+        params = {name: p[name] for name in self.router_param_names}
         if not differentiable:
             params, x_BSD = jax.lax.stop_gradient((params, x_BSD))
 
@@ -102,8 +168,7 @@ class MixtureOfExperts:
             def one_tile(i, total):
                 x_BTD = tile_at(x_BsD, i, size)
                 h_TD = rms_norm(x_BTD, params["mlp_norm"], eps).reshape(-1, x_BTD.shape[-1])
-                probabilities_TE, _, experts_Tk = route(h_TD, params["router"], top_k=self.top_k,
-                                                        normalize=self.normalize)
+                probabilities_TE, _, experts_Tk = self.route(params, h_TD)
                 return jax.tree.map(jnp.add, total, tile_statistics(probabilities_TE, experts_Tk))
 
             total = jax.lax.fori_loop(0, x_BsD.shape[1] // size, jax.checkpoint(one_tile),

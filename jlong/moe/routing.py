@@ -1,8 +1,11 @@
-"""Token-choice routing (as Qwen3-MoE and Qwen3.5-MoE route): a linear
-router scores every expert for each token, a softmax in float32 makes the
-scores probabilities, and each token goes to its `top_k` most likely
-experts, weighted by their probabilities (renormalised to sum to one when
-the model says so).
+"""Token-choice routing: a linear router scores every expert for each
+token (plus a bias per expert in GPT-OSS), and each token goes to its
+`top_k` highest-scoring experts. Their weights are, as Qwen3-MoE and
+Qwen3.5-MoE weigh them, the experts' probabilities under a softmax over all
+experts in float32 (renormalised to sum to one when the model says so), or,
+as GPT-OSS weighs them, a softmax over the k chosen scores alone
+(`softmax_after_top_k`). The statistics below take the softmax over all
+experts either way, as transformers' load-balancing loss does.
 
 A token's k choices are k (token, expert) pairs; `group_by_expert` sorts the
 pairs by expert (stably, so a group keeps its tokens in order) and counts
@@ -30,11 +33,16 @@ EXPERT_PROBABILITIES = "expert_probabilities"  # [E] the sum over tokens of each
 ROUTED_TOKENS = "routed_tokens"  # [] tokens routed
 
 
-def route(h_TD, router_DE, *, top_k: int, normalize: bool):
+def route(h_TD, router_DE, *, top_k: int, normalize: bool, bias_E=None, softmax_after_top_k: bool = False):
     """(probabilities [T, E] float32, weights [T, k] float32, experts [T, k] int32)
-    of tokens h [T, D] under the router's weights [D, E]."""
-    logits_TE = jnp.einsum("td,de->te", h_TD, router_DE)
-    probabilities_TE = jax.nn.softmax(logits_TE.astype(jnp.float32), axis=-1)
+    of tokens h [T, D] under the router's weights [D, E] (and its bias [E], added in float32)."""
+    logits_TE = jnp.einsum("td,de->te", h_TD, router_DE).astype(jnp.float32)
+    if bias_E is not None:
+        logits_TE = logits_TE + bias_E.astype(jnp.float32)
+    probabilities_TE = jax.nn.softmax(logits_TE, axis=-1)
+    if softmax_after_top_k:
+        chosen_Tk, experts_Tk = jax.lax.top_k(logits_TE, top_k)
+        return probabilities_TE, jax.nn.softmax(chosen_Tk, axis=-1), experts_Tk
     weights_Tk, experts_Tk = jax.lax.top_k(probabilities_TE, top_k)
     if normalize:
         weights_Tk = weights_Tk / jnp.sum(weights_Tk, axis=-1, keepdims=True)
