@@ -27,6 +27,7 @@ from jlong.families import family_of
 from jlong.families.base import HFTensor
 from jlong.hf_config import hf_config_dict
 from jlong.model.transformer import ForwardOptions, Transformer
+from jlong.moe import mxfp4
 
 SHARD_BYTES = 4 << 30  # safetensors file size cap when writing
 
@@ -131,29 +132,50 @@ def _stored_as(name: str) -> list[str]:
 
 class _Checkpoint:
     """A checkpoint's safetensors files, checked against the config's shapes
-    before anything is read, and read one tensor at a time."""
+    before anything is read, and read one tensor at a time. A tensor stored
+    in MXFP4 (`NAME_blocks` and `NAME_scales`, as OpenAI publishes GPT-OSS's
+    experts) is read dequantized (`jlong.moe.mxfp4`)."""
 
     def __init__(self, path: Path, config: ModelConfig):
         self.files = _safetensors_files(path)
         expected = _expected_hf_shapes(config)
-        self.stored = {name: next((s for s in _stored_as(name) if s in self.files), None) for name in expected}
-        missing = [name for name, stored in self.stored.items() if stored is None]
+        self.stored = {name: self._find(name) for name in expected}
+        self.quantized = {name: (self._find(name + mxfp4.BLOCKS), self._find(name + mxfp4.SCALES))
+                          for name, stored in self.stored.items() if stored is None}
+        self.quantized = {name: parts for name, parts in self.quantized.items() if None not in parts}
+        missing = [name for name, stored in self.stored.items() if stored is None and name not in self.quantized]
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise JlongError(f"{path}: checkpoint lacks tensors {', '.join(missing[:3])}{more}")
         for name, shape in expected.items():
-            stored = self.stored[name]
-            with safe_open(self.files[stored], framework="numpy") as f:
-                found = tuple(f.get_slice(stored).get_shape())
+            if name in self.quantized:
+                blocks, scales = self.quantized[name]
+                stored = blocks.removesuffix(mxfp4.BLOCKS)
+                found = mxfp4.dequantized_shape(self._shape(blocks), self._shape(scales), stored)
+            else:
+                stored = self.stored[name]
+                found = self._shape(stored)
             if found != shape:
                 raise JlongError(
-                    f"{self.files[stored].name}: tensor {stored} has shape {found}, but config.json implies {shape}"
+                    f"{self.files[self.stored[name] or self.quantized[name][0]].name}: tensor {stored} has shape "
+                    f"{found}, but config.json implies {shape}"
                 )
 
-    def tensor(self, name: str) -> np.ndarray:
-        stored = self.stored[name]
+    def _find(self, name: str) -> str | None:
+        return next((s for s in _stored_as(name) if s in self.files), None)
+
+    def _shape(self, stored: str) -> tuple[int, ...]:
+        with safe_open(self.files[stored], framework="numpy") as f:
+            return tuple(f.get_slice(stored).get_shape())
+
+    def _read(self, stored: str) -> np.ndarray:
         with safe_open(self.files[stored], framework="numpy") as f:
             return f.get_tensor(stored)
+
+    def tensor(self, name: str) -> np.ndarray:
+        if name in self.quantized:
+            return mxfp4.dequantize(*map(self._read, self.quantized[name]))
+        return self._read(self.stored[name])
 
 
 def load_hf_params(path: str | Path, config: ModelConfig, abstract_params: dict) -> dict:

@@ -7,5 +7,7 @@ experts a router picks for it rather than through one wide MLP.
 - `grouped_matmul`: the kernels that multiply each expert's group of rows by
   that expert's matrix (`KERNELS`);
 - `experts`: the routed SwiGLU experts (and a gated shared expert), run on
-  one device's tokens a sequence tile at a time.
+  one device's tokens a sequence tile at a time;
+- `mxfp4`: experts' matrices stored in MXFP4 (GPT-OSS's published
+  checkpoints), read back to floats.
 """
