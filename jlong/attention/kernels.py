@@ -26,6 +26,13 @@ Besides them, `reference` materialises the score matrix (for tests), and
 `auto` is the first kernel that can run the call. Every flash kernel runs
 as a one-step ring (`jlong.attention.ring`), whose custom VJP saves only the
 output and its float32 log-sum-exp.
+
+Attention sinks (`jlong.attention.sinks`: one logit per query head in every
+softmax's denominator) are taken in by the paths around the steps, from a
+step's output and log-sum-exp; a kernel says whether those are exact
+enough for that (`KernelSpec.sinks`). A call with sinks never runs a
+kernel that has not said so: `auto` passes it over, a kernel named by
+`attention.impl` is refused.
 """
 
 from __future__ import annotations
@@ -64,6 +71,9 @@ class KernelSpec:
     # Prices one custom call of a compiled program, given its target, backend
     # config and operand shapes: None for a call that is not this kernel's.
     price: Callable[[str, dict, list], CallCost | None] | None = None
+    # Whether attention sinks may be taken in from its steps' output and log-sum-exp
+    # (a registered kernel says so once it is tested with them).
+    sinks: bool = False
 
 
 def _cudnn_cannot_run(query: KernelQuery) -> str | None:
@@ -80,9 +90,9 @@ def _cudnn_cannot_run(query: KernelQuery) -> str | None:
 
 _KERNELS: dict[str, KernelSpec] = {spec.name: spec for spec in (
     KernelSpec("cudnn", lambda a: cudnn.CudnnStep(a.max_documents), {"max_documents": cudnn.DEFAULT_MAX_DOCUMENTS},
-               _cudnn_cannot_run, cudnn.price_call),
+               _cudnn_cannot_run, cudnn.price_call, sinks=True),
     KernelSpec("blockwise", lambda a: BlockwiseStep(a.block_size), {"block_size": DEFAULT_BLOCK_SIZE},
-               lambda query: None),
+               lambda query: None, sinks=True),
 )}
 
 
@@ -104,6 +114,16 @@ def check_impl(impl: str) -> None:
         raise JlongError(f"attention.impl must be one of {', '.join(impl_names())}, got {impl!r}")
 
 
+def check_sinks(impl: str) -> None:
+    """Raises a one-line `JlongError` for an attention.impl that cannot run attention sinks."""
+    check_impl(impl)
+    spec = _KERNELS.get(impl)
+    if spec is not None and not spec.sinks:
+        able = ", ".join(name for name, s in _KERNELS.items() if s.sinks)
+        raise JlongError(f"attention.impl={impl} does not run attention sinks, which this model has: "
+                         f"use attention.impl=auto or one of {able}")
+
+
 def describe(kernel: AttentionKernel) -> str:
     """The kernel with its own settings: 'blockwise (block_size 512)'."""
     spec = _KERNELS.get(kernel.impl)
@@ -120,9 +140,10 @@ def price_custom_call(target: str, backend_config: dict, operand_dims: list) -> 
 
 
 def attend(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS=None, *, impl: str = "auto", block_size: int = DEFAULT_BLOCK_SIZE,
-           max_documents: int = cudnn.DEFAULT_MAX_DOCUMENTS, window: int = 0):
-    """Causal attention of q [B,S,H,d] over k, v [B,S,K,d]; see the module doc."""
-    return AttentionKernel(impl, block_size, max_documents, window).local(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS)
+           max_documents: int = cudnn.DEFAULT_MAX_DOCUMENTS, window: int = 0, sink_logits_H=None):
+    """Causal attention of q [B,S,H,d] over k, v [B,S,K,d], with sink logits [H] if given; see the module doc."""
+    return AttentionKernel(impl, block_size, max_documents, window).local(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS,
+                                                                          sink_logits_H)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,59 +156,70 @@ class AttentionKernel:
     max_documents: int = cudnn.DEFAULT_MAX_DOCUMENTS  # cuDNN's packed documents per sequence
     window: int = 0  # a token sees itself and the window - 1 tokens before it; 0 = every earlier token
 
-    def local(self, q_BSHd, k_BSKd, v_BSKd, segment_ids_BS=None):
+    # Each path takes the sink logits [H] of q's heads (`jlong.attention.sinks`), or None for none.
+
+    def local(self, q_BSHd, k_BSKd, v_BSKd, segment_ids_BS=None, sink_logits_H=None):
         """Attention over the whole sequence, held on this device."""
         if self.impl == "reference":
-            return reference_attention(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS, window=self.window)
-        kernel = self.step(q_BSHd, window=q_BSHd.shape[1])
+            return reference_attention(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS, window=self.window,
+                                       sink_logits_H=sink_logits_H)
+        kernel = self.step(q_BSHd, window=q_BSHd.shape[1], sinks=sink_logits_H is not None)
         return ring_attention(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS, kernel=kernel, axis=None, size=1,
-                              band=self.band)
+                              band=self.band, sink_logits_H=sink_logits_H)
 
-    def ring(self, q_BsHd, k_BsKd, v_BsKd, segment_ids_Bs, *, axis: str, size: int):
+    def ring(self, q_BsHd, k_BsKd, v_BsKd, segment_ids_Bs, sink_logits_H=None, *, axis: str, size: int):
         """Ring attention over mesh axis `axis` (the reference kernel has no
         steps, so a ring runs the blockwise one in its place); with a sliding
         window, the device's own chunk and its neighbours' halos
         (`jlong.attention.sliding`)."""
-        kernel = self.step(q_BsHd, window=q_BsHd.shape[1] // 2, reference="blockwise")
+        kernel = self.step(q_BsHd, window=q_BsHd.shape[1] // 2, reference="blockwise",
+                           sinks=sink_logits_H is not None)
         if self.window:
             return sliding_ring_attention(q_BsHd, k_BsKd, v_BsKd, segment_ids_Bs, kernel=kernel, axis=axis,
-                                          size=size, window=self.window)
-        return ring_attention(q_BsHd, k_BsKd, v_BsKd, segment_ids_Bs, kernel=kernel, axis=axis, size=size)
+                                          size=size, window=self.window, sink_logits_H=sink_logits_H)
+        return ring_attention(q_BsHd, k_BsKd, v_BsKd, segment_ids_Bs, kernel=kernel, axis=axis, size=size,
+                              sink_logits_H=sink_logits_H)
 
-    def gathered(self, q_BsHd, k_BSKd, v_BSKd, segment_ids_Bs, k_segment_ids_BS, *, axis: str, size: int):
+    def gathered(self, q_BsHd, k_BSKd, v_BSKd, segment_ids_Bs, k_segment_ids_BS, sink_logits_H=None, *, axis: str,
+                 size: int):
         """Attention over every rank's keys and values of mesh axis `axis`,
         gathered at hand (`jlong.attention.ring.gathered_attention`); no
         sliding windows (the config check refuses them first)."""
         if self.window:
             raise JlongError("gathered attention has no sliding windows: use attention.sp_method=ulysses")
-        kernel = self.step(q_BsHd, window=q_BsHd.shape[1] // 2, reference="blockwise")
+        kernel = self.step(q_BsHd, window=q_BsHd.shape[1] // 2, reference="blockwise",
+                           sinks=sink_logits_H is not None)
         return gathered_attention(q_BsHd, k_BSKd, v_BSKd, segment_ids_Bs, k_segment_ids_BS, kernel=kernel, axis=axis,
-                                  size=size)
+                                  size=size, sink_logits_H=sink_logits_H)
 
     @property
     def band(self) -> Band | None:
         """The sliding window of a causal step (None: no window)."""
         return Band(self.window) if self.window else None
 
-    def step(self, q_BSHd, *, window: int, reference: str = "reference") -> StepKernel:
+    def step(self, q_BSHd, *, window: int, reference: str = "reference", sinks: bool = False) -> StepKernel:
         """The flash step kernel for queries like q on this backend; `window`
-        is the shortest length a step attends over."""
+        is the shortest length a step attends over; `sinks`: the call has
+        attention sinks (a kernel without them is refused)."""
         impl = choose_kernel(self.impl, platform=jax.default_backend(), dtype=q_BSHd.dtype, seq_len=window,
-                             head_dim=q_BSHd.shape[-1])
+                             head_dim=q_BSHd.shape[-1], sinks=sinks)
         impl = reference if impl == "reference" else impl
+        if sinks:
+            check_sinks(impl)
         check_impl(impl)
         return _KERNELS[impl].make(self)
 
 
-def choose_kernel(impl: str, *, platform: str, dtype, seq_len: int, head_dim: int) -> str:
+def choose_kernel(impl: str, *, platform: str, dtype, seq_len: int, head_dim: int, sinks: bool = False) -> str:
     """The kernel `impl` stands for on `platform` ("gpu" or "cpu"): `auto` is
     the first registered kernel that can run the call (cuDNN where it
-    applies, blockwise elsewhere). `seq_len` is the shortest window: the
-    sequence, or half a zigzag chunk."""
+    applies, blockwise elsewhere), with attention sinks if `sinks`.
+    `seq_len` is the shortest window: the sequence, or half a zigzag chunk."""
     if impl != "auto":
         return impl
     query = KernelQuery(platform, dtype, seq_len, head_dim)
-    return next(name for name, spec in _KERNELS.items() if spec.cannot_run(query) is None)
+    return next(name for name, spec in _KERNELS.items()
+                if (spec.sinks or not sinks) and spec.cannot_run(query) is None)
 
 
 def _visible(q_index, k_index, q_segments, k_segments, window: int = 0):
@@ -201,14 +233,22 @@ def _visible(q_index, k_index, q_segments, k_segments, window: int = 0):
     return mask[:, None, None]
 
 
-def reference_attention(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS=None, window: int = 0):
-    """Materialises the full score matrix; the ground truth for tests."""
+def reference_attention(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS=None, window: int = 0, sink_logits_H=None):
+    """Materialises the full score matrix; the ground truth for tests. The
+    sink logits [H] (if given) join each head's softmax as one more score
+    with no value."""
     S, d = q_BSHd.shape[1], q_BSHd.shape[3]
-    q_BSKGd = group_queries(q_BSHd, k_BSKd.shape[2])
+    K = k_BSKd.shape[2]
+    q_BSKGd = group_queries(q_BSHd, K)
     scores_BKGSS = jnp.einsum("bqkgd,bskd->bkgqs", q_BSKGd, k_BSKd, preferred_element_type=jnp.float32) * (d**-0.5)
     index = jnp.arange(S)
     scores_BKGSS = jnp.where(_visible(index, index, segment_ids_BS, segment_ids_BS, window), scores_BKGSS, MASKED)
-    probs_BKGSS = jax.nn.softmax(scores_BKGSS, axis=-1)
+    if sink_logits_H is not None:
+        sinks_BKGS1 = jnp.broadcast_to(sink_logits_H.astype(jnp.float32).reshape(K, -1)[None, :, :, None, None],
+                                       (*scores_BKGSS.shape[:-1], 1))
+        probs_BKGSS = jax.nn.softmax(jnp.concatenate([scores_BKGSS, sinks_BKGS1], axis=-1), axis=-1)[..., :-1]
+    else:
+        probs_BKGSS = jax.nn.softmax(scores_BKGSS, axis=-1)
     o_BSKGd = jnp.einsum("bkgqs,bskd->bqkgd", probs_BKGSS.astype(v_BSKd.dtype), v_BSKd,
                          preferred_element_type=jnp.float32)
     return rearrange(o_BSKGd, "b q k g d -> b q (k g) d").astype(q_BSHd.dtype)

@@ -20,6 +20,10 @@ Local attention (R = 1) is one causal window over the whole sequence (with
 a sliding window's `Band`, if the layer has one; a ring with a sliding
 window is `jlong.attention.sliding`'s).
 
+With attention sinks (`jlong.attention.sinks`) the merged output and
+log-sum-exp take the sinks once, at the end of the forward pass; what is
+saved and what the backward pass hands the steps are the sink softmax's.
+
 The custom VJP saves only the device's own chunk (q, k, v, the merged
 output and log-sum-exp): the backward pass sends the keys and values around
 the ring again, with their gradients travelling along and arriving home
@@ -39,6 +43,7 @@ from einops import rearrange
 from jax.ad_checkpoint import checkpoint_name
 
 from jlong.attention.blockwise import while_range
+from jlong.attention.sinks import add_sinks, sink_logits_gradient, sinks_like
 from jlong.attention.step import MASKED, Band, Documents, StepKernel
 
 # Names of the saved output and log-sum-exp, for remat policies that keep
@@ -53,14 +58,15 @@ RING_WINDOW = 2**20
 
 
 def ring_attention(q_BsHd, k_BsKd, v_BsKd, segment_ids_Bs, *, kernel: StepKernel, axis: str | None, size: int,
-                   window: int = RING_WINDOW, band: Band | None = None):
+                   window: int = RING_WINDOW, band: Band | None = None, sink_logits_H=None):
     """Causal attention of this device's queries over the whole ring's keys
     and values (`axis` None and `size` 1: local attention, within `band` if
-    given). On a ring, no kernel call covers more than `window` queries or
-    keys."""
+    given), with the sink logits [H] of q's heads if given. On a ring, no
+    kernel call covers more than `window` queries or keys."""
     if band is not None and size > 1:
         raise ValueError("a sliding window on a ring is jlong.attention.sliding's")
-    return _ring(q_BsHd, k_BsKd, v_BsKd, segment_ids_Bs, kernel, axis, size, window, band)
+    sinks = sinks_like(sink_logits_H, q_BsHd)
+    return _ring(q_BsHd, k_BsKd, v_BsKd, segment_ids_Bs, sinks, kernel, axis, size, window, band)
 
 
 def _next_on_ring(x, axis, size):
@@ -135,16 +141,18 @@ def _empty_softmax(q):
     return jnp.zeros_like(q, jnp.float32), jnp.full_like(q, MASKED, jnp.float32, (B, H, s))
 
 
-def _saved_output(q, o_BsHd, lse_BHs):
+def _saved_output(q, o_BsHd, lse_BHs, sinks=None):
+    """The output in q's dtype and the log-sum-exp, with the sinks (if any) taken in, named for remat policies."""
+    o_BsHd, lse_BHs = add_sinks(o_BsHd, lse_BHs, sinks)
     return checkpoint_name(o_BsHd.astype(q.dtype), ATTENTION_OUT), checkpoint_name(lse_BHs, ATTENTION_LSE)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _ring(q, k, v, segments, kernel, axis, size, window, band):
-    return _ring_forward(q, k, v, segments, kernel, axis, size, window, band)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _ring(q, k, v, segments, sinks, kernel, axis, size, window, band):
+    return _ring_forward(q, k, v, segments, sinks, kernel, axis, size, window, band)[0]
 
 
-def _ring_forward(q, k, v, segments, kernel, axis, size, window, band):
+def _ring_forward(q, k, v, segments, sinks, kernel, axis, size, window, band):
     length = q.shape[1]
     attend = functools.partial(_attend_windows, kernel, q, segments)
 
@@ -158,8 +166,8 @@ def _ring_forward(q, k, v, segments, kernel, axis, size, window, band):
     else:
         o_BsHd, lse_BHs = attend(_own_windows(length, window), *_empty_softmax(q), k, v, segments)
         o_BsHd, lse_BHs, _ = while_range(1, size, step, (o_BsHd, lse_BHs, (k, v, segments)))
-    o_BsHd, lse_BHs = _saved_output(q, o_BsHd, lse_BHs)
-    return o_BsHd, (q, k, v, segments, o_BsHd, lse_BHs)
+    o_BsHd, lse_BHs = _saved_output(q, o_BsHd, lse_BHs, sinks)
+    return o_BsHd, (q, k, v, segments, sinks, o_BsHd, lse_BHs)
 
 
 def _merge(o_BsHd, lse_BHs, o_step, lse_step):
@@ -188,7 +196,8 @@ def _add_window_gradients(kernel, saved, windows, dq, k, v, k_segments, dk, dv):
 
 
 def _ring_backward(kernel, axis, size, window, band, residuals, do_BsHd):
-    q, k, v, segments, o_BsHd, lse_BHs = residuals
+    q, k, v, segments, sinks, o_BsHd, lse_BHs = residuals
+    d_sinks = sink_logits_gradient(o_BsHd, lse_BHs, do_BsHd, sinks)
     length = q.shape[1]
     add_gradients = functools.partial(_add_window_gradients, kernel, (q, segments, o_BsHd, lse_BHs, do_BsHd))
 
@@ -202,13 +211,13 @@ def _ring_backward(kernel, axis, size, window, band, residuals, do_BsHd):
     if size == 1:  # local attention: the kernel's own gradients, with no float32 sums
         dq, dk, dv = kernel.backward(q, k, v, _docs(segments, segments, 0, 0, length), True, o_BsHd, lse_BHs,
                                      do_BsHd, band)
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, d_sinks
     zeros_k = jnp.zeros_like(k)
     dq, k_, v_, dk, dv = add_gradients(_own_windows(length, window), jnp.zeros_like(q, jnp.float32), k, v, segments,
                                        zeros_k, zeros_k)
     travelling = _next_on_ring((k_, v_, segments, dk, dv), axis, size)
     dq, (_, _, _, dk, dv) = while_range(1, size, step, (dq, travelling))
-    return dq.astype(q.dtype), dk, dv.astype(v.dtype), None
+    return dq.astype(q.dtype), dk, dv.astype(v.dtype), None, d_sinks
 
 
 _ring.defvjp(_ring_forward, _ring_backward)
@@ -227,15 +236,17 @@ def _per_query(x_BHs):
 
 
 def gathered_attention(q_BsHd, k_BSKd, v_BSKd, segment_ids_Bs, k_segment_ids_BS, *, kernel: StepKernel, axis: str,
-                       size: int, window: int = RING_WINDOW):
+                       size: int, window: int = RING_WINDOW, sink_logits_H=None):
     """Causal attention of this device's queries over every rank's keys and
     values gathered at hand: k, v [B, R*s, K, d] (and the keys' segment ids
     [B, R*s]) in rank order, as `all_gather` lays them out, each rank's
     chunk zigzag like the ring's. The ring's windows, with each rank's chunk
     sliced out of the gathered keys instead of passed around; the gradients
     of the gathered keys and values come back whole, for `all_gather`'s
-    transpose to return each rank its part."""
-    return _gathered(q_BsHd, k_BSKd, v_BSKd, segment_ids_Bs, k_segment_ids_BS, kernel, axis, size, window)
+    transpose to return each rank its part. With the sink logits [H] of
+    q's heads if given."""
+    sinks = sinks_like(sink_logits_H, q_BsHd)
+    return _gathered(q_BsHd, k_BSKd, v_BSKd, segment_ids_Bs, k_segment_ids_BS, sinks, kernel, axis, size, window)
 
 
 def _chunk_of(x, t, axis, size, length):
@@ -244,12 +255,12 @@ def _chunk_of(x, t, axis, size, length):
     return _part(x, (rank - t) % size * length, length)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _gathered(q, k_all, v_all, segments, k_segments_all, kernel, axis, size, window):
-    return _gathered_forward(q, k_all, v_all, segments, k_segments_all, kernel, axis, size, window)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _gathered(q, k_all, v_all, segments, k_segments_all, sinks, kernel, axis, size, window):
+    return _gathered_forward(q, k_all, v_all, segments, k_segments_all, sinks, kernel, axis, size, window)[0]
 
 
-def _gathered_forward(q, k_all, v_all, segments, k_segments_all, kernel, axis, size, window):
+def _gathered_forward(q, k_all, v_all, segments, k_segments_all, sinks, kernel, axis, size, window):
     length = q.shape[1]
     attend = functools.partial(_attend_windows, kernel, q, segments)
     at = functools.partial(_chunk_of, axis=axis, size=size, length=length)
@@ -259,12 +270,12 @@ def _gathered_forward(q, k_all, v_all, segments, k_segments_all, kernel, axis, s
         return attend(windows, *carry, at(k_all, t), at(v_all, t), at(k_segments_all, t))
 
     o_BsHd, lse_BHs = attend(_own_windows(length, window), *_empty_softmax(q), at(k_all, 0), at(v_all, 0), segments)
-    o_BsHd, lse_BHs = _saved_output(q, *while_range(1, size, step, (o_BsHd, lse_BHs)))
-    return o_BsHd, (q, k_all, v_all, segments, k_segments_all, o_BsHd, lse_BHs)
+    o_BsHd, lse_BHs = _saved_output(q, *while_range(1, size, step, (o_BsHd, lse_BHs)), sinks)
+    return o_BsHd, (q, k_all, v_all, segments, k_segments_all, sinks, o_BsHd, lse_BHs)
 
 
 def _gathered_backward(kernel, axis, size, window, residuals, do_BsHd):
-    q, k_all, v_all, segments, k_segments_all, o_BsHd, lse_BHs = residuals
+    q, k_all, v_all, segments, k_segments_all, sinks, o_BsHd, lse_BHs = residuals
     length = q.shape[1]
     add_gradients = functools.partial(_add_window_gradients, kernel, (q, segments, o_BsHd, lse_BHs, do_BsHd))
     at = functools.partial(_chunk_of, axis=axis, size=size, length=length)
@@ -282,7 +293,8 @@ def _gathered_backward(kernel, axis, size, window, residuals, do_BsHd):
     zeros = jnp.zeros_like(k_all)
     carry = add_chunk(_own_windows(length, window), 0, jnp.zeros_like(q, jnp.float32), zeros, zeros)
     dq, dk_all, dv_all = while_range(1, size, step, carry)
-    return dq.astype(q.dtype), dk_all, dv_all.astype(v_all.dtype), None, None
+    d_sinks = sink_logits_gradient(o_BsHd, lse_BHs, do_BsHd, sinks)
+    return dq.astype(q.dtype), dk_all, dv_all.astype(v_all.dtype), None, None, d_sinks
 
 
 _gathered.defvjp(_gathered_forward, _gathered_backward)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jlong.attention.ring import RING_WINDOW, _add_into, _docs, _empty_softmax, _merge, _part, _saved_output, _tiles
+from jlong.attention.sinks import sink_logits_gradient, sinks_like
 from jlong.attention.step import Band, StepKernel
 from jlong.errors import JlongError
 
@@ -106,13 +107,15 @@ def _corner(n: int, k0: int, distance: int, window: int) -> tuple[int, int, int]
 
 
 def sliding_ring_attention(q_BsHd, k_BsKd, v_BsKd, segment_ids_Bs, *, kernel: StepKernel, axis: str, size: int,
-                           window: int, tile: int = RING_WINDOW):
+                           window: int, tile: int = RING_WINDOW, sink_logits_H=None):
     """Causal attention within a sliding window of `window` tokens of this
     device's queries over the ring's keys and values (zigzag, as
-    `jlong.attention.ring.ring_attention` takes them); no kernel call covers
-    more than `tile` queries or keys."""
+    `jlong.attention.ring.ring_attention` takes them), with the sink logits
+    [H] of q's heads if given; no kernel call covers more than `tile`
+    queries or keys."""
     check_fits(q_BsHd.shape[1], window)
-    return _sliding(q_BsHd, k_BsKd, v_BsKd, segment_ids_Bs, kernel, axis, size, (window, tile))
+    sinks = sinks_like(sink_logits_H, q_BsHd)
+    return _sliding(q_BsHd, k_BsKd, v_BsKd, segment_ids_Bs, sinks, kernel, axis, size, (window, tile))
 
 
 def _from_lower(x, axis, size):
@@ -156,12 +159,12 @@ def _when(predicate, run, state):
     return run(state) if predicate is None else jax.lax.cond(predicate, run, lambda s: s, state)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _sliding(q, k, v, segments, kernel, axis, size, window):  # window: (tokens, tile)
-    return _sliding_forward(q, k, v, segments, kernel, axis, size, window)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _sliding(q, k, v, segments, sinks, kernel, axis, size, window):  # window: (tokens, tile)
+    return _sliding_forward(q, k, v, segments, sinks, kernel, axis, size, window)[0]
 
 
-def _sliding_forward(q, k, v, segments, kernel, axis, size, window):
+def _sliding_forward(q, k, v, segments, sinks, kernel, axis, size, window):
     calls, tail = schedule(q.shape[1], *window, size=size)
     keys = {OWN: (k, v, segments), **_halos(k, v, segments, tail, axis, size)}
 
@@ -178,12 +181,12 @@ def _sliding_forward(q, k, v, segments, kernel, axis, size, window):
     state = _empty_softmax(q)
     for call in calls:
         state = _when(_runs_here(call, axis, size), functools.partial(attend, call), state)
-    o_BsHd, lse_BHs = _saved_output(q, *state)
-    return o_BsHd, (q, k, v, segments, o_BsHd, lse_BHs)
+    o_BsHd, lse_BHs = _saved_output(q, *state, sinks)
+    return o_BsHd, (q, k, v, segments, sinks, o_BsHd, lse_BHs)
 
 
 def _sliding_backward(kernel, axis, size, window, residuals, do_BsHd):
-    q, k, v, segments, o_BsHd, lse_BHs = residuals
+    q, k, v, segments, sinks, o_BsHd, lse_BHs = residuals
     calls, tail = schedule(q.shape[1], *window, size=size)
     halos = _halos(k, v, segments, tail, axis, size)
     keys = {OWN: (k, v, segments), **halos}
@@ -210,7 +213,7 @@ def _sliding_backward(kernel, axis, size, window, residuals, do_BsHd):
     for source, half, home in ((PREVIOUS, 0, _from_higher), (NEXT, h, _from_lower)) if halos else ():
         dk_tail, dv_tail = home(dkv[source], axis, size)
         dk, dv = _add_into(dk, dk_tail, half + tail), _add_into(dv, dv_tail, half + tail)
-    return dq.astype(q.dtype), dk, dv.astype(v.dtype), None
+    return dq.astype(q.dtype), dk, dv.astype(v.dtype), None, sink_logits_gradient(o_BsHd, lse_BHs, do_BsHd, sinks)
 
 
 _sliding.defvjp(_sliding_forward, _sliding_backward)
