@@ -9,6 +9,12 @@ With an output gate (Qwen3.5), `wq` is [D, H, 2d]: each head's query rows
 followed by its gate rows, as Hugging Face's q_proj keeps them; the heads'
 attention output is multiplied by sigmoid(gate) before Wo.
 
+GPT-OSS adds two: `attn_sinks` [H], one sink logit per query head in every
+softmax's denominator (`jlong.attention.sinks`; the methods hand each
+attention call its heads' logits, `QKVProjection.sink_logits`), and `bo`
+[D], Wo's bias, added once per token after the head stages' sum
+(`add_output_bias`).
+
 The input's gradient never flows through the projection's own output: each
 call takes a gradient sink and adds its part of x's gradient into the sink's
 gradient in place (`tiles_gradient_into`). The UPipe stages pass one sink
@@ -27,7 +33,7 @@ import numpy as np
 from jlong.ops.layers import apply_rope, rms_norm
 from jlong.ops.tiling import tiles_gradient_into, varying_like
 
-ATTENTION_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm")
+ATTENTION_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm", "attn_sinks", "bo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +52,15 @@ class QKVProjection:
     qk_norm: bool = False
     output_gate: bool = False  # wq also makes a gate per query head and dimension (`project_out` applies it)
     tile: int = 0  # tokens projected at a time; 0 = the whole shard at once
+    sinks: bool = False  # attention sinks: `attn_sinks` [H] (`sink_logits`)
+    output_bias: bool = False  # Wo's bias `bo` [D] (`add_output_bias`)
+
+    def sink_logits(self, p, first, count):
+        """The sink logits [count] of query heads [first, first + count) (a
+        traced `first` too), in float32; None without sinks."""
+        if not self.sinks:
+            return None
+        return _heads(p["attn_sinks"], first, count, axis=0).astype(jnp.float32)
 
     def qkv(self, p, x_BSD, positions_BS, q_heads, kv_heads, sink_BSD):
         """(q, k, v, gate, sink): q for the query heads `q_heads` = (first,
@@ -96,6 +111,30 @@ def project_out(p, o_BSHd, first, count, gate_BSHd=None):
         o_BSHd = (o_BSHd.astype(jnp.float32) * jax.nn.sigmoid(gate_BSHd.astype(jnp.float32))).astype(o_BSHd.dtype)
     wo = _heads(p["wo"], first, count, axis=0)
     return jnp.einsum("bshk,hkd->bsd", o_BSHd, wo)
+
+
+def add_output_bias(projection: QKVProjection, p, y_BsD):
+    """y + bo with the projection's output bias (y unchanged without one): once
+    per token, after the head stages' sum. Its gradient sums in float32."""
+    if not projection.output_bias:
+        return y_BsD
+    return _add_bias(y_BsD, varying_like(p["bo"], y_BsD))
+
+
+@jax.custom_vjp
+def _add_bias(y_BsD, b_D):
+    return y_BsD + b_D.astype(y_BsD.dtype)
+
+
+def _add_bias_forward(y_BsD, b_D):
+    return _add_bias(y_BsD, b_D), b_D
+
+
+def _add_bias_backward(b_D, dy_BsD):
+    return dy_BsD, jnp.sum(dy_BsD, axis=(0, 1), dtype=jnp.float32).astype(b_D.dtype)
+
+
+_add_bias.defvjp(_add_bias_forward, _add_bias_backward)
 
 
 def _project(x_BSD, w_DNd):

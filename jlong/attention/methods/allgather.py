@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from jlong.attention.methods.base import SequenceParallelMethod, sum_over_head_stages
 from jlong.attention.methods.ulysses import StagePlan
-from jlong.attention.projection import project_out
+from jlong.attention.projection import add_output_bias, project_out
 from jlong.errors import JlongError
 from jlong.ops.shards import HIDDEN, REPLICATED, TOKENS
 from jlong.ops.zigzag import SequenceLayout, shard_token_index
@@ -65,6 +65,8 @@ class AllGather(SequenceParallelMethod):
 
     def attention(self, params, x_BSD, positions_BS, segment_ids_BS, *, projection, heads, kernel, shards,
                   unroll_stages=False, add_to_input=True):
+        if projection.sinks:  # refused where it cannot run them, never run without
+            self.check_sinks(kernel.impl)
         H, K, U = heads
         run = functools.partial(
             _run_stages, plan=StagePlan(H, K, 1, U), axis=shards.axis("sp"), size=shards.size("sp"),
@@ -89,15 +91,17 @@ def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, axis, size
 
     def stage_output(x_input_BsD, sink_BsD, stage):
         q_BsUd, k_Bsrd, v_Bsrd, gate_BsUd, sink_BsD = project(x_input_BsD, sink_BsD, stage)
+        sink_logits_U = projection.sink_logits(params, stage * U, U)  # every device attends all U heads
         if axis is None:
-            o_BsUd = kernel.local(q_BsUd, k_Bsrd, v_Bsrd, segment_ids_Bs)
+            o_BsUd = kernel.local(q_BsUd, k_Bsrd, v_Bsrd, segment_ids_Bs, sink_logits_U)
         else:
             o_BsUd = kernel.gathered(q_BsUd, gather(k_Bsrd), gather(v_Bsrd), segment_ids_Bs, k_segment_ids_BS,
-                                     axis=axis, size=size)
+                                     sink_logits_U, axis=axis, size=size)
         return project_out(params, o_BsUd, stage * U, U, gate_BsUd), sink_BsD
 
-    return sum_over_head_stages(stage_output, x_BsD, plan.num_stages, unroll=unroll_stages,
-                                add_to_input=add_to_input)
+    y_BsD = sum_over_head_stages(stage_output, x_BsD, plan.num_stages, unroll=unroll_stages,
+                                 add_to_input=add_to_input)
+    return add_output_bias(projection, params, y_BsD)
 
 
 def _gather_sequence(x_Bs, *, axis):

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import jax
 
+from jlong.attention import kernels
 from jlong.attention.kernels import check_impl
 from jlong.attention.ring import ATTENTION_LSE, ATTENTION_OUT
 from jlong.errors import JlongError
@@ -40,6 +41,8 @@ class SequenceParallelMethod:
     name: str  # attention.sp_method
     # Whether it runs layers with sliding windows (the kernel carries the window: `AttentionKernel.window`).
     sliding_windows: bool = True
+    # Whether it runs attention sinks (`QKVProjection.sinks`: the `attn_sinks` logits on every path).
+    sinks: bool = True
 
     def default_heads_per_stage(self, config: Config) -> int:
         raise NotImplementedError
@@ -61,6 +64,14 @@ class SequenceParallelMethod:
     def check_kernel(self, config: Config) -> None:
         """Raises a one-line `JlongError` for an attention.impl that is no kernel the method can run."""
         check_impl(config.attention.impl)
+
+    def check_sinks(self, impl: str) -> None:
+        """Raises a one-line `JlongError` when this method, or the kernel that
+        attention.impl `impl` names, cannot run attention sinks."""
+        if not self.sinks:
+            raise JlongError(f"attention.sp_method={self.name} does not run attention sinks, which this model has: "
+                             "use attention.sp_method=ulysses")
+        kernels.check_sinks(impl)
 
     def check(self, config: Config) -> None:
         """Raises a one-line `JlongError` for a config this method cannot run:

@@ -35,6 +35,11 @@ projects and exchanges it again: reusing it across stages (a nested loop)
 measured worse for memory, since the nested loop's backward keeps its own
 [B, s, D] gradient accumulator for x and copies of the saved outputs.
 
+Attention sinks (one logit per query head): device c of stage s attends
+the query heads from s*U + c*U/C on, so it takes those heads' logits; their
+gradient from each device is its part, summed by the shard_map's transpose.
+Wo's bias is added once, after the stages' sum.
+
 Without a mesh (or with C = 1) the same stages run with no collectives.
 """
 
@@ -51,7 +56,7 @@ import numpy as np
 
 from jlong.attention.kernels import AttentionKernel
 from jlong.attention.methods.base import SequenceParallelMethod, sum_over_head_stages
-from jlong.attention.projection import QKVProjection, project_out
+from jlong.attention.projection import QKVProjection, add_output_bias, project_out
 from jlong.linear_attention.gated_deltanet import gated_deltanet_on_device
 from jlong.ops.shards import HIDDEN, REPLICATED, TOKENS, OneDevice, Shards
 from jlong.errors import JlongError
@@ -170,16 +175,19 @@ def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, r
     segment_ids_BS = _gather_sequence(segment_ids_Bs, sp_axis)
     to_heads = functools.partial(_exchange, axis=sp_axis, split=2, concat=1)
     to_sequence = functools.partial(_exchange, axis=sp_axis, split=1, concat=2)
-    U = plan.heads_per_stage
+    U, u = plan.heads_per_stage, plan.heads_per_device
     project = plan.stage_projection(projection, params, positions_Bs, place_kv=to_heads)
+    device = 0 if sp_axis is None else jax.lax.axis_index(sp_axis)
 
     def stage_output(x_input_BsD, sink_BsD, stage):
         q_BsUd, k_BSrd, v_BSrd, gate_BsUd, sink_BsD = project(x_input_BsD, sink_BsD, stage)
-        o_BSud = attend(to_heads(q_BsUd), k_BSrd, v_BSrd, segment_ids_BS)
+        sink_logits_u = projection.sink_logits(params, stage * U + device * u, u)  # this device's heads
+        o_BSud = attend(to_heads(q_BsUd), k_BSrd, v_BSrd, segment_ids_BS, sink_logits_H=sink_logits_u)
         return project_out(params, to_sequence(o_BSud), stage * U, U, gate_BsUd), sink_BsD
 
-    return sum_over_head_stages(stage_output, x_BsD, plan.num_stages, unroll=unroll_stages,
-                                add_to_input=add_to_input)
+    y_BsD = sum_over_head_stages(stage_output, x_BsD, plan.num_stages, unroll=unroll_stages,
+                                 add_to_input=add_to_input)
+    return add_output_bias(projection, params, y_BsD)
 
 
 def _gather_sequence(x_Bs, axis):
