@@ -14,7 +14,11 @@ beside the blockwise kernel's own bf16 error as the yardstick:
 - sliding window: a causal step within cuDNN's own sliding window (Gemma 3's
   local layers), plain and packed;
 - every backward pass given an output and log-sum-exp from outside the step
-  (those of the whole softmax, as a ring merges them).
+  (those of the whole softmax, as a ring merges them);
+- attention sinks (GPT-OSS's, with its sliding window over packed
+  documents): local attention as a one-step ring takes them in from
+  cuDNN's output and log-sum-exp and hands its backward pass the sink
+  softmax's; output and the gradients of q, k, v and the sink logits.
 
     python experiments/gpu_check.py [--seq-len 8192]
 
@@ -25,6 +29,7 @@ Minutes on one H100. Exits 1 if any error exceeds twice the yardstick (plus
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import jax
@@ -33,9 +38,11 @@ import numpy as np
 
 from jlong.attention.blockwise import BlockwiseStep
 from jlong.attention.cudnn import CudnnStep
+from jlong.attention.ring import ring_attention
 from jlong.attention.step import MASKED, Band, Documents
 
 OUTPUTS = ("o", "lse", "dq", "dk", "dv")
+SINK_OUTPUTS = ("o", "dq", "dk", "dv", "dsinks")
 
 
 def main(argv=None) -> int:
@@ -73,13 +80,17 @@ def check_all(seq_len, heads, kv_heads, head_dim, documents, window=1024, *, pri
         "off-diagonal packed": (Documents(jnp.asarray(shared + 1), jnp.asarray(shared)), False, None),
         "sliding window": (None, True, Band(window)),
         "sliding window packed": (packed, True, Band(window)),
+        "sinks sliding window packed": (packed, True, Band(window)),
     }
+    sinks = jnp.linspace(-3.0, 3.0, heads)  # logits far from zero both ways
     rows = []
     for name, (docs, causal, band) in paths.items():
-        exact = _run(BlockwiseStep(512), q, k, v, do, docs, causal, band, jnp.float32)
-        fused = _run(CudnnStep(max(documents, 2)), q, k, v, do, docs, causal, band, jnp.bfloat16)
-        yardstick = _run(BlockwiseStep(512), q, k, v, do, docs, causal, band, jnp.bfloat16)
-        for output in OUTPUTS:
+        run, outputs = (functools.partial(_run_with_sinks, sinks=sinks), SINK_OUTPUTS) if "sinks" in name \
+            else (_run, OUTPUTS)
+        exact = run(BlockwiseStep(512), q, k, v, do, docs, causal, band, jnp.float32)
+        fused = run(CudnnStep(max(documents, 2)), q, k, v, do, docs, causal, band, jnp.bfloat16)
+        yardstick = run(BlockwiseStep(512), q, k, v, do, docs, causal, band, jnp.bfloat16)
+        for output in outputs:
             e = exact[output]
             scale = float(np.abs(e[e > MASKED / 2]).max())  # log-sum-exps of rows that see nothing are MASKED
             err_fused = float(np.abs(fused[output] - e).max())
@@ -88,7 +99,7 @@ def check_all(seq_len, heads, kv_heads, head_dim, documents, window=1024, *, pri
                    "ok": err_fused <= 2 * err_bf16 + 1e-3 * scale}
             rows.append(row)
             if print_rows:
-                print(f"{name:>20} {output:>3}: cuDNN {err_fused:.3e}  blockwise bf16 {err_bf16:.3e}"
+                print(f"{name:>27} {output:>6}: cuDNN {err_fused:.3e}  blockwise bf16 {err_bf16:.3e}"
                       f"  {'ok' if row['ok'] else 'TOO FAR'}")
     return rows
 
@@ -108,6 +119,22 @@ def _run(kernel, q, k, v, do, docs, causal, band, dtype):
 
     results = step(*cast, o_exact, lse_exact)
     return {name: np.asarray(x, np.float32) for name, x in zip(OUTPUTS, results)}
+
+
+def _run_with_sinks(kernel, q, k, v, do, docs, causal, band, dtype, *, sinks):
+    """Causal local attention with sink logits (float32, as the model keeps
+    them) through the kernel: output and the gradients of q, k, v and the
+    sinks, as float32 numpy arrays."""
+    segments = None if docs is None else docs.q
+
+    @jax.jit
+    def attend(q, k, v, do, sinks):
+        o, pullback = jax.vjp(lambda q, k, v, s: ring_attention(q, k, v, segments, kernel=kernel, axis=None, size=1,
+                                                                band=band, sink_logits_H=s), q, k, v, sinks)
+        return o, *pullback(do)
+
+    results = attend(*(x.astype(dtype) for x in (q, k, v, do)), sinks)
+    return {name: np.asarray(x, np.float32) for name, x in zip(SINK_OUTPUTS, results)}
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ Writes gpu-truth.json and gpu-truth.md into --out:
 
 - cuDNN: every path `experiments/gpu_check.py` checks (causal, packed, ring
   off-diagonal, sliding window, backward given an external output and
-  log-sum-exp), each output's worst error against the float32 blockwise
-  kernel beside blockwise bf16's own;
+  log-sum-exp, attention sinks), each output's worst error against the
+  float32 blockwise kernel beside blockwise bf16's own;
 - Qwen3.5's kernels (`experiments/gpu_kernels.py`): the Triton grouped
   matmul of routed experts and the chunked gated delta rule, every output
   against a float32 reference beside a bf16 yardstick;
@@ -323,7 +323,8 @@ def versions(on_gpu: bool) -> dict:
     return found
 
 
-CUDNN_PATHS = ("causal", "packed", "off-diagonal", "off-diagonal packed", "sliding window", "sliding window packed")
+CUDNN_PATHS = ("causal", "packed", "off-diagonal", "off-diagonal packed", "sliding window", "sliding window packed",
+               "sinks sliding window packed")
 
 
 def cudnn_checks(args) -> dict:

@@ -123,6 +123,6 @@ def test_the_gpu_check_runs_its_paths_with_the_cuda_calls_emulated(monkeypatch):
 
     emulate_cudnn(monkeypatch)
     rows = gpu_check.check_all(64, 4, 2, 16, 3, window=10, print_rows=False)
-    assert len(rows) == 6 * 5 and all(row["ok"] for row in rows), rows
-    assert {row["path"] for row in rows} >= {"sliding window", "sliding window packed"}
+    assert len(rows) == 7 * 5 and all(row["ok"] for row in rows), rows
+    assert {row["path"] for row in rows} >= {"sliding window", "sliding window packed", "sinks sliding window packed"}
     assert gpu_check.main(["--seq-len", "64"]) == 2  # no GPU here
