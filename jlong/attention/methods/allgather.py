@@ -111,4 +111,4 @@ def _gather_sequence(x_Bs, *, axis):
     return jax.lax.all_gather(x_Bs, axis, axis=1, tiled=True)
 
 
-ALLGATHER = AllGather("allgather", sliding_windows=False)  # its gathered windows have no bands
+ALLGATHER = AllGather("allgather", sliding_windows=False, sinks=True)  # its gathered windows have no bands

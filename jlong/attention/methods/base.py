@@ -41,8 +41,9 @@ class SequenceParallelMethod:
     name: str  # attention.sp_method
     # Whether it runs layers with sliding windows (the kernel carries the window: `AttentionKernel.window`).
     sliding_windows: bool = True
-    # Whether it runs attention sinks (`QKVProjection.sinks`: the `attn_sinks` logits on every path).
-    sinks: bool = True
+    # Whether it runs attention sinks (`QKVProjection.sinks`: the `attn_sinks` logits on every path). False
+    # unless a method says so: one that ignored `projection.sinks` would return attention without them.
+    sinks: bool = False
 
     def default_heads_per_stage(self, config: Config) -> int:
         raise NotImplementedError

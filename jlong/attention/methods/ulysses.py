@@ -261,4 +261,4 @@ class Ulysses(SequenceParallelMethod):
                                 kernel=kernel, shards=shards, unroll_stages=unroll_stages, add_to_input=add_to_input)
 
 
-ULYSSES = Ulysses("ulysses")
+ULYSSES = Ulysses("ulysses", sinks=True)
