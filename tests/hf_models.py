@@ -1,5 +1,5 @@
 """Small random Hugging Face models (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM,
-Qwen3_5ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5MoeForCausalLM)."""
+Qwen3_5ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5MoeForCausalLM, GptOssForCausalLM)."""
 
 import torch
 import transformers
@@ -43,6 +43,14 @@ QWEN3_MOE = {"num_hidden_layers": 3, "head_dim": 16, "moe_intermediate_size": 24
              "num_experts_per_tok": 2, "mlp_only_layers": [1], "norm_topk_prob": True}
 QWEN3_5_MOE = {**QWEN3_5, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40, "num_experts": 8,
                "num_experts_per_tok": 2}
+# GPT-OSS with an 8-token window (shorter than the test sequences) before a full-attention layer, YaRN over an
+# original 16 tokens, a SwiGLU limit that clamps many of the experts' gate and up values (|x| ~ 0.25), and (by
+# perturbed_norms) sinks far from zero and nonzero router and expert biases.
+GPT_OSS = {"head_dim": 16, "intermediate_size": 32, "max_position_embeddings": 512, "num_local_experts": 8,
+           "num_experts_per_tok": 2, "sliding_window": 8, "swiglu_limit": 0.2,
+           "layer_types": ["sliding_attention", "full_attention"],
+           "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                               "truncate": False, "original_max_position_embeddings": 16, "rope_theta": 150000.0}}
 
 ARCHITECTURES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
@@ -59,6 +67,7 @@ ARCHITECTURES = {
     "qwen3-moe-unnormed": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
                            {**QWEN3_MOE, "norm_topk_prob": False}),
     "qwen3.5-moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM, QWEN3_5_MOE),
+    "gpt-oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM, GPT_OSS),
 }
 MIXTURES = ("qwen3-moe", "qwen3-moe-unnormed", "qwen3.5-moe")
 SCALED = ("llama3-scaled", "llama-yarn", "llama-linear", "qwen2-yarn", "qwen3-yarn")
@@ -79,14 +88,17 @@ def small_hf_model(name: str, seed: int = 0, **overrides):
 
 
 def perturbed_norms(model):
-    """`model` with its norms and biases moved off their starting values (one and zero), so they matter, and
-    any router's weights scaled up so that no token's top-k is a near tie that rounding could decide."""
+    """`model` with its norms and biases moved off their starting values (one and zero), so they matter, any
+    router's weights scaled up so that no token's top-k is a near tie that rounding could decide, and attention
+    sinks (GPT-OSS) far from zero, normal with std 2."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name or "bias" in name:
                 param.add_(0.2 * torch.randn_like(param))
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 param.mul_(50.0)
+            if name.endswith("self_attn.sinks"):
+                param.copy_(2.0 * torch.randn_like(param))
     return model
 
 

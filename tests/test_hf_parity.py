@@ -128,7 +128,7 @@ def test_shape_mismatch_is_a_clear_error(tmp_path):
         jlong.from_hf(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3", "qwen3.5", "qwen3-moe", "qwen3.5-moe"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "qwen3.5", "qwen3-moe", "qwen3.5-moe", "gpt-oss"])
 def test_convert_command_round_trip(name, tmp_path):
     """HF -> jlong checkpoint -> HF through `jlong convert` keeps every tensor,
     and transformers' model loaded from what jlong wrote gives jlong's logits."""

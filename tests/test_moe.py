@@ -111,7 +111,7 @@ def _routing_reference(hf_model, tokens, top_k):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("name", ["qwen3-moe", "qwen3-moe-unnormed", "qwen3.5-moe"])
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen3-moe-unnormed", "qwen3.5-moe", "gpt-oss"])
 def test_load_balancing_loss_and_expert_load_match_transformers(name, tmp_path):
     hf_model = small_hf_model(name, output_router_logits=True, router_aux_loss_coef=0.25)
     hf_model.save_pretrained(tmp_path)

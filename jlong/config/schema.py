@@ -146,6 +146,11 @@ class ModelConfig(_Section):
     mlp_only_layers: tuple[int, ...] | None = None
     output_router_logits: Flag = False
     router_aux_loss_coef: Number = 0.001
+    # GPT-OSS's experts: a clamped SwiGLU, (up + 1) x gate x sigmoid(swiglu_alpha x gate) with the gate clamped
+    # above at swiglu_limit and up to [-swiglu_limit, swiglu_limit]; their size is intermediate_size, as in
+    # Hugging Face's config (its router and experts have biases, and attention a sink logit per head).
+    swiglu_limit: optional(PositiveNumber) = None
+    swiglu_alpha: optional(PositiveNumber) = None
     preset: optional(Text) = None
     hf_path: optional(Text) = None
 

@@ -26,6 +26,9 @@ ROPE_KEYS = {
     "yarn": ("factor", "original_max_position_embeddings"),
 }
 
+# Fields only some families read (those whose defaults name them); any other family refuses them.
+FAMILY_OWN_FIELDS = ("swiglu_limit", "swiglu_alpha")
+
 
 def with_family(values: dict) -> dict:
     """A `model` section's values with `family` resolved and the family's
@@ -46,9 +49,13 @@ def with_family(values: dict) -> dict:
 def check_model(m: ModelConfig) -> None:
     family = FAMILIES.named(m.family)
     family.check(m)
-    if m.sliding_window and not family.windows(m):
+    if m.sliding_window and not any(family.attention_window(m, kind) for kind in family.known_layer_types):
         raise JlongError(f"model.sliding_window is not part of model.family={m.family} "
                          "(a family with sliding-window layers reads it, gemma3_text for one)")
+    for key in FAMILY_OWN_FIELDS:
+        if getattr(m, key) is not None and key not in family.config_defaults():
+            raise JlongError(f"model.{key} is not part of model.family={m.family} (gpt_oss's clamped SwiGLU "
+                             f"experts read it): drop model.{key}")
     if m.layer_types and len(family.known_layer_types) == 1:
         raise JlongError(f"model.layer_types is not part of model.family={m.family} (its layers are all "
                          f"{family.known_layer_types[0]}; gemma3_text and qwen3_5_text have layers of several types)")

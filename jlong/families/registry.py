@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from jlong.config.registry import FAMILIES
 from jlong.families.base import Family
 from jlong.families.gemma3 import GEMMA3_TEXT
+from jlong.families.gpt_oss import GPT_OSS
 from jlong.families.llama import LLAMA, QWEN2, QWEN3
 from jlong.families.qwen3_5 import QWEN3_5_TEXT
 from jlong.families.qwen3_5_moe import QWEN3_5_MOE_TEXT
@@ -24,7 +25,7 @@ def register(family: Family) -> Family:
     return FAMILIES.add(family.name, family)
 
 
-for _family in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, GEMMA3_TEXT, QWEN3_5_TEXT, QWEN3_5_MOE_TEXT):
+for _family in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, GEMMA3_TEXT, QWEN3_5_TEXT, QWEN3_5_MOE_TEXT, GPT_OSS):
     register(_family)
 
 
