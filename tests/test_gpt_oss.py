@@ -1,9 +1,10 @@
 """GPT-OSS (`gpt_oss`) through the family seam: OpenAI's MXFP4 checkpoints
 read as transformers dequantizes them, with transformers' logits (sinks far
 from zero, windows shorter than the sequence, the SwiGLU clamp acting,
-router and expert biases, YaRN); training on sp x fsdp, ring x sp x fsdp
-and all-gather meshes equal to one device; the presets' sizes; one-line
-config errors.
+router and expert biases, YaRN), and one-line errors for parts that do not
+fit; the published config.json read as the preset; training on sp x fsdp,
+ring x sp x fsdp and all-gather meshes equal to one device; the presets'
+sizes; one-line config errors.
 
 The bf16 form's logits and its exact round trip are test_hf_parity's
 (`gpt-oss` is among tests/hf_models.py's architectures), its load-balancing
@@ -21,6 +22,7 @@ import transformers
 from flax import nnx
 from helpers import leaf_at, loss_and_grads, small_config
 from hf_models import hf_logits, small_hf_model
+from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -28,6 +30,7 @@ import jlong
 from jlong.config import load_config
 from jlong.errors import JlongError
 from jlong.families import family_of
+from jlong.hf import model_config_from_hf
 
 TINY = ["model.preset=tiny-gpt-oss", "model.intermediate_size=32", "model.num_key_value_heads=2",
         "model.swiglu_limit=0.2", "data.eos_id=7", "train.seq_len=128", "train.batch_size=2"]
@@ -87,6 +90,45 @@ def test_an_mxfp4_checkpoint_is_read_as_transformers_dequantizes_it_and_gives_it
     plain = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "plain").eval()
     for name, tensor in hf_model.state_dict().items():
         np.testing.assert_array_equal(plain.state_dict()[name].numpy(), tensor.numpy(), err_msg=name)
+
+
+@pytest.mark.fast
+def test_mxfp4_parts_that_do_not_fit_are_a_one_line_error(tmp_path):
+    quantized = _mxfp4_checkpoint(tmp_path)
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    quantized[name] = quantized[name][:, :-1].contiguous()
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    save_file({**tensors, **quantized}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(JlongError, match=r"MXFP4 tensor model.layers.1.mlp.experts.down_proj: blocks \(8, 64, 1, "
+                                         r"16\) and scales \(8, 63, 1\) are not"):
+        jlong.from_hf(tmp_path)
+
+
+# openai/gpt-oss-20b's config.json as published (transformers 4's form), its 24 layer types written out below.
+PUBLISHED_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "initializer_range": 0.02, "intermediate_size": 2880, "max_position_embeddings": 131072, "model_type": "gpt_oss",
+    "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+    "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999, "quantization_config": QUANTIZATION,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                            "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                            "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True, "vocab_size": 201088,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+}
+
+
+@pytest.mark.fast
+def test_the_published_config_json_is_the_preset(tmp_path):
+    """The checkpoint's config.json (no swiglu_alpha: transformers' default) reads as configs/models/gpt-oss-20b."""
+    (tmp_path / "config.json").write_text(json.dumps(PUBLISHED_20B))
+    read = model_config_from_hf(tmp_path).model_dump(exclude={"preset", "hf_path", "layer_types"})
+    preset = load_config(None, ["model.preset=gpt-oss-20b"]).model
+    assert read == preset.model_dump(exclude={"preset", "hf_path", "layer_types"})
+    assert family_of(preset).layer_types(preset) == tuple(PUBLISHED_20B["layer_types"])
 
 
 def _far_sinks_sharp_routers(params):
