@@ -257,3 +257,38 @@ def test_a_small_gemma3_on_ring_x_sp_compiles_for_h100s_with_cudnn_windows_and_h
     assert "collective-permute" in hlo and "all-to-all" in hlo
     cost = step_cost(step)
     assert cost.flops_by_kind["attention"] > 0 and cost.step_time_s > 0
+
+
+@needs_gpu_compiler
+def test_gpt_oss_20b_at_8m_runs_every_attention_call_in_cudnn_with_its_sinks():
+    """configs/gpt-oss-20b-8m.yaml cut to two periods of its layers (sliding, full) so that the suite compiles
+    it in seconds (the whole 24 layers: experiments/gpt_oss_long_context.py): it fits both default budgets,
+    the sliding layers' cuDNN calls carry the 128-token window, and the compiled cuDNN calls carry exactly the
+    attention FLOPs the windows imply, x 18/12 for the forward pass run again under the policy (blockwise
+    attention would count as matmuls, an unapplied window as whole causal calls). The sinks are trained
+    parameters of every layer, their logits applied after each call (numbers: tests/test_attention_sinks.py)."""
+    config = load_config(REPO / "configs" / "gpt-oss-20b-8m.yaml", ["model.num_hidden_layers=4"])
+    step = compile_train_step(config, H100)
+    result = plan_of(step)
+    assert result.fits_device and result.fits_host, result
+    hlo = step.compiled.as_text()
+    assert set(re.findall(r'"sliding_window_length": ?(\d+)', hlo)) == {"0", "128"}
+    cost = step_cost(step)
+    assert not cost.unpriced_custom_calls
+    family, model, S = family_of(config.model), config.model, config.train.seq_len
+    attention_per_token = family.flops_per_token(model, S) - family.flops_per_token(model, 0)
+    expected = attention_per_token * S / config.mesh.size * 18 / 12
+    assert cost.flops_by_kind["attention"] == pytest.approx(expected, rel=0.01)
+    layer_params = step.compiled.input_shardings[0][0]["layers"]
+    assert any("attn_sinks" in run for run in jax_tree_dicts(layer_params)), "no layer trains attn_sinks"
+
+
+def jax_tree_dicts(tree):
+    """Every dict within a pytree of params."""
+    if isinstance(tree, dict):
+        yield tree
+        for value in tree.values():
+            yield from jax_tree_dicts(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from jax_tree_dicts(value)
