@@ -242,3 +242,18 @@ def test_a_kernel_or_method_without_sinks_is_refused_in_one_line(sinkless_kernel
     assert AttentionKernel("auto", 8).step(q, window=S, sinks=True) == BlockwiseStep(8)
     with pytest.raises(JlongError, match="attention.impl=no_sinks does not run attention sinks"):
         AttentionKernel("no_sinks", 8).local(q, k, v, None, SINKS)
+
+
+@pytest.mark.fast
+def test_auto_chooses_a_kernel_with_sinks_for_a_model_with_them(sinkless_kernel):
+    """The run's options: auto passes the preferred sinkless kernel over for GPT-OSS, not for Llama."""
+    from helpers import small_config
+
+    from jlong.model.transformer import ForwardOptions
+    from jlong.ops.shards import OneDevice
+
+    def chosen(*overrides):
+        return ForwardOptions.for_training(small_config(*overrides), OneDevice(), "cpu").attention.impl
+
+    assert chosen("model.preset=tiny-gpt-oss") == "blockwise"
+    assert chosen() == "no_sinks"

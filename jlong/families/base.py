@@ -157,6 +157,11 @@ class Family:
         the window - 1 tokens before it; 0, every earlier token."""
         return 0
 
+    def attention_sinks(self, model: ModelConfig) -> bool:
+        """Whether its attention has sinks (`QKVProjection.sinks`): `attention.impl=auto` then chooses
+        among the kernels that run them."""
+        return False
+
     @property
     def known_layer_types(self) -> tuple[str, ...]:
         """Every layer type this family has a block for."""

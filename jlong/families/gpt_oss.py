@@ -99,6 +99,9 @@ class GptOssFamily(Family):
                                  f"{HF_DEFAULTS[key]}): drop model.{key}=null")
         self.check_layer_types(model, "GPT-OSS")
 
+    def attention_sinks(self, model: ModelConfig) -> bool:
+        return True
+
     def check_parallel(self, config: Config, method: SequenceParallelMethod) -> None:
         """The sliding windows' rules (`Family.check_parallel`), then the sinks': every layer has them, so the
         method and the kernel must run them."""

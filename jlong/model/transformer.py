@@ -79,6 +79,7 @@ class ForwardOptions:
                 choose_kernel(
                     config.attention.impl, platform=platform, dtype=config.train.compute_dtype,
                     seq_len=method.shortest_window(config), head_dim=config.model.dim_per_head,
+                    sinks=family_of(config.model).attention_sinks(config.model),
                 ),
                 config.attention.block_size,
                 config.attention.max_documents,
