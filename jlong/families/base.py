@@ -237,9 +237,12 @@ class Family:
         return runs
 
     def check_parallel(self, config: Config, method: SequenceParallelMethod) -> None:
-        """One-line errors for a model that the run's sequence-parallel method cannot run on its mesh: sliding
-        windows run in Ulysses' stages and on a ring's halos (`jlong.attention.sliding`), where a window must
-        fit in half a zigzag chunk."""
+        """One-line errors for a model that the run's sequence-parallel method cannot run on its mesh: the
+        method and kernel must run the attention's sinks where it has them; sliding windows run in Ulysses'
+        stages and on a ring's halos (`jlong.attention.sliding`), where a window must fit in half a zigzag
+        chunk."""
+        if self.attention_sinks(config.model):
+            method.check_sinks(config.attention.impl)
         window = max(self.windows(config.model), default=0)
         if not window:
             return

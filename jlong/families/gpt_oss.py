@@ -43,8 +43,7 @@ from jlong.moe.experts import ClampedSwiGLU, MixtureOfExperts
 from jlong.ops.shards import HIDDEN
 
 if TYPE_CHECKING:
-    from jlong.attention.methods import SequenceParallelMethod
-    from jlong.config import Config, ModelConfig
+    from jlong.config import ModelConfig
 
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (SLIDING_ATTENTION, FULL_ATTENTION)
@@ -100,13 +99,7 @@ class GptOssFamily(Family):
         self.check_layer_types(model, "GPT-OSS")
 
     def attention_sinks(self, model: ModelConfig) -> bool:
-        return True
-
-    def check_parallel(self, config: Config, method: SequenceParallelMethod) -> None:
-        """The sliding windows' rules (`Family.check_parallel`), then the sinks': every layer has them, so the
-        method and the kernel must run them."""
-        method.check_sinks(config.attention.impl)
-        super().check_parallel(config, method)
+        return True  # every layer's (the method and kernel must run them: `Family.check_parallel`)
 
     # ---------------------------------------------------------------- layout
 
