@@ -4,6 +4,8 @@ token file, and the speed table reports each."""
 import os
 import subprocess
 import sys
+
+import pytest
 from helpers import REPO as ROOT
 
 from jlong.planner.targets import cuda_plugin_installed
@@ -13,6 +15,7 @@ from jlong.planner.targets import cuda_plugin_installed
 ONE_DEVICE = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 
+@pytest.mark.slow  # an experiment rehearsed end to end: the long tier
 def test_speed_table_on_cpu(tmp_path):
     out = tmp_path / "speed.md"
     small = ["model.hidden_size=64", "model.intermediate_size=128", "train.seq_len=64", "train.batch_size=8"]
@@ -29,6 +32,7 @@ def test_speed_table_on_cpu(tmp_path):
     assert (tmp_path / "work" / "hf" / "config.json").is_file()  # one random checkpoint for both
 
 
+@pytest.mark.slow  # an experiment rehearsed end to end: the long tier
 def test_plan_check_on_cpu(tmp_path):
     """A plan and a real run; XLA:CPU measures no peak. The GPU compiler's
     plan (deviceless H100) is there where the CUDA plugin is."""

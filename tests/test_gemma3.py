@@ -3,6 +3,7 @@ and layout (Hugging Face's window convention, at the window's edge), the
 ring's halo schedule, training on ring x sp x fsdp equal to one device, its
 Hugging Face config forms, and its FLOPs."""
 
+import functools
 import json
 
 import jax
@@ -164,7 +165,7 @@ def test_gemma3_trains_on_ring_x_sp_x_fsdp_equal_to_one_device():
     on ring 2 x sp 2 x fsdp 2 with UPipe stages and checkpointed layers,
     against one device; windowed and global layers both learn."""
     stack = ["memory.remat=offload_inputs", "attention.heads_per_stage=2", "attention.impl=blockwise"]
-    single = loss_and_grads(_tiny(), jax.devices()[:1])
+    single = _one_device()
     sharded = loss_and_grads(_tiny("mesh.ring=2", "mesh.sp=2", "mesh.fsdp=2", *stack), jax.devices())
     assert_same_result(sharded, single)
     grads = sharded[1]["layers"]
@@ -174,8 +175,13 @@ def test_gemma3_trains_on_ring_x_sp_x_fsdp_equal_to_one_device():
 
 @pytest.mark.parametrize("mesh", [["mesh.sp=8"], ["mesh.ring=2", "mesh.fsdp=4"]], ids=["sp8", "ring2-fsdp4"])
 def test_gemma3_on_sp_or_ring_alone_equals_one_device(mesh):
-    single = loss_and_grads(_tiny(), jax.devices()[:1])
-    assert_same_result(loss_and_grads(_tiny(*mesh), jax.devices()), single)
+    assert_same_result(loss_and_grads(_tiny(*mesh), jax.devices()), _one_device())
+
+
+@functools.cache
+def _one_device():
+    """The reference the layouts are compared with, computed once per test process."""
+    return loss_and_grads(_tiny(), jax.devices()[:1])
 
 
 @pytest.mark.fast

@@ -27,6 +27,7 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow  # an experiment rehearsed end to end: the long tier
 def test_the_rehearsal_races_jlongs_kernels_and_marks_the_anchors_not_run(tmp_path):
     result = run_script("--rehearse", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr[-2000:]

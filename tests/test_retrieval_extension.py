@@ -5,6 +5,7 @@ the longer context, not the extra training, is what helps. The margins hold acro
 train.seed 0-2 on this layout: control / extended beyond 128 tokens 1.84-2.00, the control's rise past 128
 1.42-1.48, the extended model's 1.02-1.06)."""
 
+import pytest
 from helpers import REPO, load_experiment
 
 import jlong
@@ -19,6 +20,7 @@ def _loss_by_bucket(result: dict) -> dict[int, float]:
     return {bucket["start"]: bucket["loss"] for bucket in result["loss_by_position"]}
 
 
+@pytest.mark.slow  # 500 training steps: the long tier
 def test_an_extended_model_keeps_its_loss_beyond_the_base_length_where_the_control_does_not(tmp_path):
     corpus = load_experiment("retrieval_extension").corpus
     short, mixed, held_out = (tmp_path / f"{name}.npy" for name in ("short", "mixed", "held-out"))
