@@ -26,7 +26,7 @@ LAYERS = [
     "ops",
     "linear_attention", "moe",
     "attention",
-    "families",
+    "families", "lora",
     "components", "hf_config",
     "model",
     "parallel",

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jlong.ops import adapted
 from jlong.ops.layers import apply_rope, rms_norm
 from jlong.ops.tiling import tiles_gradient_into, varying_like
 
@@ -68,12 +69,13 @@ class QKVProjection:
         of the query heads, like q (None without one); the sink passes through
         unchanged and its gradient collects x's."""
         ranges = {"q": q_heads, "k": kv_heads, "v": kv_heads}
-        matrices = {name: _heads(p[f"w{name}"], *heads, axis=1) for name, heads in ranges.items()}
+        matrices = {name: adapted.on_outputs(functools.partial(_heads, first=heads[0], count=heads[1], axis=1),
+                                             p[f"w{name}"]) for name, heads in ranges.items()}
         if self.output_gate:  # [D, U, 2d] -> [D, 2U, d]: each head's query, then its gate
-            D, U, d2 = matrices["q"].shape
-            matrices["q"] = matrices["q"].reshape(D, 2 * U, d2 // 2)
+            _, U, d2 = matrices["q"].shape
+            matrices["q"] = adapted.on_outputs(lambda w: w.reshape(w.shape[0], 2 * U, d2 // 2), matrices["q"])
             ranges["q"] = (q_heads[0], 2 * q_heads[1])
-        weights = {"norm": p["attn_norm"], "qkv": jnp.concatenate(list(matrices.values()), axis=1)}
+        weights = {"norm": p["attn_norm"], "qkv": adapted.concatenate(list(matrices.values()), axis=1)}
         if self.bias:
             weights["bias"] = jnp.concatenate([_heads(p[f"b{name}"], *heads, axis=0) for name, heads in ranges.items()])
         if self.qk_norm:
@@ -109,8 +111,8 @@ def project_out(p, o_BSHd, first, count, gate_BSHd=None):
     times sigmoid(gate) first when the projection made a gate."""
     if gate_BSHd is not None:
         o_BSHd = (o_BSHd.astype(jnp.float32) * jax.nn.sigmoid(gate_BSHd.astype(jnp.float32))).astype(o_BSHd.dtype)
-    wo = _heads(p["wo"], first, count, axis=0)
-    return jnp.einsum("bshk,hkd->bsd", o_BSHd, wo)
+    wo = adapted.on_inputs(functools.partial(_heads, first=first, count=count, axis=0), p["wo"])
+    return adapted.matmul(o_BSHd, wo, inputs=2)
 
 
 def add_output_bias(projection: QKVProjection, p, y_BsD):
@@ -138,10 +140,8 @@ _add_bias.defvjp(_add_bias_forward, _add_bias_backward)
 
 
 def _project(x_BSD, w_DNd):
-    """x @ w as one 2-D matmul: [B, S, D] x [D, N, d] -> [B, S, N, d]."""
-    B, S, D = x_BSD.shape
-    y = x_BSD.reshape(B * S, D) @ w_DNd.reshape(D, -1)
-    return y.reshape(B, S, *w_DNd.shape[1:])
+    """x @ w: [B, S, D] x [D, N, d] -> [B, S, N, d] (w may carry adapters)."""
+    return adapted.matmul(x_BSD, w_DNd, inputs=1)
 
 
 def _heads(w, first, count, axis):

@@ -84,6 +84,14 @@ def _key_digits(value: Any) -> int:
     return digits
 
 
+def _targets(value: Any) -> tuple[str, ...]:
+    """lora.targets: one name or a list of names."""
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError("must be all-linear or a list of module names (q_proj, v_proj, ...)")
+    return tuple(names)
+
+
 def _fraction(value: Any) -> float:
     fraction = as_number(value)
     if not 0 < fraction <= 1:
@@ -258,6 +266,19 @@ class TrainConfig(_Section):
     router_aux_loss: Flag = True
 
 
+class LoraConfig(_Section):
+    """LoRA: the base frozen, low-rank adapters trained on the linear layers `targets` names (`jlong.lora`)."""
+
+    rank: PositiveInt = 16
+    alpha: PositiveNumber = 16.0  # the adapters' product is scaled by alpha / rank, as PEFT's lora_alpha
+    # PEFT's target_modules names (q_proj, down_proj, in_proj_qkv, ...), or all-linear: every linear layer of
+    # the layers (not the output layer, not a mixture's routed experts).
+    targets: Annotated[tuple[str, ...], BeforeValidator(_targets)] = ("all-linear",)
+    # The frozen base: in train.compute_dtype, or in 4-bit NormalFloat with blockwise scales (QLoRA).
+    base_dtype: choice(Literal["compute", "nf4"]) = "compute"
+    init_from: optional(Text) = None  # a PEFT adapter directory to start the adapters from
+
+
 Sampling = choice(Literal["windows", "documents"])
 
 
@@ -411,6 +432,7 @@ class Config(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    lora: LoraConfig | None = None  # LoRA / QLoRA fine-tuning; None: every parameter trains
     run_dir: optional(Text) = None
     stages: tuple[Stage, ...] = ()  # a curriculum: each stage's settings until its step (jlong.config.stages)
 
@@ -462,5 +484,5 @@ class Config(_Section):
 
 
 SECTIONS: dict[str, type[_Section]] = {
-    name: field.annotation for name, field in Config.model_fields.items() if name not in ("run_dir", "stages")
-}
+    name: field.annotation for name, field in Config.model_fields.items() if name not in ("run_dir", "stages", "lora")
+} | {"lora": LoraConfig}

@@ -103,6 +103,18 @@ def check_run(config: Config) -> None:
     _check_layer_groups(config)
     _check_eval(config)
     _check_eos_id(config)
+    _check_lora(config)
+
+
+def _check_lora(config: Config) -> None:
+    if config.lora is None:
+        return
+    if config.memory.optimizer_offload:
+        raise JlongError("memory.optimizer_offload keeps every parameter's AdamW state in host memory; a LoRA run "
+                         "trains only its adapters, whose state is small: drop memory.optimizer_offload")
+    if config.train.init_from:
+        raise JlongError("train.init_from starts every weight; a LoRA run's frozen base is model.hf_path "
+                         "(or the seed) and its adapters start from lora.init_from: drop train.init_from")
 
 
 def _check_batch_split(config: Config) -> None:

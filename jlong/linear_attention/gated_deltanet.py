@@ -28,6 +28,7 @@ k's, v's); `gdn_z` [D, Hv, dv]; `gdn_b`, `gdn_a` [D, Hv]; `gdn_a_log`,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -39,6 +40,7 @@ from jlong.ops.head_stages import sum_over_head_stages
 from jlong.errors import JlongError
 from jlong.linear_attention import gated_delta
 from jlong.linear_attention.ring import halo, ring_rule
+from jlong.ops import adapted
 from jlong.ops.layers import rms_norm
 from jlong.ops.tiling import join_tiles, split_tiles, tiles_gradient_into, varying_like
 
@@ -160,7 +162,7 @@ def gated_deltanet_on_device(p, x_BsD, segment_ids_BS, *, layer: GatedDeltaNet, 
     tile = tile or x_BsD.shape[1]
     values_of, keys_of = jnp.asarray(plan.value_heads_of()), jnp.asarray(plan.key_heads_of())
     n, r = plan.value_heads_per_stage, plan.key_slots
-    w_q, w_k, w_v = layer.split_heads(p["gdn_qkv"])
+    w_q, w_k, w_v = adapted.on_outputs(layer.split_heads, p["gdn_qkv"])
     taps_q, taps_k, taps_v = layer.split_heads(p["gdn_conv"])
     if segment_ids_BS is None:
         segment_ids_BS = jnp.zeros((x_BsD.shape[0], x_BsD.shape[1] * plan.devices), jnp.int32)  # the group's tokens
@@ -172,15 +174,17 @@ def gated_deltanet_on_device(p, x_BsD, segment_ids_BS, *, layer: GatedDeltaNet, 
         own_keys = jax.lax.dynamic_slice_in_dim(keys, device * r, r)
         # One projection of the normed input for the stage's heads of every device: q, k, v, b, a and z,
         # a tile at a time, x's gradient added into the stages' sink in place (`tiles_gradient_into`).
+        one_head_each = functools.partial(adapted.on_outputs, lambda w: w[..., None])  # [D, Hv] -> [D, Hv, 1]
         matrices = {"q": (w_q, keys), "k": (w_k, keys), "v": (w_v, values), "z": (p["gdn_z"], values),
-                    "b": (p["gdn_b"][..., None], values), "a": (p["gdn_a"][..., None], values)}
-        taken = {name: jnp.take(w, index, axis=1) for name, (w, index) in matrices.items()}
+                    "b": (one_head_each(p["gdn_b"]), values), "a": (one_head_each(p["gdn_a"]), values)}
+        taken = {name: adapted.on_outputs(functools.partial(jnp.take, indices=index, axis=1), w)
+                 for name, (w, index) in matrices.items()}
         widths = [math.prod(w.shape[1:]) for w in taken.values()]
-        weights = varying_like({"norm": p["attn_norm"], "proj": jnp.concatenate(
-            [w.reshape(w.shape[0], -1) for w in taken.values()], axis=1)}, x_input_BsD)
+        flat = [adapted.on_outputs(lambda w: w.reshape(w.shape[0], -1), w) for w in taken.values()]
+        weights = varying_like({"norm": p["attn_norm"], "proj": adapted.concatenate(flat, axis=1)}, x_input_BsD)
 
         def normed_projection(w, x_tile, _):
-            return jnp.einsum("bsd,dn->bsn", rms_norm(x_tile, w["norm"], layer.norm_eps), w["proj"])
+            return adapted.matmul(rms_norm(x_tile, w["norm"], layer.norm_eps), w["proj"], inputs=1)
 
         tokens = jnp.zeros(x_input_BsD.shape[:2], jnp.int32)
         projected, sink_BsD = tiles_gradient_into(normed_projection, tile, weights, x_input_BsD, tokens, sink_BsD)
@@ -199,12 +203,12 @@ def gated_deltanet_on_device(p, x_BsD, segment_ids_BS, *, layer: GatedDeltaNet, 
         else:
             o = _on_ring(rule, (q, k, v), taps, g, beta, segment_ids_BS, ring)
         o_BsHd = to_sequence(o.astype(x_input_BsD.dtype))
-        w_out = jnp.take(p["gdn_out"], values, axis=0)
+        w_out = adapted.on_inputs(functools.partial(jnp.take, indices=values, axis=0), p["gdn_out"])
 
         def output(o_tile, z_tile):  # out_proj(norm(o) x SiLU(z)) of the stage's heads, a tile at a time
             gated = rms_norm(o_tile, p["gdn_norm"], layer.norm_eps).astype(jnp.float32)
             gated = (gated * jax.nn.silu(z_tile.astype(jnp.float32))).astype(o_tile.dtype)
-            return jnp.einsum("bshk,hkd->bsd", gated, w_out)
+            return adapted.matmul(gated, w_out, inputs=2)
 
         return _by_tiles(output, tile, o_BsHd, z), sink_BsD
 

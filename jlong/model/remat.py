@@ -159,7 +159,10 @@ def scan_periods(layer_fns, x, stacked_params: dict, policies: list[RematPolicy]
     k = layers_per_checkpoint
 
     def run(i, x, params):
-        return layer_fns[i](x, {name: params[name][index] for name, index in slots[i].items()})
+        def entry(name, index):  # leaf by leaf: a 4-bit weight is codes and scales
+            return jax.tree.map(lambda a: a[index], params[name])
+
+        return layer_fns[i](x, {name: entry(name, index) for name, index in slots[i].items()})
 
     def period(x, params):
         outs = []

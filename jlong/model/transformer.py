@@ -29,6 +29,8 @@ from jlong.errors import JlongError
 from jlong.families import ParamSpec, family_of
 from jlong.families.base import FULL_ATTENTION, shortest_period
 from jlong.linear_attention import gated_delta
+from jlong.lora.nf4 import dequantize, is_quantized
+from jlong.lora.targets import LoraSettings, adapted_layer, adapter_specs
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy, token_scores
 from jlong.model.remat import remat_policy, scan_layers, scan_periods
 from jlong.moe import grouped_matmul
@@ -165,16 +167,25 @@ def _param(spec: ParamSpec, key, dtype) -> nnx.Param:
     return nnx.Param(spec.initial(key, spec.shape, dtype), axes=spec.axes)
 
 
+def layer_specs(config: ModelConfig, lora: LoraSettings | None = None) -> dict[str, ParamSpec]:
+    """The layer parameters of a model: its family's, and a LoRA run's adapters."""
+    specs = family_of(config).layer_params(config)
+    return {**specs, **adapter_specs(config, lora)} if lora else specs
+
+
 class LayerStack(nnx.Module):
     """All decoder layers' parameters, each stacked to [layers, ...] over the
-    layers that have it: every layer, or those of its `layer_type`."""
+    layers that have it: every layer, or those of its `layer_type`. A LoRA
+    run's adapters are layer parameters too, in `adapter_dtype`."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype, lora: LoraSettings | None = None,
+                 adapter_dtype: str = "float32"):
         family = family_of(config)
-        specs = family.layer_params(config)
+        specs = layer_specs(config, lora)
         self.names = tuple(specs)
         for name, spec in specs.items():
-            value = spec.initial(rngs.params(), (family.layers_with(config, spec), *spec.shape), param_dtype)
+            dtype = adapter_dtype if lora and name in lora.adapter_names else param_dtype
+            value = spec.initial(rngs.params(), (family.layers_with(config, spec), *spec.shape), dtype)
             setattr(self, name, nnx.Param(value, axes=("layers", *spec.axes)))
 
     def arrays(self) -> dict[str, jax.Array]:
@@ -182,7 +193,9 @@ class LayerStack(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Token ids [B, S] -> float32 logits [B, S, vocab]."""
+    """Token ids [B, S] -> float32 logits [B, S, vocab]. With `lora`, the
+    layers' target matrices carry adapters (`jlong.lora`), in `adapter_dtype`;
+    a QLoRA base's matrices may arrive in NF4 (`jlong.lora.nf4`)."""
 
     def __init__(
         self,
@@ -191,12 +204,15 @@ class Transformer(nnx.Module):
         rngs: nnx.Rngs,
         param_dtype: str = "float32",
         options: ForwardOptions = ForwardOptions(),
+        lora: LoraSettings | None = None,
+        adapter_dtype: str = "float32",
     ):
         self.config = config
         self.options = options
+        self.lora = lora
         outer = family_of(config).outer_params(config)
         self.embed = _param(outer["embed"], rngs.params(), param_dtype)
-        self.layers = LayerStack(config, rngs=rngs, param_dtype=param_dtype)
+        self.layers = LayerStack(config, rngs=rngs, param_dtype=param_dtype, lora=lora, adapter_dtype=adapter_dtype)
         self.final_norm = _param(outer["final_norm"], None, param_dtype)  # ones: draws no key
         if "lm_head" in outer:
             self.lm_head = _param(outer["lm_head"], rngs.params(), param_dtype)
@@ -224,20 +240,28 @@ class Transformer(nnx.Module):
         family = family_of(config)
         x_BSD = constrain(family.scale_embeddings(jnp.take(embed_VD, tokens_BS, axis=0), config), HIDDEN)
 
-        layer_axes = {name: spec.axes for name, spec in family.layer_params(config).items()}
+        specs = layer_specs(config, self.lora)
+        layer_axes = {name: spec.axes for name, spec in specs.items()}
+
+        def in_compute_layout(w, axes):
+            """Cast, then constrain to the compute layout: under FSDP this is where
+            each layer's weights are gathered, in the compute dtype (a 4-bit
+            weight gathered in 4 bits, then dequantized)."""
+            if is_quantized(w):
+                return dequantize(jax.tree.map(lambda leaf: constrain(leaf, axes), w), dtype)
+            return constrain(w.astype(dtype), axes)
 
         def layer_under(layer_options: ForwardOptions):
             def one_layer(x_BSD, params):
-                # Cast, then constrain to the compute layout: under FSDP this is
-                # where each layer's weights are gathered (in the compute dtype).
-                params = {name: constrain(w.astype(dtype), layer_axes[name]) for name, w in params.items()}
+                params = {name: in_compute_layout(w, layer_axes[name]) for name, w in params.items()}
+                if self.lora:
+                    params = adapted_layer(params, self.lora)
                 out = family.block(params, x_BSD, positions_BS, segment_ids_BS, config, layer_options)
                 return out if isinstance(out, tuple) else (out, None)  # (x, routing statistics) from a MoE layer
 
             return one_layer
 
         stacked = self.layers.arrays()
-        specs = family.layer_params(config)
 
         def of_group(group: LayerGroup):  # each parameter's layers in the group: [repeats, per period, ...]
             types = {o.layer_type for o in group.period}
@@ -246,8 +270,10 @@ class Transformer(nnx.Module):
                 if specs[name].layer_type not in (None, *types):
                     continue
                 count = sum(specs[name].layer_type in (None, o.layer_type) for o in group.period) * group.repeats
-                w = w if count == w.shape[0] else w[family.stack_index(config, specs[name], group.first):][:count]
-                layers[name] = w.reshape(group.repeats, count // group.repeats, *w.shape[1:])
+                first = family.stack_index(config, specs[name], group.first)
+                layers[name] = jax.tree.map(  # leaf by leaf: a 4-bit weight is codes and scales
+                    lambda a: (a if count == a.shape[0] else a[first:first + count]).reshape(
+                        group.repeats, count // group.repeats, *a.shape[1:]), w)
             return layers
 
         routing = []  # each MoE layer's statistics, stacked over the layers of a loop

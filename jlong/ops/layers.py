@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jlong.ops.adapted import matmul
+
 if TYPE_CHECKING:
     from jlong.config import ModelConfig
 
@@ -113,13 +115,12 @@ def apply_rope(x_BSNd, positions_BS, inv_freq, scale: float = 1.0):
 
 
 def swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD):
-    gate = jnp.einsum("bsd,df->bsf", x_BSD, w_gate_DF)
-    up = jnp.einsum("bsd,df->bsf", x_BSD, w_up_DF)
-    return jnp.einsum("bsf,fd->bsd", jax.nn.silu(gate) * up, w_down_FD)
+    """The gated MLP with SiLU (its weights may carry LoRA adapters: `jlong.ops.adapted`)."""
+    gate, up = matmul(x_BSD, w_gate_DF, inputs=1), matmul(x_BSD, w_up_DF, inputs=1)
+    return matmul(jax.nn.silu(gate) * up, w_down_FD, inputs=1)
 
 
 def geglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD):
     """The gated MLP with GELU's tanh approximation (Gemma's gelu_pytorch_tanh)."""
-    gate = jnp.einsum("bsd,df->bsf", x_BSD, w_gate_DF)
-    up = jnp.einsum("bsd,df->bsf", x_BSD, w_up_DF)
-    return jnp.einsum("bsf,fd->bsd", jax.nn.gelu(gate, approximate=True) * up, w_down_FD)
+    gate, up = matmul(x_BSD, w_gate_DF, inputs=1), matmul(x_BSD, w_up_DF, inputs=1)
+    return matmul(jax.nn.gelu(gate, approximate=True) * up, w_down_FD, inputs=1)

@@ -22,12 +22,17 @@ from jlong.families import family_of
 from jlong.model.transformer import ForwardOptions, Transformer
 from jlong.parallel.placement import MeshShards, batch_sharding, replicated, rest_spec
 from jlong.attention.methods import method_of
+from jlong.program.frozen_base import FrozenBase
+from jlong.lora.targets import lora_settings
 from jlong.program.host_optimizer import HostAdamW
 from jlong.program.optimizer import DeviceAdamW, Optimizer
 
 
-def make_optimizer(config: Config) -> Optimizer:
-    """The run's optimizer: in host memory with `memory.optimizer_offload`, else on the devices."""
+def make_optimizer(config: Config, frozen_base: FrozenBase | None = None) -> Optimizer:
+    """The run's optimizer: in host memory with `memory.optimizer_offload`, else on the devices; of a
+    LoRA run's adapters alone, with `frozen_base`."""
+    if frozen_base:
+        return DeviceAdamW(config.train, frozen_base.decays)
     kind = HostAdamW if config.memory.optimizer_offload else DeviceAdamW
     return kind(config.train, functools.partial(family_of(config.model).decay_mask, config.model))
 
@@ -41,21 +46,33 @@ def _with_shardings(shapes, shardings):
 
 class TrainProgram:
     """(params, opt_state, batch) -> (params, opt_state, {loss, grad_norm}),
-    jitted over `mesh` with donated parameters and optimizer state."""
+    jitted over `mesh` with donated parameters and optimizer state.
+
+    A LoRA run (`config.lora`) trains its adapters alone: the step
+    differentiates them only, the optimizer's state is theirs, and a
+    checkpoint holds them (`saved`); the frozen base passes through the step
+    unchanged, in the compute dtype or in NF4 (`jlong.program.frozen_base`)."""
 
     def __init__(self, config: Config, mesh):
         self.config, self.mesh = config, mesh
         self.options = ForwardOptions.for_training(config, MeshShards(mesh), mesh.devices.flat[0].platform)
+        self.lora = lora_settings(config.lora, config.model)
+        self.frozen_base = FrozenBase(self.lora, config.model, config.train.compute_dtype) if self.lora else None
         abstract_model = nnx.eval_shape(lambda: self._fresh_model(0))
         self.graphdef, self._abstract_state = nnx.split(abstract_model)
-        self.param_shardings = self._param_shardings()  # on the devices, where the step computes with them
         param_shapes = nnx.to_pure_dict(self._abstract_state)
+        self.param_shardings = self._param_shardings()  # on the devices, where the step computes with them
+        if self.frozen_base:
+            param_shapes = jax.eval_shape(self.frozen_base.quantize, param_shapes)
+            self.param_shardings = self.frozen_base.quantized_shardings(param_shapes, self.param_shardings, mesh)
 
-        self.optimizer = make_optimizer(config)
+        self.optimizer = make_optimizer(config, self.frozen_base)
         self.rest_shardings = self.optimizer.rest_shardings(self.param_shardings)  # between steps
-        opt_shapes = jax.eval_shape(self.optimizer.init, param_shapes)
-        self.opt_shardings = self.optimizer.state_shardings(opt_shapes, self.rest_shardings, replicated(mesh))
+        opt_shapes = jax.eval_shape(self.optimizer.init, self.saved(param_shapes))
+        self.opt_shardings = self.optimizer.state_shardings(opt_shapes, self.saved(self.rest_shardings),
+                                                            replicated(mesh))
         self.abstract_params = _with_shardings(param_shapes, self.rest_shardings)
+        self.abstract_saved_params = self.saved(self.abstract_params)  # what a checkpoint holds
         self.abstract_opt_state = _with_shardings(opt_shapes, self.opt_shardings)
         # What the forward and backward passes hold on each device.
         compute_dtype = config.train.compute_dtype if self.optimizer.makes_compute_copy else None
@@ -80,9 +97,20 @@ class TrainProgram:
                                  out_shardings=self.batch_sharding)
 
     def _fresh_model(self, seed: int) -> Transformer:
-        return Transformer(
-            self.config.model, rngs=nnx.Rngs(seed), param_dtype=self.config.train.param_dtype, options=self.options
-        )
+        train = self.config.train
+        # A LoRA run's frozen base has no float32 master copy: it is held in the compute dtype.
+        base_dtype = train.compute_dtype if self.lora else train.param_dtype
+        return Transformer(self.config.model, rngs=nnx.Rngs(seed), param_dtype=base_dtype, options=self.options,
+                           lora=self.lora, adapter_dtype=train.param_dtype)
+
+    def saved(self, params: dict) -> dict:
+        """What of `params` (or of a tree shaped like them) a checkpoint holds and the
+        optimizer updates: everything, or a LoRA run's adapters."""
+        return self.frozen_base.trainable(params) if self.frozen_base else params
+
+    def with_saved(self, params: dict, saved: dict) -> dict:
+        """`params` with the part a checkpoint holds replaced by `saved`."""
+        return self.frozen_base.join(self.frozen_base.frozen(params), saved) if self.frozen_base else saved
 
     def _param_shardings(self) -> dict:
         shardings: dict = {}
@@ -97,20 +125,50 @@ class TrainProgram:
     # -- parameters and optimizer state
 
     def init_params(self, seed: int) -> dict:
-        """Random initial parameters, created directly in their shards."""
-        init = jax.jit(lambda: nnx.to_pure_dict(nnx.state(self._fresh_model(seed))), out_shardings=self.rest_shardings)
-        return init()
+        """Random initial parameters, created directly in their shards (a QLoRA base quantized)."""
+        def fresh():
+            params = nnx.to_pure_dict(nnx.state(self._fresh_model(seed)))
+            return self.frozen_base.quantize(params) if self.frozen_base else params
 
-    def load_hf_params(self, path: str) -> dict:
-        """A Hugging Face checkpoint's weights, read shard by shard into their places."""
+        return jax.jit(fresh, out_shardings=self.rest_shardings)()
+
+    def load_hf_params(self, path: str, seed: int = 0) -> dict:
+        """A Hugging Face checkpoint's weights, read shard by shard into their
+        places; a LoRA run's base from them (quantized for QLoRA), its adapters
+        fresh from `seed`."""
         from jlong.hf import load_hf_params
 
-        on_devices = _with_shardings(self.abstract_params, self.param_shardings)
-        params = load_hf_params(path, self.config.model, on_devices)
-        return jax.device_put(params, self.rest_shardings, donate=True)
+        if not self.frozen_base:
+            on_devices = _with_shardings(self.abstract_params, self.param_shardings)
+            params = load_hf_params(path, self.config.model, on_devices)
+            return jax.device_put(params, self.rest_shardings, donate=True)
+        model = nnx.eval_shape(lambda: Transformer(self.config.model, rngs=nnx.Rngs(0),
+                                                   param_dtype=self.config.train.compute_dtype))
+        base_shapes = nnx.to_pure_dict(nnx.state(model))
+        base_shardings = self.frozen_base.frozen(self._param_shardings())
+        base = load_hf_params(path, self.config.model, _with_shardings(base_shapes, base_shardings))
+        quantize = jax.jit(self.frozen_base.quantize, out_shardings=self.frozen_base.frozen(self.rest_shardings),
+                           donate_argnums=0)
+        return self.frozen_base.join(quantize(base), self.saved(self.init_params_adapters(seed)))
+
+    def init_params_adapters(self, seed: int) -> dict:
+        """Fresh adapters (and nothing of the base: its random values are never made)."""
+        def fresh():
+            return self.saved(nnx.to_pure_dict(nnx.state(self._fresh_model(seed))))
+
+        return jax.jit(fresh, out_shardings=self.saved(self.rest_shardings))()
+
+    def place_saved(self, saved: dict) -> dict:
+        """Host arrays of what a checkpoint holds (a LoRA run's adapters read
+        from PEFT files) placed in their shards, in their dtypes."""
+        def placed(x, target):
+            x = np.asarray(x, target.dtype)
+            return jax.make_array_from_callback(x.shape, target.sharding, functools.partial(_index, x))
+
+        return jax.tree.map(placed, saved, self.abstract_saved_params)
 
     def init_opt_state(self, params: dict):
-        return jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(params)
+        return jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(self.saved(params))
 
     def bind(self, params: dict) -> Transformer:
         state = jax.tree.map(lambda v: v, self._abstract_state)
@@ -129,6 +187,12 @@ class TrainProgram:
     def _step(self, params, opt_state, batch):
         """One optimizer step: the metrics are the loss, the gradient's norm and the model's own
         (`Transformer.loss_and_metrics`)."""
+        if self.frozen_base:  # only the adapters are differentiated: the base gets no gradient at all
+            base, adapters = self.frozen_base.frozen(params), self.frozen_base.trainable(params)
+            loss_of = lambda a: self._loss_and_metrics(self.frozen_base.join(base, a), batch)  # noqa: E731
+            (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(adapters)
+            adapters, opt_state, grad_norm = self.optimizer.update(grads, opt_state, adapters)
+            return self.frozen_base.join(base, adapters), opt_state, {"loss": loss, "grad_norm": grad_norm, **metrics}
         compute_params = self.optimizer.compute_params(params, self.param_shardings)
         (loss, metrics), grads = jax.value_and_grad(self._loss_and_metrics, has_aux=True)(compute_params, batch)
         params, opt_state, grad_norm = self.optimizer.update(grads, opt_state, params)

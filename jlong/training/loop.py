@@ -26,6 +26,7 @@ from jlong.parallel.placement import make_mesh
 from jlong.families import family_of
 from jlong.training.checkpoint_owner import check_owner
 from jlong.training.host_memory import available_bytes, check_host_memory
+from jlong.lora.peft_format import read_adapters
 from jlong.training.initial_weights import InitialWeights, check_init_from, load_initial_weights
 from jlong.training.metric_sinks import check_available
 from jlong.program.optimizer import learning_rate
@@ -72,18 +73,18 @@ def start(config: Config, mesh, checkpoints: Checkpoints | None, last: int,
     seed), says where the run starts, and compiles the step, when steps up
     to `last` remain (a `staged` run compiles each stage's as it enters it)."""
     program = TrainProgram(config, mesh)
-    step, params, opt_state = 0, None, None
-    if checkpoints:
-        step, params, opt_state = checkpoints.restore_newest_readable(
-            program.abstract_params, program.abstract_opt_state, say=_say
+    step, saved, opt_state = 0, None, None
+    if checkpoints:  # a LoRA run's checkpoints hold its adapters; its base is read again from where it came
+        step, saved, opt_state = checkpoints.restore_newest_readable(
+            program.abstract_saved_params, program.abstract_opt_state, say=_say
         )
-    if not step:
-        hf_path = config.model.hf_path
+    if step:
+        params = program.with_saved(starting_weights(program, config), saved) if program.lora else saved
+    else:
         initial = initial or check_init_from(config)  # none of the run's checkpoints could be read
-        if initial:
-            params = load_initial_weights(program, initial)
-        else:
-            params = program.load_hf_params(hf_path) if hf_path else program.init_params(config.train.seed)
+        params = load_initial_weights(program, initial) if initial else starting_weights(program, config)
+        if program.lora and config.lora.init_from:
+            params = program.with_saved(params, program.place_saved(read_adapters(config.lora.init_from, program)))
         opt_state = program.init_opt_state(params)
     compiled = None
     if step < last:
@@ -93,6 +94,13 @@ def start(config: Config, mesh, checkpoints: Checkpoints | None, last: int,
     return Started(program, compiled, params, opt_state, step)
 
 
+def starting_weights(program: TrainProgram, config: Config) -> dict:
+    """The weights of step 1 when no checkpoint or train.init_from gives them:
+    model.hf_path's, or random from train.seed (a LoRA run's adapters fresh)."""
+    hf_path, seed = config.model.hf_path, config.train.seed
+    return program.load_hf_params(hf_path, seed) if hf_path else program.init_params(seed)
+
+
 def starting_line(config: Config, step: int, initial: InitialWeights | None = None) -> str:
     """Where a run starts: `resuming step N from DIR`, or step 1 and why."""
     where = config.checkpoint.dir
@@ -100,6 +108,11 @@ def starting_line(config: Config, step: int, initial: InitialWeights | None = No
         return f"resuming step {step} from {where}"
     weights = f" from the weights in {config.model.hf_path}" if config.model.hf_path else ""
     weights = f" from {initial.describe()} (a fresh optimizer)" if initial else weights
+    if config.lora:
+        lora = config.lora
+        adapters = f"from the PEFT adapters in {lora.init_from}" if lora.init_from else "fresh"
+        base = "4-bit NF4" if lora.base_dtype == "nf4" else config.train.compute_dtype
+        weights += f", LoRA rank {lora.rank} on {', '.join(lora.targets)} ({adapters}; the base frozen in {base})"
     why = f"no checkpoint in {where}" if where else "no checkpoint.dir: nothing will be saved to resume from"
     return f"starting at step 1{weights} ({why})"
 
@@ -307,7 +320,9 @@ def _save(config: Config, checkpoints: Checkpoints, run: Started, stage: int | N
     extra = {"samples_seen": run.step * config.train.batch_size, "seed": config.train.seed}
     if stage is not None:
         extra["stage"] = stage
-    checkpoints.save(run.step, run.params, run.opt_state, model=config.model, extra=extra)
+    if config.lora:  # the adapters alone are saved: what they adapt, for resuming and `jlong convert`
+        extra["lora"] = {**config.lora.model_dump(mode="json"), "hf_path": config.model.hf_path}
+    checkpoints.save(run.step, run.program.saved(run.params), run.opt_state, model=config.model, extra=extra)
 
 
 def _stop(config: Config, checkpoints: Checkpoints | None, run: Started, signal) -> str:

@@ -1,0 +1,88 @@
+"""A frozen weight and its low-rank update, as the layers compute with it.
+
+`Adapted(w, a, b)` stands for w + a @ b without ever forming it: w has
+`inputs` leading input axes and then its output axes (jlong's layout,
+[D, H, d] for a query projection, [H, d, D] for the output projection);
+a is [*input axes, r], b is [r, *output axes], already scaled by alpha / r.
+x @ w becomes x @ w + (x @ a) @ b, so the backward pass never forms the
+weight gradient x^T dy of the frozen w: only the adapters' thin ones.
+
+The layers take a weight apart before they multiply by it (a range of
+heads, a split of a fused projection, a reshape) and put pieces together
+(q, k and v in one matmul). `on_outputs` and `on_inputs` apply such a
+change to a plain array or to an `Adapted` alike; `concatenate` joins
+pieces along an output axis, their a's side by side and their b's block
+diagonal (exact: the zero blocks add nothing); `matmul` multiplies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Adapted:
+    w: jax.Array
+    a: jax.Array
+    b: jax.Array
+    inputs: int = dataclasses.field(metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.w.shape
+
+
+def _rebuilt(like: Adapted, ws, sides, side: str):
+    """`like` with w and one side replaced, piece by piece when fn made several."""
+    if isinstance(ws, (tuple, list)):
+        return type(ws)(_rebuilt(like, w, s, side) for w, s in zip(ws, sides))
+    return dataclasses.replace(like, w=ws, **{side: sides})
+
+
+def on_outputs(fn: Callable, w):
+    """fn applied to a weight's output axes (the trailing ones: fn must treat
+    the leading axes as a batch, e.g. slice or split along an axis counted
+    from the end, or reshape by the array's own leading size)."""
+    if not isinstance(w, Adapted):
+        return fn(w)
+    return _rebuilt(w, fn(w.w), fn(w.b), "b")
+
+
+def on_inputs(fn: Callable, w):
+    """fn applied to a weight's input axes (the leading ones, the trailing
+    kept as they are: e.g. a range of heads of the output projection)."""
+    if not isinstance(w, Adapted):
+        return fn(w)
+    return _rebuilt(w, fn(w.w), fn(w.a), "a")
+
+
+def concatenate(pieces: list, axis: int):
+    """Weights with the same input axes joined along output axis `axis` (of w)."""
+    adapted = [p for p in pieces if isinstance(p, Adapted)]
+    w = jnp.concatenate([p.w if isinstance(p, Adapted) else p for p in pieces], axis=axis)
+    if not adapted:
+        return w
+    inputs = adapted[0].inputs
+    b_axis = axis - inputs + 1  # the same output axis in b = [r, *outputs]
+    sizes = [p.shape[axis] for p in pieces]
+    blocks, start = [], 0
+    for piece, size in zip(pieces, sizes):
+        if isinstance(piece, Adapted):
+            padding = [(0, 0)] * piece.b.ndim
+            padding[b_axis] = (start, sum(sizes) - start - size)
+            blocks.append(jnp.pad(piece.b, padding))
+        start += size
+    return Adapted(w, jnp.concatenate([p.a for p in adapted], axis=-1), jnp.concatenate(blocks, axis=0), inputs)
+
+
+def matmul(x, w, inputs: int):
+    """x [..., *input axes] times w: [..., *output axes]."""
+    if not isinstance(w, Adapted):
+        return jnp.tensordot(x, w, axes=inputs)
+    low = jnp.tensordot(x, w.a, axes=inputs)
+    return jnp.tensordot(x, w.w, axes=inputs) + jnp.tensordot(low, w.b, axes=1)
