@@ -31,6 +31,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -371,9 +372,20 @@ def _reason(err: Exception) -> str:
     return lines[0] if len(lines[0]) <= 240 else "..." + lines[0][-200:]
 
 
-def convert(source: str | Path, destination: str | Path, *, param_dtype: str = "float32") -> list[Path]:
+def convert(source: str | Path, destination: str | Path, *, param_dtype: str = "float32",
+            merge: bool = False, say: Callable[[str], None] = print) -> list[Path]:
     """Hugging Face directory -> jlong checkpoint, or jlong checkpoint -> Hugging
-    Face, into a new (or empty) directory; returns what it wrote there."""
+    Face, into a new (or empty) directory; returns what it wrote there.
+
+    A LoRA run's checkpoint (its meta has `lora`; it holds the adapters alone)
+    becomes a PEFT adapter directory for the base the run adapted, or with
+    `merge` a whole Hugging Face checkpoint: that base, read again from the
+    run's model.hf_path, with the adapters merged into its weights. A QLoRA
+    run's adapters are merged into the base as stored there, not into its
+    NF4 form: the merged model differs from the one the run trained by the
+    base's quantization error, as PEFT's merge over a dequantized base would
+    by that error's rounding. What PEFT will not load of a run's adapters is
+    said through `say` (`jlong.lora.peft_format.peft_caveat`)."""
     import jax
     from flax import nnx
 
@@ -386,6 +398,9 @@ def convert(source: str | Path, destination: str | Path, *, param_dtype: str = "
         raise JlongError(f"{str(destination)!r} already exists and is not an empty directory; convert writes into "
                          "a new one (it never overwrites)")
     if (source / "config.json").is_file():
+        if merge:
+            raise JlongError(f"--merge merges a LoRA run's adapters into its base; {str(source)!r} is a Hugging "
+                             "Face checkpoint: convert it without --merge")
         model = from_hf(source, param_dtype=param_dtype)
         checkpoints = Checkpoints(destination)
         checkpoints.save(0, nnx.to_pure_dict(nnx.state(model)), model=model.config)
@@ -398,7 +413,17 @@ def convert(source: str | Path, destination: str | Path, *, param_dtype: str = "
         )
     checkpoints = Checkpoints(source)
     step = checkpoints.latest_step()
-    saved_model = model_config(checkpoints.meta(step)["model"])
+    meta = checkpoints.meta(step)
+    saved_model = model_config(meta["model"])
+    if meta.get("lora"):
+        try:
+            return _convert_lora(checkpoints, step, meta, saved_model, destination, param_dtype, merge, say)
+        finally:
+            checkpoints.close()
+    if merge:
+        checkpoints.close()
+        raise JlongError(f"--merge merges a LoRA run's adapters into its base; {str(source)!r} holds the whole "
+                         "model of a run without a lora section: convert it without --merge")
     from jlong.model.transformer import Transformer
 
     model = nnx.eval_shape(lambda: Transformer(saved_model, rngs=nnx.Rngs(0), param_dtype=param_dtype))
@@ -411,3 +436,70 @@ def convert(source: str | Path, destination: str | Path, *, param_dtype: str = "
     to_hf(nnx.merge(graphdef, state), destination)
     checkpoints.close()
     return sorted(destination.iterdir())
+
+
+def lora_of(meta: dict, model: ModelConfig):
+    """The LoRA settings (`jlong.lora.targets.LoraSettings`) a LoRA run's checkpoint meta records."""
+    from jlong.config.schema import LoraConfig
+    from jlong.lora.targets import lora_settings
+
+    section = LoraConfig.model_validate({k: v for k, v in meta["lora"].items() if k != "hf_path"})
+    return lora_settings(section, model)
+
+
+def _convert_lora(checkpoints: Checkpoints, step: int, meta: dict, model: ModelConfig, destination: Path,
+                  param_dtype: str, merge: bool, say: Callable[[str], None]) -> list[Path]:
+    """A LoRA run's checkpoint as a PEFT adapter directory, or merged into its base (`convert`)."""
+    import jax
+    from flax import nnx
+
+    from jlong.hf import load_hf_params, to_hf
+    from jlong.lora import peft_format
+    from jlong.model.transformer import Transformer
+
+    lora = lora_of(meta, model)
+    hf_path = meta["lora"].get("hf_path")
+    where = f"checkpoint step {step} in {str(checkpoints.directory)!r}"
+    if merge and not hf_path:
+        raise JlongError(f"--merge: the run of {where} had no model.hf_path, so there is no base to merge its "
+                         "adapters into; convert it without --merge for its PEFT adapters")
+    if merge and not (Path(hf_path) / "config.json").is_file():
+        raise JlongError(f"--merge: the base of {where}, model.hf_path {str(hf_path)!r}, is not a Hugging Face "
+                         "checkpoint (no config.json there); restore it, or convert without --merge")
+    adapters = _restored_adapters(checkpoints, step, model, lora)
+    if not merge:
+        written = peft_format.write_adapters(destination, adapters, model, lora, hf_path, param_dtype)
+        if note := peft_format.peft_caveat(model, lora):
+            say(note)
+        return written
+    base = nnx.eval_shape(lambda: Transformer(model, rngs=nnx.Rngs(0), param_dtype="float32"))
+    graphdef, state = nnx.split(base)
+    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), nnx.to_pure_dict(state))
+    params = jax.tree.map(np.asarray, load_hf_params(hf_path, model, shapes))
+    params["layers"] = peft_format.merged(params["layers"], adapters, lora)
+    params = jax.tree.map(lambda w: jax.numpy.asarray(w, param_dtype), params)
+    nnx.replace_by_pure_dict(state, params)
+    to_hf(nnx.merge(graphdef, state), destination)
+    return sorted(destination.iterdir())
+
+
+def _restored_adapters(checkpoints: Checkpoints, step: int, model: ModelConfig, lora) -> dict[str, np.ndarray]:
+    """A LoRA run's adapters, {name: float32 array}, checked against what its meta says they adapt."""
+    import jax
+
+    from jlong.lora.peft_format import adapter_shapes
+
+    metadata = ocp.StandardCheckpointHandler().metadata(epath.Path(checkpoints.directory / str(step) / "params"))
+    saved = _layout(metadata)
+    expected = {f"layers/{name}": shape for name, shape in adapter_shapes(model, lora).items()}
+    if {path: shape for path, (shape, _) in saved.items()} != expected:
+        first = min(saved.keys() ^ expected.keys() or {k for k in saved if saved[k][0] != expected[k]})
+        raise JlongError(f"checkpoint step {step} in {str(checkpoints.directory)!r} holds params of another layout "
+                         f"than the adapters its meta describes ({first}: {_shape(saved.get(first))} saved)")
+    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract = {"layers": {path.removeprefix("layers/"): jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype),
+                                                                              sharding=here)
+                           for path, (shape, dtype) in saved.items()}}
+    params, _ = checkpoints.restore(step, abstract)
+    return {name: np.asarray(value, np.float32) for name, value in params["layers"].items()}

@@ -126,13 +126,22 @@ def build_parser() -> argparse.ArgumentParser:
     maxlen.set_defaults(handler=_maxlen)
 
     convert = commands.add_parser(
-        "convert", help="Hugging Face checkpoint <-> jlong parameters",
+        "convert", help="Hugging Face checkpoint <-> jlong parameters; a LoRA run's adapters -> PEFT",
         description="HF_DIR -> jlong parameter checkpoint, or a jlong checkpoint -> HF_DIR "
-        "(the direction follows from what SOURCE holds).",
+        "(the direction follows from what SOURCE holds). A LoRA run's checkpoint (its adapters alone) becomes a "
+        "PEFT adapter directory (adapter_config.json, adapter_model.safetensors) that peft.PeftModel."
+        "from_pretrained loads onto the run's base model, or with --merge a whole Hugging Face checkpoint.",
     )
     convert.add_argument("source", help="a Hugging Face directory, or a jlong checkpoint directory")
     convert.add_argument("destination", help="where to write the converted checkpoint")
     convert.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
+    convert.add_argument(
+        "--merge", action="store_true",
+        help="of a LoRA run's checkpoint, write a Hugging Face checkpoint of its base (read again from the run's "
+        "model.hf_path) with the adapters merged into the weights. A QLoRA run's adapters are merged into the "
+        "full-precision base, not its NF4 form: the merged model differs from the one trained by the base's "
+        "quantization error",
+    )
     convert.set_defaults(handler=_convert)
 
     verify = commands.add_parser(
@@ -494,13 +503,21 @@ def _convert(args) -> int:
     from jlong.files import size_of
 
     start_backends()
-    written = convert(args.source, args.destination, param_dtype=args.param_dtype)
+    notes: list[str] = []
+    written = convert(args.source, args.destination, param_dtype=args.param_dtype, merge=args.merge,
+                      say=notes.append)
     total = sum(size_of(path) for path in written)
-    if any(path.name == "config.json" for path in written):
-        what = f"a Hugging Face checkpoint: {', '.join(path.name for path in written)}"
+    names = ", ".join(path.name for path in written)
+    if any(path.name == "adapter_config.json" for path in written):
+        what = f"a PEFT LoRA adapter directory: {names}"
+    elif any(path.name == "config.json" for path in written):
+        merged = " with the LoRA adapters merged" if args.merge else ""
+        what = f"a Hugging Face checkpoint{merged}: {names}"
     else:
         what = "a jlong checkpoint of the weights (step 0, no optimizer state)"
     print(f"wrote {args.destination}, {what} ({total:,} bytes)")
+    for note in notes:
+        print(note)
     return 0
 
 

@@ -211,15 +211,15 @@ def load_params(program: TrainProgram, checkpoint: str) -> tuple[dict, int | str
     if checkpoint_kind(checkpoint) == "hf":
         return program.load_hf_params(checkpoint), "hf"
     checkpoints = Checkpoints(checkpoint)
-    try:
+    try:  # a LoRA run's checkpoint holds its adapters; its base is read from where the run read it
         step = checkpoints.latest_step()
-        checkpoints.check_layout(step, {"params": program.abstract_params},
+        checkpoints.check_layout(step, {"params": program.abstract_saved_params},
                                  "evaluate it with the model settings it was trained with (a run's own config is "
                                  "run_dir/config.yaml)")
-        params, _ = checkpoints.restore(step, program.abstract_params)
+        saved, _ = checkpoints.restore(step, program.abstract_saved_params)
     finally:
         checkpoints.close()
-    return params, step
+    return (program.with_saved(program.starting_params(), saved) if program.lora else saved), step
 
 
 def eval_inputs(config: Config) -> tuple[np.ndarray | None, list]:

@@ -82,7 +82,10 @@ def lower_memory_settings(config: Config) -> list[str]:
     suggestions = []
     if not remat_policy(memory.remat).offloads_layer_inputs:
         suggestions.append("memory.remat=offload_inputs")
-    if not memory.optimizer_offload:
+    if config.lora is not None:  # its optimizer holds the adapters alone: the base is what weighs
+        if config.lora.base_dtype == "compute":
+            suggestions.append("lora.base_dtype=nf4 (the frozen base in 4 bits)")
+    elif not memory.optimizer_offload:
         suggestions.append("memory.optimizer_offload=true")
     if not memory.loss_tile:
         suggestions.append(f"memory.loss_tile={_divisor_near(local, 1024)}")

@@ -19,10 +19,11 @@ import re
 
 import numpy as np
 
-# Bytes per element of XLA's primitive types (sub-byte types rounded up).
+# Bytes per element of XLA's primitive types. XLA:GPU packs the 4-bit types two
+# to a byte (their layouts say `E(4)`): a QLoRA base's codes are half a byte each.
 _ITEMSIZE = {
-    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1,
-    "f8e5m2fnuz": 1, "f8e3m4": 1, "f8e8m0fnu": 1, "f4e2m1fn": 1,
+    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1,
+    "f8e5m2fnuz": 1, "f8e3m4": 1, "f8e8m0fnu": 1, "f4e2m1fn": 0.5,
     "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
     "s32": 4, "u32": 4, "f32": 4,
     "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
@@ -49,7 +50,7 @@ class Array:
 
     @property
     def bytes(self) -> int:
-        return self.elements * _ITEMSIZE.get(self.dtype, 4)
+        return math.ceil(self.elements * _ITEMSIZE.get(self.dtype, 4))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -203,7 +203,10 @@ def _check_budget_covers_states(config: Config, target: PlanTarget) -> None:
         raise JlongError(f"budget_gib must be positive, got {budget_gib:g}", "budget_gib")
     fixed = state_bytes(config, target)
     if fixed > budget_gib * GIB:
-        offload = "" if config.memory.optimizer_offload else "set memory.optimizer_offload=true, "
+        if config.lora is not None:  # the adapters' state is small: the frozen base is what weighs
+            offload = "set lora.base_dtype=nf4, " if config.lora.base_dtype == "compute" else ""
+        else:
+            offload = "" if config.memory.optimizer_offload else "set memory.optimizer_offload=true, "
         raise JlongError(
             f"budget_gib {budget_gib:g} is below the {fixed / GIB:.2f} GiB per device that parameters, "
             f"gradients and optimizer state need before any activation; {offload}raise the budget or spread "

@@ -20,6 +20,12 @@ Three corrections bring its figures toward the GPU program:
   in the temporaries; they are counted from the remat policy and the shapes,
   reported as host bytes, and taken out of the device's temporaries (with
   `offload_attention`, the attention outputs and log-sum-exps too).
+
+A LoRA run (`lora:`) holds a frozen base (in the compute dtype, or in NF4:
+4-bit codes, packed two to a byte as XLA:GPU packs them, and a scale per
+64 inputs) beside its adapters; only the adapters have gradients and
+optimizer state, so `gradients` counts theirs and `frozen_parameters` says
+how much of `parameters` is the base.
 """
 
 from __future__ import annotations
@@ -57,7 +63,9 @@ class MemoryPlan:
     step holds, and `host_states` (part of `host_offload`) the master
     parameters and optimizer state in host memory. `cudnn_workspace` is what
     cuDNN attention needs beside XLA's buffers (`cudnn_workspace_bytes`),
-    part of `device_total`."""
+    part of `device_total`. `frozen_parameters` is the part of `parameters`
+    that trains not (a LoRA run's base, in its dtype; 0 without LoRA):
+    it has no gradient and no optimizer state."""
 
     target: str
     compiler: str
@@ -73,6 +81,12 @@ class MemoryPlan:
     budget: int
     host_budget_per_node: int
     devices_per_node: int
+    frozen_parameters: int = 0
+
+    @property
+    def trainable_parameters(self) -> int:
+        """Bytes per device of what trains: every parameter, or a LoRA run's adapters."""
+        return self.parameters - self.frozen_parameters
 
     @property
     def device_total(self) -> int:
@@ -158,7 +172,8 @@ def plan_of(step: CompiledStep) -> MemoryPlan:
     config = program.config
     analysis = step.compiled.memory_analysis()
     parameters = shard_bytes(program.abstract_compute_params)
-    gradients = parameters  # one gradient per parameter, placed like it
+    # One gradient per trained parameter, placed like it: a LoRA run's adapters alone.
+    gradients = trainable = shard_bytes(program.saved(program.abstract_compute_params))
     host_states = host_state_bytes(program)
     device_states = shard_bytes(program.abstract_opt_state, lambda leaf: not in_host_memory(program, leaf))
     layer_inputs = saved_layer_input_bytes(config)
@@ -198,6 +213,7 @@ def plan_of(step: CompiledStep) -> MemoryPlan:
         budget=int(target.device_budget_gib(config.train.gpu_memory_fraction) * GIB),
         host_budget_per_node=int(target.host_budget_gib * GIB),
         devices_per_node=devices_per_node,
+        frozen_parameters=parameters - trainable,
     )
 
 
@@ -216,7 +232,8 @@ def state_bytes(config: Config, target: PlanTarget = PlanTarget(), devices=None)
     length needs before its first activation. Nothing is compiled."""
     program = TrainProgram(config, _planning_mesh(config, target, devices))
     device_states = shard_bytes(program.abstract_opt_state, lambda leaf: not in_host_memory(program, leaf))
-    return 2 * shard_bytes(program.abstract_compute_params) + device_states
+    parameters = program.abstract_compute_params
+    return shard_bytes(parameters) + shard_bytes(program.saved(parameters)) + device_states
 
 
 def in_host_memory(program: TrainProgram, leaf) -> bool:
@@ -245,12 +262,19 @@ def _without_bfloat16(config: Config) -> Config:
 
 def shard_bytes(tree, where: Callable[[jax.ShapeDtypeStruct], bool] = lambda leaf: True) -> int:
     """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the
-    largest shard); of the leaves `where` picks."""
+    largest shard); of the leaves `where` picks. 4-bit types (a QLoRA base's
+    codes) count half a byte an element, packed as XLA:GPU packs them."""
     total = 0
     for leaf in filter(where, jax.tree.leaves(tree)):
         shape = leaf.sharding.shard_shape(leaf.shape)
-        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+        total += math.ceil(math.prod(shape) * element_bits(leaf.dtype) / 8)
     return total
+
+
+def element_bits(dtype) -> int:
+    """Bits per element: 4 for int4, uint4 and float4 (numpy's itemsize says a byte), else 8 x itemsize."""
+    dtype = jnp.dtype(dtype)
+    return 4 if dtype.name in ("int4", "uint4", "float4_e2m1fn") else 8 * dtype.itemsize
 
 
 def _local_tokens(config: Config) -> int:
@@ -303,6 +327,19 @@ def describe_layers(config: Config) -> str:
     return ", ".join(parts)
 
 
+def describe_lora(config: Config) -> str:
+    """One line of a LoRA run's plan: the adapters, and the base's dtype."""
+    from jlong.lora.targets import lora_settings
+
+    lora, train = lora_settings(config.lora, config.model), config.train
+    base = ("NF4 (4-bit codes, packed, and a scale per 64 inputs)" if lora.base_dtype == "nf4"
+            else train.compute_dtype)
+    targets = ", ".join(config.lora.targets)
+    return (f"LoRA rank {lora.rank} (alpha {lora.alpha:g}) on {len(lora.targets)} matrices of the layers "
+            f"({targets}); the frozen base in {base}, no gradient; adapters and their AdamW state in "
+            f"{train.param_dtype}")
+
+
 def format_plan(result: MemoryPlan, config: Config) -> str:
     """The plan as a short table in GiB, headed by what was planned and by what."""
     m, t, mem = config.mesh, config.train, config.memory
@@ -315,10 +352,15 @@ def format_plan(result: MemoryPlan, config: Config) -> str:
         f"mlp_tile {mem.mlp_tile or 'off'}, loss_tile {mem.loss_tile or 'off'}, "
         f"attention {config.attention.sp_method} in stages of {heads} of {config.model.num_attention_heads} heads",
     ]
+    if config.lora is not None:
+        lines.append(describe_lora(config))
     unit, size = ("GiB", GIB) if result.device_total >= GIB else ("MiB", 2**20)
     lines.append(f"per device                 {unit}")
-    rows = [
-        ("parameters", result.parameters),
+    rows = [("parameters", result.parameters)]
+    if result.frozen_parameters:
+        rows += [("  of which frozen base", result.frozen_parameters),
+                 ("  of which adapters", result.trainable_parameters)]
+    rows += [
         ("gradients", result.gradients),
         ("optimizer state", result.optimizer_state),
         ("inputs", result.inputs),

@@ -35,7 +35,9 @@ size; a cuDNN forward 4 x B x H x Sq x Skv x d, its backward 10 x (five
 matmuls: the scores are recomputed), both times the visible fraction of a
 causal mask; elementwise ops one per output element. Model FLOPs are the
 family's (`jlong.families.Family.flops_per_token`: 6 x parameters x tokens
-+ causal attention, no recompute); executed / model is the recompute factor, and MFU is model
++ causal attention, no recompute), and a LoRA run's take out the frozen
+base's weight gradients (4 x its parameters, 6 x the adapters':
+`jlong.planner.flops`); executed / model is the recompute factor, and MFU is model
 FLOPs over the estimated time at the dense bf16 peak.
 """
 
@@ -43,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jlong.families import family_of
+from jlong.planner.flops import model_flops_per_token
 from jlong.planner.hlo import HloModule
 from jlong.planner.memory import CompiledStep
 from jlong.planner.pricing import Efficiency, Pricer
@@ -157,6 +159,6 @@ def step_cost(step: CompiledStep, efficiency: Efficiency = Efficiency()) -> Step
     devices = list(step.program.mesh.devices.flat)
     node_of = [device.process_index for device in devices]  # compile-only GPUs: one process per node
     tokens = config.train.batch_size * config.train.seq_len
-    model_flops = family_of(config.model).flops_per_token(config.model, config.train.seq_len) * tokens / len(devices)
+    model_flops = model_flops_per_token(config) * tokens / len(devices)
     return estimate(step.hlo, gpu=gpu, efficiency=efficiency, node_of=node_of,
                     tokens_per_step=tokens, model_flops_per_device=model_flops)

@@ -124,6 +124,12 @@ class TrainProgram:
 
     # -- parameters and optimizer state
 
+    def starting_params(self) -> dict:
+        """The weights of step 1 when no checkpoint or train.init_from gives them:
+        model.hf_path's, or random from train.seed (a LoRA run's adapters fresh)."""
+        hf_path, seed = self.config.model.hf_path, self.config.train.seed
+        return self.load_hf_params(hf_path, seed) if hf_path else self.init_params(seed)
+
     def init_params(self, seed: int) -> dict:
         """Random initial parameters, created directly in their shards (a QLoRA base quantized)."""
         def fresh():

@@ -79,10 +79,10 @@ def start(config: Config, mesh, checkpoints: Checkpoints | None, last: int,
             program.abstract_saved_params, program.abstract_opt_state, say=_say
         )
     if step:
-        params = program.with_saved(starting_weights(program, config), saved) if program.lora else saved
+        params = program.with_saved(program.starting_params(), saved) if program.lora else saved
     else:
         initial = initial or check_init_from(config)  # none of the run's checkpoints could be read
-        params = load_initial_weights(program, initial) if initial else starting_weights(program, config)
+        params = load_initial_weights(program, initial) if initial else program.starting_params()
         if program.lora and config.lora.init_from:
             params = program.with_saved(params, program.place_saved(read_adapters(config.lora.init_from, program)))
         opt_state = program.init_opt_state(params)
@@ -92,13 +92,6 @@ def start(config: Config, mesh, checkpoints: Checkpoints | None, last: int,
         if not staged:
             compiled = _compile(program)
     return Started(program, compiled, params, opt_state, step)
-
-
-def starting_weights(program: TrainProgram, config: Config) -> dict:
-    """The weights of step 1 when no checkpoint or train.init_from gives them:
-    model.hf_path's, or random from train.seed (a LoRA run's adapters fresh)."""
-    hf_path, seed = config.model.hf_path, config.train.seed
-    return program.load_hf_params(hf_path, seed) if hf_path else program.init_params(seed)
 
 
 def starting_line(config: Config, step: int, initial: InitialWeights | None = None) -> str:
