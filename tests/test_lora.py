@@ -133,3 +133,25 @@ def test_a_lora_run_resumes_exactly_and_refuses_another_rank(tmp_path):
     other = run_config(tmp_path / "parts", "lora.rank=8", "lora.alpha=8", "train.steps=6", "checkpoint.every=2")
     with pytest.raises(JlongError, match="belongs to a different configuration: lora.rank changed"):
         train(other)
+
+
+@pytest.mark.parametrize("preset", ["tiny-gemma3", "tiny-gpt-oss"])
+def test_every_family_trains_its_adapters(preset):
+    """LoRA on the families the layouts above do not run (Llama, Qwen3.5) and
+    PEFT's parity does not (tests/test_lora_peft.py): the loss falls on a
+    repeated batch; GPT-OSS's routed experts get no adapters (all-linear
+    leaves them, as PEFT's does), Gemma's MLP does."""
+    config = load_config(None, [*SMALL_MODEL, *LORA, f"model.preset={preset}", "model.vocab_size=128",
+                                "train.lr=1e-2", "train.warmup_steps=0", "train.batch_size=2"])
+    program = TrainProgram(config, make_mesh(config.mesh, jax.devices()[:1]))
+    params = program.init_params(seed=0)
+    names = set(program.saved(params)["layers"])
+    assert not any(name.startswith("expert_") for name in names)
+    assert ("w_gate_lora_a" in names) == (preset == "tiny-gemma3")
+    opt_state = program.init_opt_state(params)
+    batch = program.place_batch(Batches.from_config(config).batch(1))
+    losses = []
+    for _ in range(3):
+        params, opt_state, metrics = program.step(params, opt_state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0], losses
