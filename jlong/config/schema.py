@@ -264,6 +264,10 @@ class TrainConfig(_Section):
     check_host_memory: Flag = True
     # A mixture of experts adds model.router_aux_loss_coef x the load-balancing loss to its training loss.
     router_aux_loss: Flag = True
+    # lm: next-token cross-entropy; dpo: Direct Preference Optimization on preference pairs
+    # (`jlong prepare --preference`, data.sampling=pairs), against a reference model (`jlong.model.preference`).
+    objective: choice(Literal["lm", "dpo"]) = "lm"
+    dpo_beta: PositiveNumber = 0.1  # DPO's beta: how far the policy may move from the reference
 
 
 class LoraConfig(_Section):
@@ -279,7 +283,7 @@ class LoraConfig(_Section):
     init_from: optional(Text) = None  # a PEFT adapter directory to start the adapters from
 
 
-Sampling = choice(Literal["windows", "documents"])
+Sampling = choice(Literal["windows", "documents", "pairs"])
 
 
 class CorpusEntry(_Section):
@@ -338,7 +342,8 @@ class DataConfig(_Section):
     eos_id: optional(Integer) = None
     # train only the ids a token file's mask marks (`jlong prepare --chat`); unset: when the files have masks
     loss_mask: optional(Flag) = None
-    # windows: contiguous windows of the token file; documents: sequences packed from whole documents
+    # windows: contiguous windows of the token file; documents: sequences packed from whole documents;
+    # pairs: whole preference pairs packed (`jlong prepare --preference`; the default of train.objective=dpo)
     sampling: Sampling = "windows"
     # documents: how many times as often as the others a document of at least train.seq_len tokens is drawn
     long_document_weight: PositiveNumber = 1.0
@@ -435,6 +440,16 @@ class Config(_Section):
     lora: LoraConfig | None = None  # LoRA / QLoRA fine-tuning; None: every parameter trains
     run_dir: optional(Text) = None
     stages: tuple[Stage, ...] = ()  # a curriculum: each stage's settings until its step (jlong.config.stages)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pairs_for_dpo(cls, raw):
+        """DPO reads whole preference pairs: data.sampling=pairs unless set."""
+        if isinstance(raw, dict) and isinstance(raw.get("train"), dict) and raw["train"].get("objective") == "dpo":
+            data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+            if "sampling" not in data:
+                raw = {**raw, "data": {**data, "sampling": "pairs"}}
+        return raw
 
     @model_validator(mode="after")
     def _check(self):

@@ -104,6 +104,18 @@ def check_run(config: Config) -> None:
     _check_eval(config)
     _check_eos_id(config)
     _check_lora(config)
+    _check_objective(config)
+
+
+def _check_objective(config: Config) -> None:
+    pairs, dpo = config.data.sampling == "pairs", config.train.objective == "dpo"
+    if dpo and not pairs:
+        raise JlongError(f"train.objective=dpo trains on whole preference pairs: data.sampling must be pairs, "
+                         f"got {config.data.sampling}")
+    if pairs and not dpo:
+        raise JlongError("data.sampling=pairs reads preference pairs, which train.objective=dpo trains on: set it")
+    if dpo and config.data.mix is not None:
+        raise JlongError("train.objective=dpo reads one preference file (data.path), not data.mix")
 
 
 def _check_lora(config: Config) -> None:
