@@ -32,6 +32,7 @@ from jlong.linear_attention import gated_delta
 from jlong.lora.nf4 import dequantize, is_quantized
 from jlong.lora.targets import LoraSettings, adapted_layer, adapter_specs
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy, token_scores
+from jlong.model.preference import document_logps, dpo_loss, present_pairs
 from jlong.model.remat import remat_policy, scan_layers, scan_periods
 from jlong.moe import grouped_matmul
 from jlong.moe.routing import expert_load_max_over_mean, load_balancing_loss
@@ -344,13 +345,36 @@ class Transformer(nnx.Module):
             )
         else:
             loss = cross_entropy(self.logits(hidden_BSD), targets_BS, mask_BS)
+        return self._with_routing(loss, {}, routing)
+
+    def _with_routing(self, loss, metrics: dict, routing):
+        """The loss and metrics of a mixture of experts: its load statistic, and
+        router_aux_loss_coef x its load-balancing loss when that is trained."""
         if routing is None:
-            return loss, {}
-        metrics = {"expert_load_max_over_mean": expert_load_max_over_mean(routing)}
+            return loss, metrics
+        metrics = {**metrics, "expert_load_max_over_mean": expert_load_max_over_mean(routing)}
         if self.options.router_aux_loss:
             metrics["router_aux_loss"] = load_balancing_loss(routing)
             loss = loss + self.config.router_aux_loss_coef * metrics["router_aux_loss"]
         return loss, metrics
+
+    def document_logps_and_routing(self, batch: dict, count: int):
+        """([B, count] sums of log p(target) per document slot of each row
+        (`batch["pair_documents"]`, `jlong.model.preference`), the routing statistics)."""
+        hidden_BSD, routing = self.hidden_states_and_routing(
+            batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
+        logps = document_logps(hidden_BSD, self.output_weights(hidden_BSD.dtype), batch["targets"],
+                               batch["pair_documents"], count=count, tile=self.options.loss_tile,
+                               shards=self.options.shards)
+        return logps, routing
+
+    def dpo_loss_and_metrics(self, batch: dict, reference_BN, *, beta: float):
+        """(DPO's loss of a batch of preference pairs against the reference's
+        per-document log-probabilities [B, N], its metrics: `jlong.model.preference`)."""
+        policy_BN, routing = self.document_logps_and_routing(batch, reference_BN.shape[1])
+        loss, metrics = dpo_loss(policy_BN, reference_BN, present_pairs(batch["pair_documents"], policy_BN.shape[1]),
+                                 beta)
+        return self._with_routing(loss, metrics, routing)
 
     def token_scores(self, batch: dict):
         """[B, S, 2] float32 per target token, in the batch's layout: its

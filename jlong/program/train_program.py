@@ -20,12 +20,16 @@ from jlong.config import Config
 from jlong.data.sources import batch_layout
 from jlong.families import family_of
 from jlong.model.transformer import ForwardOptions, Transformer
-from jlong.parallel.placement import MeshShards, batch_sharding, replicated, rest_spec
+from jlong.model.preference import DOCUMENTS
+from jlong.parallel.placement import MeshShards, batch_sharding, compute_sharding, replicated, rest_spec
 from jlong.attention.methods import method_of
 from jlong.program.frozen_base import FrozenBase
 from jlong.lora.targets import lora_settings
 from jlong.program.host_optimizer import HostAdamW
 from jlong.program.optimizer import DeviceAdamW, Optimizer
+
+
+REFERENCE = "reference_logps"  # a full fine-tuning DPO batch's reference log-probabilities [B, N]
 
 
 def make_optimizer(config: Config, frozen_base: FrozenBase | None = None) -> Optimizer:
@@ -86,15 +90,31 @@ class TrainProgram:
             key: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
             for key, (shape, dtype) in batch_layout(config).items()
         }
+        if self.reference_in_batch:  # per row and document slot, float32, the rows split as the tokens are
+            B, N = config.train.batch_size, config.attention.max_documents
+            self.abstract_batch[REFERENCE] = jax.ShapeDtypeStruct(
+                (B, N), np.float32, sharding=compute_sharding(mesh, DOCUMENTS))
+        self.batch_shardings = {key: s.sharding for key, s in self.abstract_batch.items()}
+        if self.lora and config.train.objective == "dpo":  # the reference: the base alone, the adapters off
+            base = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0), options=self.options,
+                                                      param_dtype=config.train.compute_dtype))
+            self._base_graphdef, self._abstract_base_state = nnx.split(base)
         self.step = jax.jit(
             self._step,
-            in_shardings=(self.rest_shardings, self.opt_shardings, self.batch_sharding),
+            in_shardings=(self.rest_shardings, self.opt_shardings, self.batch_shardings),
             out_shardings=(self.rest_shardings, self.opt_shardings, replicated(mesh)),  # every metric whole
             donate_argnums=(0, 1),
         )
         # Forward only: (params, batch) -> [B, S, 2] per-token cross-entropy and argmax hits (`jlong.eval`).
         self.eval_step = jax.jit(self._token_scores, in_shardings=(self.rest_shardings, self.batch_sharding),
                                  out_shardings=self.batch_sharding)
+
+    @property
+    def reference_in_batch(self) -> bool:
+        """Whether a DPO step reads its reference's log-probabilities from the batch
+        (full fine-tuning: computed once, before training) rather than computing
+        them itself (LoRA: the base, the adapters off, in the same step)."""
+        return self.config.train.objective == "dpo" and not self.lora
 
     def _fresh_model(self, seed: int) -> Transformer:
         train = self.config.train
@@ -184,11 +204,24 @@ class TrainProgram:
     # -- the step
 
     def loss(self, params: dict, batch: dict):
-        """The model's training loss of a batch placed by `place_batch`."""
-        return self.bind(params).loss(batch)
+        """The run's training loss (its objective's) of a batch placed by `place_batch`."""
+        return self._loss_and_metrics(params, batch)[0]
 
     def _loss_and_metrics(self, params: dict, batch: dict):
+        if self.config.train.objective == "dpo":
+            return self.bind(params).dpo_loss_and_metrics(batch, self.reference_logps(params, batch),
+                                                          beta=self.config.train.dpo_beta)
         return self.bind(params).loss_and_metrics(batch)
+
+    def reference_logps(self, params: dict, batch: dict):
+        """DPO's reference: [B, N] log-probabilities per document slot, from the
+        batch, or (LoRA) the frozen base's with no adapters, no gradient."""
+        if self.reference_in_batch:
+            return batch[REFERENCE]
+        state = jax.tree.map(lambda v: v, self._abstract_base_state)
+        nnx.replace_by_pure_dict(state, self.frozen_base.frozen(jax.lax.stop_gradient(params)))
+        base = nnx.merge(self._base_graphdef, state)
+        return jax.lax.stop_gradient(base.document_logps_and_routing(batch, self.config.attention.max_documents)[0])
 
     def _step(self, params, opt_state, batch):
         """One optimizer step: the metrics are the loss, the gradient's norm and the model's own
@@ -226,10 +259,10 @@ class TrainProgram:
         layout = method_of(self.config).layout(self.config)
         placed = {}
         for key, value in batch.items():
-            laid_out = layout.lay_out(value)
+            laid_out = value if key == REFERENCE else layout.lay_out(value)  # per row, not along the sequence
             placed[key] = jax.make_array_from_callback(
-                value.shape, self.batch_sharding, functools.partial(_index, laid_out)
-            )
+                value.shape, self.batch_shardings.get(key, self.batch_sharding),
+                functools.partial(_index, laid_out))
         return placed
 
 

@@ -1,0 +1,132 @@
+"""Direct Preference Optimization (DPO): per-document log-probabilities and
+the loss of preference pairs, from the policy's and a reference's sums.
+
+A batch row holds whole pairs (`data.sampling: pairs`): each target token
+that belongs to a completion carries its document's slot in the row
+(`pair_documents`: 2p for pair p's chosen completion, 2p + 1 for its
+rejected one, -1 for every other token). `document_logps` sums log p(target)
+per slot: [B, N] for N = attention.max_documents slots per row, exact on
+any layout (the sequence shards' partial sums are added across ring and sp).
+With `memory.loss_tile`, each device walks its shard a tile of logits at a
+time, forward and backward, as the language-modelling loss does; the
+backward pass takes one cotangent per document.
+
+`dpo_loss` is the sigmoid loss, TRL's default:
+-log sigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r))) per pair, the batch's
+loss the mean over its pairs; the metrics are TRL's, by TRL's names.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jlong.model.loss import output_logits
+from jlong.ops.shards import HIDDEN, REPLICATED, TOKENS, OneDevice, Shards
+from jlong.ops.tiling import split_tiles, join_tiles, varying_like
+
+DOCUMENTS: tuple[str, ...] = ("batch", "documents")  # [B, N] per-document values, batch-sharded
+
+
+def document_logps(hidden_BSD, w_DV, targets_BS, documents_BS, *, count: int, tile: int = 0,
+                   shards: Shards = OneDevice()):
+    """[B, count] float32: per row and document slot, the sum of log p(target)
+    over the targets whose slot (`documents_BS`) it is; -1 belongs to none."""
+    if not tile:
+        return _slot_sums(_target_logps(output_logits(hidden_BSD, w_DV), targets_BS), documents_BS, count)
+    sequence_axes = tuple(a for a in ("ring", "sp") if a in shards.all_axes)  # size 1 too: the types say so
+    per_device = functools.partial(_device_document_logps, tile=tile, count=count, axes=sequence_axes)
+    return shards.map(per_device, (HIDDEN, REPLICATED, TOKENS, TOKENS), DOCUMENTS)(
+        hidden_BSD, w_DV, targets_BS, documents_BS)
+
+
+def _target_logps(logits_BSV, targets_BS):
+    logits = logits_BSV.astype(jnp.float32)
+    target_logit = jnp.take_along_axis(logits, targets_BS[..., None], axis=-1)[..., 0]
+    return target_logit - jax.nn.logsumexp(logits, axis=-1)
+
+
+def _slot_sums(values_BS, documents_BS, count: int):
+    """[B, count] sums of values by slot (a one-hot contraction: no scatter)."""
+    one_hot = documents_BS[..., None] == jnp.arange(count, dtype=documents_BS.dtype)
+    return jnp.einsum("bs,bsn->bn", values_BS, one_hot.astype(jnp.float32))
+
+
+def _device_document_logps(hidden, w_DV, targets, documents, *, tile, count, axes):
+    sums = _tiled_slot_logps(hidden, varying_like(w_DV, hidden), targets, documents, tile, count)
+    return jax.lax.psum(sums, axes) if axes else sums
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _tiled_slot_logps(hidden_BsD, w_DV, targets_Bs, documents_Bs, tile, count):
+    """The shard's [B, count] sums, one tile of logits at a time. A custom VJP:
+    the backward pass recomputes each tile's logits once and turns them into
+    the logits' gradient directly, (one-hot - softmax) x the cotangent of
+    the token's slot, accumulating w's gradient in float32."""
+
+    def add_tile(sums, inputs):
+        h_BTD, targets_BT, documents_BT = inputs
+        return sums + _slot_sums(_target_logps(output_logits(h_BTD, w_DV), targets_BT), documents_BT, count), None
+
+    zero = jnp.zeros_like(targets_Bs, jnp.float32, shape=(targets_Bs.shape[0], count))
+    tiles = tuple(split_tiles(a, tile) for a in (hidden_BsD, targets_Bs, documents_Bs))
+    sums, _ = jax.lax.scan(add_tile, zero, tiles)
+    return sums
+
+
+def _tiled_forward(hidden, w, targets, documents, tile, count):
+    return _tiled_slot_logps(hidden, w, targets, documents, tile, count), (hidden, w, targets, documents)
+
+
+def _tiled_backward(tile, count, residuals, d_sums_BN):
+    hidden_BsD, w_DV, targets_Bs, documents_Bs = residuals
+
+    def tile_gradients(dw_DV, inputs):
+        h_BTD, targets_BT, documents_BT = inputs
+        logits_BTV = output_logits(h_BTD, w_DV)
+        one_hot = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=jnp.float32)
+        slot = jnp.maximum(documents_BT, 0)
+        scale_BT = jnp.where(documents_BT >= 0, jnp.take_along_axis(d_sums_BN, slot, axis=1), 0.0)
+        dlogits_BTV = ((one_hot - jax.nn.softmax(logits_BTV, axis=-1)) * scale_BT[..., None]).astype(h_BTD.dtype)
+        dh_BTD = jnp.einsum("btv,dv->btd", dlogits_BTV, w_DV, preferred_element_type=jnp.float32)
+        dw_DV = dw_DV + jnp.einsum("btd,btv->dv", h_BTD, dlogits_BTV, preferred_element_type=jnp.float32)
+        return dw_DV, dh_BTD.astype(h_BTD.dtype)
+
+    tiles = tuple(split_tiles(a, tile) for a in (hidden_BsD, targets_Bs, documents_Bs))
+    dw_DV, dh = jax.lax.scan(tile_gradients, jnp.zeros_like(w_DV, jnp.float32), tiles)
+    return join_tiles(dh), dw_DV.astype(w_DV.dtype), None, None
+
+
+_tiled_slot_logps.defvjp(_tiled_forward, _tiled_backward)
+
+
+def present_pairs(documents_BS, count: int):
+    """[B, count // 2] True where the row holds pair p (its chosen completion has a token)."""
+    tokens_BN = _slot_sums(jnp.ones(documents_BS.shape, jnp.float32), documents_BS, count)
+    return tokens_BN[:, 0::2] > 0
+
+
+def dpo_loss(policy_BN, reference_BN, present_BP, beta: float):
+    """(the mean sigmoid DPO loss over the batch's pairs, TRL's metrics):
+    documents 2p and 2p + 1 of each row are pair p's chosen and rejected."""
+    reference_BN = jax.lax.stop_gradient(reference_BN)
+    chosen, rejected = policy_BN[:, 0::2], policy_BN[:, 1::2]
+    chosen_rewards = beta * (chosen - reference_BN[:, 0::2])
+    rejected_rewards = beta * (rejected - reference_BN[:, 1::2])
+    pairs = present_BP.astype(jnp.float32)
+    count = jnp.maximum(pairs.sum(), 1.0)
+
+    def mean(x):
+        return (x * pairs).sum() / count
+
+    loss = mean(-jax.nn.log_sigmoid(chosen_rewards - rejected_rewards))
+    metrics = {
+        "rewards/chosen": mean(chosen_rewards), "rewards/rejected": mean(rejected_rewards),
+        "rewards/accuracies": mean((chosen_rewards > rejected_rewards).astype(jnp.float32)),
+        "rewards/margins": mean(chosen_rewards - rejected_rewards),
+        "logps/chosen": mean(chosen), "logps/rejected": mean(rejected),
+        "pairs": pairs.sum(),
+    }
+    return loss, jax.tree.map(jax.lax.stop_gradient, metrics)

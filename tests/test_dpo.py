@@ -1,0 +1,149 @@
+"""DPO's objective: its loss and gradients equal a computation apart on every
+layout, with pairs packed several to a row and split across sequence
+shards; a policy that equals its reference has loss log 2 and no reward,
+with full fine-tuning (reference log-probabilities in the batch) and with
+LoRA (the base with the adapters off, in the same step)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import SMALL_MODEL, assert_same_result
+
+from jlong.config import load_config
+from jlong.parallel.placement import make_mesh
+from jlong.program.train_program import REFERENCE, TrainProgram
+
+EOS = 7
+BETA = 0.3
+DPO = ["train.objective=dpo", "data.source=tokens", "data.path=unused.npy", f"data.eos_id={EOS}",
+       f"train.dpo_beta={BETA}", "attention.max_documents=8"]
+LAYOUTS = {
+    "fsdp8": ["mesh.fsdp=8"],
+    "sp4-fsdp2-tiled": ["mesh.sp=4", "mesh.fsdp=2", "memory.loss_tile=8"],
+    "ring2-sp2-fsdp2": ["mesh.ring=2", "mesh.sp=2", "mesh.fsdp=2"],
+}
+
+
+def pair_rows(B=8, S=64, seed=0, vocab=128):
+    """Rows of whole pairs, as data.sampling=pairs lays them out: each pair's
+    chosen then rejected document (prompt + completion, eos after each),
+    padding after the last; `pair_documents` is the completion slot of each
+    target (2p chosen, 2p + 1 rejected, -1 none). Documents of 6-20 tokens
+    cross the 16-token shards of sp 4."""
+    rng = np.random.default_rng(seed)
+    tokens = np.full((B, S + 1), 1, np.int32)  # padding: one document of filler
+    slots = np.full((B, S + 1), -1, np.int32)  # the slot of each token that is a completion token
+    for b in range(B):
+        at, pair = 0, 0
+        while pair < 4:
+            prompt = rng.integers(8, vocab, rng.integers(2, 10))
+            chosen, rejected = (rng.integers(8, vocab, rng.integers(2, 9)) for _ in range(2))
+            if at + 2 * len(prompt) + len(chosen) + len(rejected) + 2 > S + 1:
+                break
+            for kind, completion in enumerate((chosen, rejected)):
+                document = np.concatenate([prompt, completion, [EOS]])
+                tokens[b, at:at + len(document)] = document
+                slots[b, at + len(prompt):at + len(prompt) + len(completion)] = 2 * pair + kind
+                at += len(document)
+            pair += 1
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    starts = np.zeros(inputs.shape, bool)
+    starts[:, 0], starts[:, 1:] = True, inputs[:, :-1] == EOS
+    segment_ids = np.cumsum(starts, axis=1, dtype=np.int32) - 1
+    index = np.arange(S, dtype=np.int32)
+    positions = index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    documents = slots[:, 1:]
+    return {"inputs": inputs, "targets": targets, "segment_ids": segment_ids, "positions": positions.astype(np.int32),
+            "loss_mask": documents >= 0, "pair_documents": documents}
+
+
+def dpo_apart(logits_BSV, batch, reference_BN):
+    """TRL's formula in float64 from whole logits: -logsigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r))),
+    sums over completion tokens, the mean over pairs."""
+    logits = np.asarray(logits_BSV, np.float64)
+    logps = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    target = np.take_along_axis(logps, batch["targets"][..., None], axis=-1)[..., 0]
+    losses = []
+    for b in range(target.shape[0]):
+        slots = batch["pair_documents"][b]
+        for p in range(slots.max() // 2 + 1):
+            pi_c, pi_r = target[b][slots == 2 * p].sum(), target[b][slots == 2 * p + 1].sum()
+            margin = (pi_c - reference_BN[b, 2 * p]) - (pi_r - reference_BN[b, 2 * p + 1])
+            losses.append(np.log1p(np.exp(-BETA * margin)))
+    return float(np.mean(losses))
+
+
+def _program(*overrides, devices=None):
+    config = load_config(None, [*SMALL_MODEL, *DPO, *overrides])
+    return TrainProgram(config, make_mesh(config.mesh, devices if devices is not None else jax.devices()))
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """The one-device model's loss, gradients and logits, with a reference its own logps moved by noise."""
+    program = _program(devices=jax.devices()[:1])
+    params = program.init_params(seed=0)
+    batch = pair_rows()
+    own = program.bind(params).document_logps_and_routing(program.place_batch(batch), 8)[0]
+    reference = np.asarray(own) + np.random.default_rng(1).normal(0, 1.0, own.shape).astype(np.float32)
+    placed = program.place_batch({**batch, REFERENCE: reference})
+    loss, grads = jax.jit(jax.value_and_grad(program.loss))(params, placed)
+    logits = program.bind(params)(batch["inputs"], batch["segment_ids"], batch["positions"])
+    return float(loss), jax.tree.map(np.asarray, grads), np.asarray(logits), reference
+
+
+def test_the_loss_equals_trls_formula_computed_apart(one_device):
+    loss, _, logits, reference = one_device
+    np.testing.assert_allclose(loss, dpo_apart(logits, pair_rows(), reference), rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_loss_and_gradients_on_a_layout_equal_one_device(layout, one_device):
+    loss, grads, _, reference = one_device
+    program = _program(*LAYOUTS[layout])
+    params = program.init_params(seed=0)
+    placed = program.place_batch({**pair_rows(), REFERENCE: reference})
+    got = jax.jit(jax.value_and_grad(program.loss))(params, placed)
+    assert_same_result((float(got[0]), jax.tree.map(np.asarray, got[1])), (loss, grads))
+
+
+@pytest.mark.parametrize("layout", ["sp4-fsdp2-tiled", "ring2-sp2-fsdp2"])
+def test_a_policy_equal_to_its_reference_has_loss_log_2_and_no_reward(layout):
+    """Full fine-tuning at step 1: the reference log-probabilities are the
+    initial model's own (computed on one device), the step's metrics say so."""
+    single = _program(devices=jax.devices()[:1])
+    params = single.init_params(seed=0)
+    batch = pair_rows()
+    own = np.asarray(single.bind(params).document_logps_and_routing(single.place_batch(batch), 8)[0])
+    program = _program(*LAYOUTS[layout])
+    params = program.init_params(seed=0)
+    placed = program.place_batch({**batch, REFERENCE: own})
+    _, _, metrics = program.step(params, program.init_opt_state(params), placed)
+    np.testing.assert_allclose(float(metrics["loss"]), math.log(2), rtol=1e-5)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert abs(float(metrics[key])) < 1e-5, key
+    assert float(metrics["pairs"]) == (np.asarray(batch["pair_documents"]).max(axis=1) // 2 + 1).sum()
+    assert float(metrics["logps/chosen"]) < 0
+
+
+def test_lora_dpo_starts_at_log_2_and_learns_without_a_second_base():
+    """With LoRA the reference is the base itself (the adapters off, in the
+    same step): at step 1 the loss is log 2 exactly, the reference costs no
+    parameter bytes, and steps move the policy's preference."""
+    program = _program("lora.rank=4", "mesh.sp=4", "mesh.fsdp=2", "train.lr=1e-2", "train.warmup_steps=0")
+    assert REFERENCE not in program.abstract_batch
+    params = program.init_params(seed=0)
+    opt_state = program.init_opt_state(params)
+    batch = program.place_batch(pair_rows())
+    margins = []
+    for step in range(3):
+        params, opt_state, metrics = program.step(params, opt_state, batch)
+        margins.append(float(metrics["rewards/margins"]))
+        if step == 0:
+            np.testing.assert_allclose(float(metrics["loss"]), math.log(2), rtol=1e-6)
+            assert margins[0] == 0.0
+    assert margins[-1] > 0 and float(metrics["loss"]) < math.log(2)
