@@ -11,7 +11,8 @@
 
 Nothing is read whole but a text file, so corpora larger than memory stream.
 `records` gives any field's values (conversations: lists of turns) with
-where each was read, for the messages.
+where each was read, for the messages; `rows` several fields' at once (a
+preference pair's prompt, chosen and rejected).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from jlong.errors import JlongError
 JSON_LINES = (".jsonl", ".json")
 PARQUET = (".parquet",)
 PARQUET_BATCH_ROWS = 1024
+FIELD_HINT = "name the text with --text-field (conversations: --messages-field)"
 
 
 def sources(inputs: list[str], pattern: str) -> list[Path]:
@@ -60,12 +62,20 @@ def documents(source: Path, text_field: str) -> Iterator[str]:
 def records(source: Path, field: str) -> Iterator[tuple[object, str]]:
     """(value of `field`, where it was read) of each record of a JSON Lines,
     Parquet or `datasets` source, in order."""
+    for (value,), where in rows(source, (field,), FIELD_HINT):
+        yield value, where
+
+
+def rows(source: Path, fields: tuple[str, ...], hint: str) -> Iterator[tuple[tuple, str]]:
+    """(the values of `fields`, where they were read) of each record of a JSON
+    Lines, Parquet or `datasets` source, in order; a record or table without
+    one of them is refused in one line that ends with `hint`."""
     if source.is_dir():
-        yield from _saved_dataset(source, field)
+        yield from _saved_dataset(source, fields, hint)
     elif source.suffix in JSON_LINES:
-        yield from _json_lines(source, field)
+        yield from _json_lines(source, fields, hint)
     elif source.suffix in PARQUET:
-        yield from _parquet(source, field)
+        yield from _parquet(source, fields, hint)
     else:
         raise JlongError(f"{str(source)!r} holds no records: give JSON Lines, Parquet or a 'datasets' directory")
 
@@ -74,7 +84,7 @@ def _is_saved_dataset(path: Path) -> bool:
     return (path / "dataset_info.json").is_file() or (path / "state.json").is_file()
 
 
-def _json_lines(path: Path, field: str) -> Iterator[tuple[object, str]]:
+def _json_lines(path: Path, fields: tuple[str, ...], hint: str) -> Iterator[tuple[tuple, str]]:
     try:
         with path.open(encoding="utf-8", errors="replace") as lines:
             for number, line in enumerate(lines, 1):
@@ -85,32 +95,30 @@ def _json_lines(path: Path, field: str) -> Iterator[tuple[object, str]]:
                 except json.JSONDecodeError as err:
                     raise JlongError(f"{str(path)!r} line {number} is not JSON ({err.msg})") from None
                 where = f"{str(path)!r} line {number}"
-                if not isinstance(record, dict) or field not in record:
-                    raise JlongError(f"{where} has no field {field!r}; name the text with --text-field "
-                                     "(conversations: --messages-field)")
-                yield record[field], where
+                missing = [field for field in fields if not isinstance(record, dict) or field not in record]
+                if missing:
+                    raise JlongError(f"{where} has no field {missing[0]!r}; {hint}")
+                yield tuple(record[field] for field in fields), where
     except OSError as err:
         raise JlongError(f"cannot read {str(path)!r}: {err.strerror or err}") from None
 
 
-def _parquet(path: Path, field: str) -> Iterator[tuple[object, str]]:
+def _parquet(path: Path, fields: tuple[str, ...], hint: str) -> Iterator[tuple[tuple, str]]:
     import pyarrow.parquet as pq
 
     try:
         table = pq.ParquetFile(path)
     except Exception as err:  # pyarrow's errors for a file that is not Parquet
         raise JlongError(f"cannot read {str(path)!r} as Parquet ({err})") from None
-    if field not in table.schema_arrow.names:
-        raise JlongError(f"{str(path)!r} has no column {field!r} (its columns: {', '.join(table.schema_arrow.names)});"
-                         " name the text with --text-field (conversations: --messages-field)")
+    _check_columns(path, fields, table.schema_arrow.names, hint)
     row = 0
-    for batch in table.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[field]):
-        for text in batch.column(0).to_pylist():
-            yield text, f"{str(path)!r} row {row}"
+    for batch in table.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=list(fields)):
+        for values in zip(*(batch.column(i).to_pylist() for i in range(len(fields)))):
+            yield values, f"{str(path)!r} row {row}"
             row += 1
 
 
-def _saved_dataset(path: Path, field: str) -> Iterator[tuple[object, str]]:
+def _saved_dataset(path: Path, fields: tuple[str, ...], hint: str) -> Iterator[tuple[tuple, str]]:
     try:
         import datasets
     except ImportError:
@@ -121,11 +129,15 @@ def _saved_dataset(path: Path, field: str) -> Iterator[tuple[object, str]]:
         raise JlongError(f"cannot load {str(path)!r} with datasets.load_from_disk ({err})") from None
     if isinstance(dataset, datasets.DatasetDict):
         raise JlongError(f"{str(path)!r} holds several splits ({', '.join(dataset)}); give one split's directory")
-    if field not in dataset.column_names:
-        raise JlongError(f"{str(path)!r} has no column {field!r} (its columns: {', '.join(dataset.column_names)}); "
-                         "name the text with --text-field (conversations: --messages-field)")
-    for row, record in enumerate(dataset.select_columns([field])):
-        yield record[field], f"{str(path)!r} row {row}"
+    _check_columns(path, fields, dataset.column_names, hint)
+    for row, record in enumerate(dataset.select_columns(list(fields))):
+        yield tuple(record[field] for field in fields), f"{str(path)!r} row {row}"
+
+
+def _check_columns(path: Path, fields: tuple[str, ...], columns: list[str], hint: str) -> None:
+    missing = [field for field in fields if field not in columns]
+    if missing:
+        raise JlongError(f"{str(path)!r} has no column {missing[0]!r} (its columns: {', '.join(columns)}); {hint}")
 
 
 def _checked_text(text, field: str, where: str) -> str:
