@@ -162,7 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
         "is a directory of shards part-NNNNN.npy (each with its index), numbered after any already there; "
         "data.path reads the directory as one corpus. With --chat, each record's messages are a conversation, "
         "rendered with the tokenizer directory's chat template, and OUT.mask.npy marks the ids to train on "
-        "(np.packbits, one bit per id); training on the file trains those alone.",
+        "(np.packbits, one bit per id); training on the file trains those alone. With --preference, each record "
+        "is a preference pair (prompt, chosen, rejected: strings or conversations, TRL's format) tokenized as TRL's "
+        "DPO trainer does, written as two adjacent documents (prompt + chosen, prompt + rejected) with the "
+        "completions marked in OUT.mask.npy and OUT.pairs.npy ([pairs, 2] first offsets of each pair's documents); "
+        "train.objective=dpo trains on them.",
     )
     prepare.add_argument("output", help="the .npy file to write, or the shard directory")
     prepare.add_argument("inputs", nargs="+", help="files or directories")
@@ -181,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--train-on", default="assistant", choices=("assistant", "last", "all"),
                          help="with --chat: the ids to train on: every assistant turn through the token that "
                          "closes it (default), the last assistant turn only, or every id")
+    prepare.add_argument("--preference", action="store_true", help="preference pairs: each record's prompt, "
+                         "chosen and rejected (strings, or conversations rendered with the chat template of "
+                         "--tokenizer), with TRL's DPO ids")
+    prepare.add_argument("--max-len", type=int, help="with --preference: refuse a pair whose two documents hold more "
+                         "tokens than this (give the run's train.seq_len)")
     prepare.add_argument("--max-tokens", type=int, help="stop after this many tokens (default: the whole corpus)")
     prepare.add_argument("--vocab-size", type=int, help="the model's vocabulary: refuse a tokenizer with more ids")
     prepare.add_argument("--shard-tokens", type=int, help="start a new shard once one holds this many tokens "
@@ -535,12 +544,24 @@ def _prepare(args) -> int:
         args.output, args.inputs, pattern=args.glob, text_field=args.text_field, tokenizer_path=args.tokenizer,
         eos_id=args.eos_id, max_tokens=args.max_tokens, vocab_size=args.vocab_size, shard_tokens=args.shard_tokens,
         shard_per_input=args.shard_per_input, workers=args.workers, chat=args.chat,
-        messages_field=args.messages_field, train_on=args.train_on,
+        messages_field=args.messages_field, train_on=args.train_on, preference=args.preference,
+        max_len=args.max_len,
     )
     length = summary["length"]
     shards = summary.get("shards")
     where = (f"{args.output}: {len(shards)} shards ({Path(shards[0]).name} to {Path(shards[-1]).name})"
              if shards else args.output)
+    if args.preference:
+        pair_length = summary["pair_length"]
+        print(
+            f"wrote {where}: {summary['pairs']:,} pairs ({summary['preference']['format']}) in "
+            f"{summary['documents']:,} documents, {summary['tokens']:,} tokens, {summary['trained_tokens']:,} "
+            f"trained (the completions); end-of-document id {summary['eos_id']}, recorded beside the tokens for "
+            f"training; pair length median {pair_length['median']:,.0f}, max {pair_length['max']:,} tokens; mask, "
+            f"pairs and index beside {'each shard' if shards else 'it'} (.mask.npy, .pairs.npy, "
+            ".documents.npy/.json/.png)"
+        )
+        return 0
     if args.chat:
         skipped = summary["skipped_conversations"]
         print(

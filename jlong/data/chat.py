@@ -150,6 +150,8 @@ def checked_messages(value, where: str) -> list[dict]:
 class ChatEncoder:
     """Conversations -> ids, each conversation followed by the end-of-document id, and the trained ids."""
 
+    masked, paired = True, False
+
     def __init__(self, tokenizer, template: ChatTemplate, train_on: str, eos_id: int | None):
         """`tokenizer`: a `tokenizers.Tokenizer`; `eos_id`: None for the default (`default_end_id`)."""
         if train_on not in TRAIN_ON:

@@ -14,7 +14,11 @@ refused in one line.
 A token file that `jlong prepare --chat` wrote has a mask beside it,
 NAME.mask.npy: which ids are trained, one bool or uint8 per id or
 `np.packbits` of them (8 ids a byte, the first in the high bit). `trained`
-reads it like the ids; a file without one trains every id.
+reads it like the ids; a file without one trains every id. A token file of
+preference pairs (`jlong prepare --preference`) has NAME.pairs.npy beside
+it: [pairs, 2] int64, the first offset of each pair's chosen document and
+of its rejected one, which ends where the next pair starts (or at the
+file's end); `pair_starts` merges them with each shard's offset.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from jlong.errors import JlongError
 
 INDEX_SUFFIX = ".documents.npy"
 MASK_SUFFIX = ".mask.npy"
+PAIRS_SUFFIX = ".pairs.npy"
 SHARD_NAME = re.compile(r"part-(\d+)\.npy")  # the shards `jlong prepare` numbers
 
 
@@ -44,6 +49,12 @@ def mask_path(tokens_path: str | Path) -> Path:
     """Where the mask of trained ids of a token file is."""
     path = Path(tokens_path)
     return path.with_name(path.name.removesuffix(".npy") + MASK_SUFFIX)
+
+
+def pairs_path(tokens_path: str | Path) -> Path:
+    """Where the pairs index of a preference token file is (`jlong prepare --preference`)."""
+    path = Path(tokens_path)
+    return path.with_name(path.name.removesuffix(".npy") + PAIRS_SUFFIX)
 
 
 def token_files(paths: str | Sequence[str], setting: str) -> list[Path]:
@@ -62,7 +73,7 @@ def token_files(paths: str | Sequence[str], setting: str) -> list[Path]:
 
 def _shards_in(directory: Path, setting: str) -> list[Path]:
     shards = sorted(p for p in directory.glob("*.npy")
-                    if not p.name.endswith((INDEX_SUFFIX, MASK_SUFFIX)) and p.is_file())
+                    if not p.name.endswith((INDEX_SUFFIX, MASK_SUFFIX, PAIRS_SUFFIX)) and p.is_file())
     for index in sorted(directory.glob("*" + INDEX_SUFFIX)):
         shard = index.with_name(index.name.removesuffix(INDEX_SUFFIX) + ".npy")
         if not shard.is_file():
@@ -164,6 +175,11 @@ class TokenCorpus:
         return np.concatenate([_starts_of(path, tokens, eos_id) + offset
                                for path, tokens, offset in zip(self.files, self.arrays, self.offsets)])
 
+    def pair_starts(self) -> np.ndarray:
+        """[pairs, 2] each preference pair's chosen and rejected documents' first offsets, over every file."""
+        return np.concatenate([_pairs_of(path, len(tokens), self.setting) + offset
+                               for path, tokens, offset in zip(self.files, self.arrays, self.offsets)])
+
 
 class RowSampler:
     """Rows of a token corpus drawn by index: a subclass gives `spans(i)`,
@@ -237,6 +253,20 @@ def _mask_slice(mask, start: int, stop: int) -> np.ndarray:
         bits = np.unpackbits(np.asarray(mask.packed[start // 8 : -(-stop // 8)]))
         return bits[start % 8 : start % 8 + stop - start].astype(bool)
     return np.asarray(mask[start:stop]).astype(bool)
+
+
+def _pairs_of(path: Path, count: int, setting: str) -> np.ndarray:
+    index = pairs_path(path)
+    if not index.is_file():
+        raise JlongError(f"{setting} {str(path)!r} has no pairs index ({index.name}): data.sampling=pairs reads "
+                         "preference pairs; prepare them with 'jlong prepare --preference'")
+    pairs = _load_npy(index, f"{setting}: the pairs index {str(index)!r}", "a pairs index")
+    flat = np.asarray(pairs).reshape(-1).astype(np.int64)
+    if (pairs.ndim != 2 or pairs.shape[1] != 2 or not np.issubdtype(pairs.dtype, np.integer) or not len(flat)
+            or flat[0] != 0 or flat[-1] >= count or (np.diff(flat) <= 0).any()):
+        raise JlongError(f"{setting}: {str(index)!r} does not index the pairs of {str(path)!r} ({count:,} ids); "
+                         "prepare the data again")
+    return flat.reshape(-1, 2)
 
 
 def _starts_of(path: Path, tokens: np.ndarray, eos_id: int) -> np.ndarray:

@@ -52,6 +52,8 @@ class Encoded:
 class Encoder:
     """Text -> token ids, the end-of-document id, the vocabulary size and the ids' storage type."""
 
+    masked, paired = False, False  # a mask of trained ids; documents two to a preference pair
+
     def __init__(self, tokenizer, vocab_size: int, eos_id: int):
         """`tokenizer`: a `tokenizers.Tokenizer`, or None for bytes."""
         self.tokenizer, self.vocab_size, self.eos_id = tokenizer, vocab_size, eos_id

@@ -6,7 +6,15 @@ end-of-document id (`jlong.data.encoder`: a Hugging Face tokenizer, or
 bytes with 0 as the end id). With `chat`, each record's messages are a
 conversation, rendered with the tokenizer's chat template and written with
 the mask of the ids to train on (`jlong.data.chat`): NAME.mask.npy beside
-the ids, `np.packbits` of one bool per id. Documents are read in batches and each batch is
+the ids, `np.packbits` of one bool per id. With `preference`, each record is
+a preference pair (prompt, chosen, rejected), tokenized as TRL's DPO trainer
+tokenizes it (`jlong.data.preference`), and written as two adjacent
+documents, prompt + chosen then prompt + rejected, with the completions'
+ids in the mask and NAME.pairs.npy beside the ids: [pairs, 2] int64, the
+first offset of each pair's chosen document and of its rejected one (which
+ends where the next pair's chosen document starts, or at the file's end);
+pairs are never split between shards, and `max_tokens` keeps whole pairs.
+Documents are read in batches and each batch is
 encoded by the tokenizer's own batch encoding on every core while the next
 batch is read, so prepare runs at the tokenizer's speed.
 
@@ -40,9 +48,10 @@ import numpy as np
 from tqdm import tqdm
 
 from jlong.data.chat import ChatEncoder
-from jlong.data.corpus import SHARD_NAME, index_paths, mask_path
+from jlong.data.corpus import SHARD_NAME, index_paths, mask_path, pairs_path
 from jlong.data.encoder import Encoded, Encoder, tokenizer_threads
-from jlong.data.readers import documents, records, sources
+from jlong.data.preference import FIELD_HINT, FIELDS, PreferenceEncoder
+from jlong.data.readers import documents, records, rows, sources
 from jlong.errors import JlongError
 from jlong.plots import pyplot
 
@@ -66,12 +75,20 @@ def prepare(
     chat: bool = False,
     messages_field: str = "messages",
     train_on: str = "assistant",
+    preference: bool = False,
+    max_len: int | None = None,
 ) -> dict:
     """Writes the token file (or shards) and index; returns the summary
     (documents, tokens, vocab, eos id, lengths, sources; where max_tokens
     stopped it, `stopped_at_max_tokens` and `sources_found`, of which
     `sources` were read; with `chat`, trained tokens
-    and skipped conversations; `shards`: the files written)."""
+    and skipped conversations; with `preference`, pairs, trained tokens and
+    pair lengths; `shards`: the files written). `max_len`: with `preference`,
+    the most tokens a pair's two documents may hold (more is refused)."""
+    if chat and preference:
+        raise JlongError("--chat and --preference are two kinds of corpus: give one")
+    if max_len is not None and not preference:
+        raise JlongError("--max-len bounds preference pairs: it goes with --preference")
     if shard_tokens is not None and shard_tokens < 1:
         raise JlongError(f"shard_tokens must be positive, got {shard_tokens}", "shard_tokens")
     sharded = shard_tokens is not None or shard_per_input
@@ -87,7 +104,9 @@ def prepare(
         raise JlongError(f"max_tokens must be positive, got {max_tokens} (leave it out to take the whole corpus)",
                          "max_tokens")
     tokenizer_threads(workers)
-    encoder = ChatEncoder.load(tokenizer_path, train_on, eos_id) if chat else Encoder.load(tokenizer_path, eos_id)
+    encoder = (ChatEncoder.load(tokenizer_path, train_on, eos_id) if chat
+               else PreferenceEncoder.load(tokenizer_path, eos_id, max_len) if preference
+               else Encoder.load(tokenizer_path, eos_id))
     if vocab_size is not None and encoder.vocab_size > vocab_size:
         raise JlongError(f"the tokenizer's vocabulary ({encoder.vocab_size:,}) exceeds --vocab-size {vocab_size:,} "
                          "(the model's): its ids would fall outside the embedding")
@@ -101,7 +120,9 @@ def prepare(
     shards = _ShardNames(out) if sharded else iter([out])
     writer, written, finished, skipped, sources_read, stopped = None, [], False, 0, 0, False
     batches = (_batches(found, lambda source: records(source, messages_field), _conversation_characters) if chat
+               else _batches(found, lambda source: rows(source, FIELDS, FIELD_HINT), _pair_characters) if preference
                else _batches(found, lambda source: documents(source, text_field), len))
+    unit = 2 if preference else 1  # documents that stay together: a pair's two
     try:
         with tqdm(desc="prepare", unit="tok", unit_scale=True, delay=1.0) as progress:  # quiet when quick
             total = 0
@@ -111,11 +132,16 @@ def prepare(
                 if not len(encoded.lengths):  # every conversation of the batch skipped
                     continue
                 if max_tokens and total + len(encoded.ids) >= max_tokens:
-                    encoded = encoded.head(max_tokens - total)
+                    if preference:  # the whole pairs that fit
+                        encoded, stopped = _whole_pairs(encoded, max_tokens - total), True
+                        if not len(encoded.lengths):
+                            break
+                    else:
+                        encoded = encoded.head(max_tokens - total)
                 if writer is not None and shard_per_input and source != writer.first_source:
                     written.append(writer.finish())
                     writer = None
-                for part in _split(encoded, writer.tokens if writer else 0, shard_tokens):
+                for part in _split(encoded, writer.tokens if writer else 0, shard_tokens, unit):
                     if part is None:  # the shard is full: the next piece starts a new one
                         written.append(writer.finish())
                         writer = None
@@ -124,11 +150,13 @@ def prepare(
                     writer.add(part, source)
                 total += len(encoded.ids)
                 progress.update(len(encoded.ids))
-                if max_tokens and total >= max_tokens:
+                if stopped or (max_tokens and total >= max_tokens):
                     stopped = True
                     break
             if writer is not None:
                 written.append(writer.finish())
+        if not written and preference and stopped:
+            raise JlongError(f"not one whole pair fits in --max-tokens {max_tokens:,}")
         if not written:
             left_out = f" (all {skipped:,} conversations have nothing to train: see --train-on)" if skipped else ""
             raise JlongError(f"the corpus under {', '.join(inputs)} holds no documents{left_out}")
@@ -172,11 +200,29 @@ def _conversation_characters(record: tuple[object, str]) -> int:
     return sum(len(t["content"]) for t in turns if isinstance(t, dict) and isinstance(t.get("content"), str))
 
 
+def _pair_characters(record: tuple[tuple, str]) -> int:
+    """About how much text a preference pair holds (each completion with the prompt)."""
+    prompt, chosen, rejected = (_text_length(value) for value in record[0])
+    return 2 * prompt + chosen + rejected
+
+
+def _text_length(value) -> int:
+    if isinstance(value, str):
+        return len(value)
+    return _conversation_characters((value, "")) if isinstance(value, list) else 0
+
+
+def _whole_pairs(encoded: Encoded, keep: int) -> Encoded:
+    """The pairs (two documents each) whose ids all lie in the first `keep`."""
+    ends = np.cumsum(encoded.lengths)[1::2]
+    return encoded.documents(0, 2 * int(np.searchsorted(ends, keep, side="right")))
+
+
 def _trained_count(written: list[_TokenFileWriter]) -> int | None:
     return None if written[0].trained_count is None else sum(w.trained_count for w in written)
 
 
-def _encoded(batches, encoder: Encoder | ChatEncoder) -> Iterator[tuple[int, Encoded]]:
+def _encoded(batches, encoder: Encoder | ChatEncoder | PreferenceEncoder) -> Iterator[tuple[int, Encoded]]:
     """(source, encoded documents) per batch: one batch is encoded (the tokenizer
     releases the GIL and uses every core) while the next is read."""
     with ThreadPoolExecutor(1) as pool:
@@ -191,20 +237,21 @@ def _encoded(batches, encoder: Encoder | ChatEncoder) -> Iterator[tuple[int, Enc
             yield done, future.result()
 
 
-def _split(encoded: Encoded, filled: int, shard_tokens: int | None):
-    """Pieces of whole documents, with None between pieces where the shard
-    (holding `filled` tokens) reaches `shard_tokens`."""
+def _split(encoded: Encoded, filled: int, shard_tokens: int | None, unit: int = 1):
+    """Pieces of whole documents (whole groups of `unit` documents: a pair's two
+    stay together), with None between pieces where the shard (holding `filled`
+    tokens) reaches `shard_tokens`."""
     if shard_tokens is None:
         yield encoded
         return
-    lengths, first = encoded.lengths, 0
+    lengths, first = encoded.lengths.reshape(-1, unit).sum(axis=1), 0
     while first < len(lengths):
         if filled >= shard_tokens:
             yield None
             filled = 0
         ends = np.cumsum(lengths[first:])
         take = max(1, int(np.searchsorted(ends - lengths[first:], shard_tokens - filled, side="left")))
-        yield encoded.documents(first, take)
+        yield encoded.documents(first * unit, take * unit)
         first, filled = first + take, filled + int(ends[take - 1])
 
 
@@ -222,14 +269,17 @@ class _ShardNames:
 
 
 class _TokenFileWriter:
-    """One token file, its index and (for conversations) its mask, written under temporary names until `finish`."""
+    """One token file, its index, (for conversations and pairs) its mask and (for pairs) its pairs index, written
+    under temporary names until `finish`."""
 
-    def __init__(self, path: Path, encoder: Encoder | ChatEncoder, first_source: int):
+    def __init__(self, path: Path, encoder: Encoder | ChatEncoder | PreferenceEncoder, first_source: int):
         self.path, self.encoder, self.first_source = path, encoder, first_source
-        self.masked = isinstance(encoder, ChatEncoder)
+        self.masked, self.paired = encoder.masked, encoder.paired
         self.finals = {"tokens": path, **index_paths(path)}
         if self.masked:
             self.finals["mask"] = mask_path(path)
+        if self.paired:
+            self.finals["pairs"] = pairs_path(path)
         self.temporaries = {kind: p.with_name(p.name + ".tmp") for kind, p in self.finals.items()}
         self.temporaries["raw"] = path.with_name(path.name + ".tmp.bin")
         self.raw = self.temporaries["raw"].open("wb")
@@ -260,11 +310,14 @@ class _TokenFileWriter:
             _packed_mask(temporaries["raw_mask"], temporaries["mask"], self.tokens)
         with temporaries["npy"].open("wb") as f:
             np.save(f, np.cumsum(lengths) - lengths)
+        if self.paired:  # each pair's chosen and rejected documents' first offsets
+            with temporaries["pairs"].open("wb") as f:
+                np.save(f, (np.cumsum(lengths) - lengths).reshape(-1, 2))
         summary = summarize(lengths, self.encoder, len(self.sources), self.trained_count)
         temporaries["json"].write_text(json.dumps(summary, indent=1) + "\n")
         plot_lengths(summary, temporaries["png"], title=self.path.name)
         # The token file last: its presence means complete.
-        for kind in [k for k in ("npy", "json", "png", "mask") if k in self.finals] + ["tokens"]:
+        for kind in [k for k in ("npy", "json", "png", "mask", "pairs") if k in self.finals] + ["tokens"]:
             os.replace(temporaries[kind], self.finals[kind])
         for kind in ("raw", "raw_mask"):
             if kind in temporaries:
@@ -303,13 +356,18 @@ def _raw_to_npy(raw: Path, npy: Path, dtype: np.dtype, count: int) -> None:
         shutil.copyfileobj(ids, out, length=1 << 24)
 
 
-def summarize(lengths: np.ndarray, encoder: Encoder | ChatEncoder, sources: int, trained: int | None = None) -> dict:
+def summarize(lengths: np.ndarray, encoder: Encoder | ChatEncoder | PreferenceEncoder, sources: int,
+              trained: int | None = None) -> dict:
     """What a token file holds; for conversations, the trained tokens and how the mask was made."""
     summary = {"documents": len(lengths), "tokens": int(lengths.sum()), "vocab_size": encoder.vocab_size,
                "eos_id": encoder.eos_id, "sources": sources}
     if isinstance(encoder, ChatEncoder):
         summary.update(trained_tokens=trained, chat={"template": Path(encoder.template.where).name,
                                                      "train_on": encoder.train_on})
+    if isinstance(encoder, PreferenceEncoder):
+        pair_lengths = lengths.reshape(-1, 2).sum(axis=1)
+        summary.update(pairs=len(pair_lengths), trained_tokens=trained, preference=encoder.summary(),
+                       pair_length=length_summary(pair_lengths)["length"])
     return {**summary, **length_summary(lengths)}
 
 
