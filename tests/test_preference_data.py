@@ -12,10 +12,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from chat_fixtures import WORDS, chat_tokenizer
-from helpers import assert_one_line_error, run_cli
+from helpers import SMALL_MODEL, assert_one_line_error, run_cli
 
+from jlong.config import load_config
 from jlong.data.corpus import TokenCorpus, mask_path, pairs_path
+from jlong.data.pairs import PreferencePairs, describe
 from jlong.data.prepare import prepare
+from jlong.data.recorded import with_recorded_data
+from jlong.data.sources import Batches, _check_pair_count
+from jlong.errors import JlongError
 
 pytestmark = pytest.mark.fast
 
@@ -222,3 +227,97 @@ def test_bad_preference_input_is_one_line_and_writes_nothing(tokenizers, tmp_pat
     out = tmp_path / "out" / "pairs.npy"
     assert_one_line_error(run_cli("prepare", out, source, "--preference", *tokenizer, *options), message)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module", params=["conversations", "strings"])
+def packed_pairs(tokenizers, tmp_path_factory, request):
+    """Short pairs (conversations: about 60-130 tokens; strings, whose documents the eos_token closes: 10-60)
+    and four long ones (over 256): several pairs to a row of train.seq_len + 1 = 256, the long ones skipped."""
+    root = tmp_path_factory.mktemp("pairs")
+    make, tokenizer = ((conversation_pairs, "chatml") if request.param == "conversations"
+                       else (string_pairs, "plain"))
+    records = make(60, seed=5, words=(3, 12)) + make(4, seed=6, words=(150, 200))
+    random.Random(7).shuffle(records)
+    prepare(str(root / "pairs.npy"), [str(_jsonl(root / "p.jsonl", records))],
+            tokenizer_path=str(tokenizers[tokenizer]), preference=True)
+    return root
+
+
+def _dpo_config(root, *overrides):
+    return with_recorded_data(load_config(None, [*SMALL_MODEL, "model.vocab_size=512", "data.source=tokens",
+                                                 f"data.path={root / 'pairs.npy'}", "train.objective=dpo",
+                                                 "train.seq_len=255", "train.batch_size=4", *overrides]))
+
+
+def _file_pairs(root):
+    """Each pair of the file as (chosen document, rejected document, their masks)."""
+    ids, starts = np.load(root / "pairs.npy"), np.load(root / "pairs.pairs.npy")
+    mask = _unpacked(root / "pairs.npy", len(ids))
+    bounds = [*starts.reshape(-1).tolist(), len(ids)]
+    documents = [(ids[a:b].tolist(), mask[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return [(*documents[2 * p], *documents[2 * p + 1]) for p in range(len(starts))]
+
+
+def test_rows_hold_whole_pairs_and_pair_documents_name_each_completion_target(packed_pairs):
+    config = _dpo_config(packed_pairs)
+    assert config.data.sampling == "pairs" and config.data.loss_mask and config.data.eos_id is not None
+    eos, width = config.data.eos_id, config.train.seq_len + 1
+    pairs = _file_pairs(packed_pairs)
+    by_documents = {(tuple(c), tuple(r)): (cm, rm) for c, cm, r, rm in pairs}
+    batches = Batches.from_config(config)
+    assert set(batches.layout) == {"inputs", "targets", "segment_ids", "positions", "loss_mask", "pair_documents"}
+    seen = 0
+    for step in (1, 2, 3):
+        batch = batches.batch(step)
+        assert batch["pair_documents"].dtype == np.int32 and batch["loss_mask"].dtype == bool
+        np.testing.assert_array_equal(batch["loss_mask"], batch["pair_documents"] >= 0)
+        for b in range(config.train.batch_size):
+            row = np.append(batch["inputs"][b], batch["targets"][b, -1]).tolist()
+            want = np.full(width, -1)
+            at, p = 0, 0
+            while row[at:].count(eos) >= 2:  # whole pairs: two documents each
+                chosen_end = row.index(eos, at) + 1
+                rejected_end = row.index(eos, chosen_end) + 1
+                key = (tuple(row[at:chosen_end]), tuple(row[chosen_end:rejected_end]))
+                assert key in by_documents, "a row holds something other than a whole pair of the file"
+                chosen_mask, rejected_mask = by_documents[key]
+                want[at:chosen_end][chosen_mask] = 2 * p
+                want[chosen_end:rejected_end][rejected_mask] = 2 * p + 1
+                # The completion's first token is the target at the prompt's last position.
+                first = at + int(np.argmax(chosen_mask))
+                assert batch["pair_documents"][b, first - 1] == 2 * p and batch["pair_documents"][b, first - 2] == -1
+                at, p = rejected_end, p + 1
+            assert p >= 1 and set(row[at:]) <= {batches.source.pad_id}  # padding: one run, not the end id
+            assert batch["segment_ids"][b, -1] + 1 == 2 * p + (at < width - 1)  # padding adds one document at most
+            np.testing.assert_array_equal(batch["pair_documents"][b], want[1:])
+            seen += p
+    assert seen > 3 * config.train.batch_size  # several pairs to a row
+    resumed = Batches.from_config(config).batch(3)  # a fresh reader gives step 3 exactly
+    for key, value in batches.batch(3).items():
+        np.testing.assert_array_equal(resumed[key], value)
+
+
+def test_a_pass_takes_each_pair_that_fits_once_and_skips_and_counts_the_longer(packed_pairs):
+    config = _dpo_config(packed_pairs)
+    source = Batches.from_config(config).source
+    lengths = [len(c) + len(r) for c, _, r, _ in _file_pairs(packed_pairs)]
+    too_long = {p for p, length in enumerate(lengths) if length > 256}
+    assert len(too_long) == 4 and source.skipped == 4
+    assert "4 longer than a row of train.seq_len + 1 = 256 tokens are skipped" in describe(source, "pairs.npy")
+    for number in (0, 1):
+        first = sum(source.rows_per_epoch(n) for n in range(number))
+        taken = [int(p) for i in range(first, first + source.rows_per_epoch(number)) for p in source.pairs_of(i)]
+        assert sorted(taken) == sorted(set(range(len(lengths))) - too_long)
+    assert source.pairs_of(0).tolist() != source.pairs_of(source.rows_per_epoch(0)).tolist()  # a new order
+
+
+def test_a_row_holds_no_more_pairs_than_attention_max_documents_allows(packed_pairs):
+    source = Batches.from_config(_dpo_config(packed_pairs, "attention.max_documents=5")).source
+    assert source.most_pairs == 2
+    assert max(len(source.pairs_of(i)) for i in range(20)) == 2
+    corpus = TokenCorpus(str(packed_pairs / "pairs.npy"))
+    with pytest.raises(JlongError, match="raise it to at least 3"):
+        PreferencePairs(corpus, seq_len=255, batch_size=4, seed=0, eos_id=2, max_documents=2)
+    with pytest.raises(JlongError, match=r"step 7's batch has a row of 6 completion slots \(3 preference pairs\), "
+                                         r"over attention.max_documents \(5\)"):
+        _check_pair_count(np.array([[-1, 0, 1, 5, -1]]), 5, 7)

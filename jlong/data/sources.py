@@ -5,7 +5,14 @@ arrays: `inputs` and `targets` [B, S] (targets are inputs shifted by one),
 and, when `data.eos_id` is set, `segment_ids` and `positions` [B, S] so that
 attention and RoPE restart at every packed document; and, with
 `data.loss_mask`, `loss_mask` [B, S]: the targets whose ids the token
-files' masks mark as trained (`jlong prepare --chat`). Because a batch depends
+files' masks mark as trained (`jlong prepare --chat`). With
+`train.objective: dpo`, rows of whole preference pairs (`data.sampling:
+pairs`, `jlong.data.pairs`) and two more arrays: `loss_mask` [B, S] bool,
+True exactly at the targets that are completion ids, and `pair_documents`
+[B, S] int32, the completion each target belongs to: 2p for the chosen
+completion of the row's p-th pair, 2p + 1 for its rejected one, -1 for
+every other target (prompts, end ids, padding); the slots of a row stay
+below attention.max_documents. Because a batch depends
 only on the step (and the seed), resuming needs no data-loader state.
 
 `tokens` semantics (data.shuffle=false): sample i is tokens[i*S : i*S + S + 1],
@@ -28,6 +35,7 @@ from jlong.config import Config
 from jlong.data.corpus import RowSampler, TokenCorpus
 from jlong.data.documents import PackedDocuments
 from jlong.data.mixture import MixedSource, Mixture
+from jlong.data.pairs import PreferencePairs
 from jlong.errors import JlongError
 
 
@@ -45,10 +53,7 @@ class TokenFile(RowSampler):
                 f"{tokens.named} holds {len(tokens)} tokens, fewer than one sample of train.seq_len + 1 = "
                 f"{seq_len + 1}; use more data or a shorter train.seq_len"
             )
-        smallest, largest = tokens.id_range()
-        if largest >= vocab_size or smallest < 0:
-            raise JlongError(f"{tokens.named} holds token id {largest if largest >= vocab_size else smallest}, "
-                             f"outside the model's vocabulary of {vocab_size}")
+        check_vocabulary(tokens, vocab_size)
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
         self.shuffle, self.seed = shuffle, seed
 
@@ -66,6 +71,14 @@ class TokenFile(RowSampler):
 
     def spans(self, i: int) -> list[tuple[int, int]]:
         return [self.window_span(self.sample_index(i))]
+
+
+def check_vocabulary(tokens: TokenCorpus, vocab_size: int) -> None:
+    """Every id of the corpus inside the model's vocabulary."""
+    smallest, largest = tokens.id_range()
+    if largest >= vocab_size or smallest < 0:
+        raise JlongError(f"{tokens.named} holds token id {largest if largest >= vocab_size else smallest}, "
+                         f"outside the model's vocabulary of {vocab_size}")
 
 
 class SyntheticTokens:
@@ -98,8 +111,10 @@ def batch_layout(config: Config) -> dict[str, tuple[tuple[int, int], np.dtype]]:
         keys += ["segment_ids", "positions"]
     shape = (config.train.batch_size, config.train.seq_len)
     layout = {key: (shape, np.dtype(np.int32)) for key in keys}
-    if config.data.loss_mask:
+    if config.data.loss_mask or config.train.objective == "dpo":
         layout["loss_mask"] = (shape, np.dtype(np.bool_))
+    if config.train.objective == "dpo":
+        layout["pair_documents"] = (shape, np.dtype(np.int32))
     return layout
 
 
@@ -108,6 +123,9 @@ def make_source(config: Config):
     whole documents: `jlong.data.documents`), a weighted mixture of corpora
     (`jlong.data.mixture`) or the synthetic sequences."""
     data = config.data
+    if data.source == "synthetic" and data.sampling == "pairs":
+        raise JlongError("data.sampling=pairs reads preference pairs from a token file: set data.source=tokens and "
+                         "data.path to what 'jlong prepare --preference' wrote")
     if data.source == "synthetic":
         return SyntheticTokens(vocab_size=config.model.vocab_size, seq_len=config.train.seq_len,
                                batch_size=config.train.batch_size, seed=config.train.seed)
@@ -128,6 +146,14 @@ def _sampler(config: Config, path, setting: str, *, sampling: str, shuffle: bool
              long_document_weight: float):
     """The rows of one token corpus: its windows, or whole documents packed."""
     train = config.train
+    if sampling == "pairs":
+        if eos_id is None:
+            raise JlongError(f"data.sampling=pairs splits {setting}'s pairs into documents at the end-of-document "
+                             "id, but none is set or recorded: set data.eos_id")
+        tokens = TokenCorpus(path, setting)
+        check_vocabulary(tokens, config.model.vocab_size)
+        return PreferencePairs(tokens, seq_len=train.seq_len, batch_size=train.batch_size, seed=train.seed,
+                               eos_id=eos_id, max_documents=config.attention.max_documents)
     tokens = TokenFile(path, seq_len=train.seq_len, batch_size=train.batch_size, vocab_size=config.model.vocab_size,
                        shuffle=shuffle, seed=train.seed, setting=setting)
     if sampling == "documents":
@@ -154,6 +180,9 @@ class Batches:
         if "loss_mask" in self.layout:  # a target is trained where its id is
             trained = self.source.trained(step)
             arrays["loss_mask"] = np.ones(arrays["targets"].shape, bool) if trained is None else trained[:, 1:]
+        if "pair_documents" in self.layout:  # the completion each target belongs to
+            arrays["pair_documents"] = self.source.pair_slots(step)[:, 1:]
+            _check_pair_count(arrays["pair_documents"], self.max_documents, step)
         if self.eos_id is not None:
             mixed = isinstance(self.source, Mixture)
             eos_id = self.source.eos_ids(step)[:, None] if mixed else self.eos_id  # each row's source's own
@@ -178,6 +207,15 @@ def _check_document_count(segment_ids_BS: np.ndarray, max_documents: int, step: 
             f"step {step}'s batch has a sequence of {most} documents, over attention.max_documents "
             f"({max_documents}): raise it (cuDNN's statistics grow with it) or use shorter train.seq_len"
         )
+
+
+def _check_pair_count(pair_documents_BS: np.ndarray, max_documents: int, step: int) -> None:
+    """The objective sums each completion into one of attention.max_documents slots per row."""
+    most = int(pair_documents_BS.max(initial=-1)) + 1
+    if most > max_documents:
+        raise JlongError(f"step {step}'s batch has a row of {most} completion slots ({-(-most // 2)} preference "
+                         f"pairs), over attention.max_documents ({max_documents}): raise it or use a shorter "
+                         "train.seq_len")
 
 
 def document_structure(inputs_BS: np.ndarray, eos_id) -> dict[str, np.ndarray]:
