@@ -14,7 +14,8 @@ from helpers import SMALL_MODEL, assert_same_result
 
 from jlong.config import load_config
 from jlong.parallel.placement import make_mesh
-from jlong.program.train_program import REFERENCE, TrainProgram
+from jlong.data.sources import REFERENCE_LOGPS as REFERENCE
+from jlong.program.train_program import TrainProgram
 
 EOS = 7
 BETA = 0.3
@@ -147,3 +148,48 @@ def test_lora_dpo_starts_at_log_2_and_learns_without_a_second_base():
             np.testing.assert_allclose(float(metrics["loss"]), math.log(2), rtol=1e-6)
             assert margins[0] == 0.0
     assert margins[-1] > 0 and float(metrics["loss"]) < math.log(2)
+
+
+@pytest.fixture(scope="module")
+def preference_file(tmp_path_factory):
+    """A small preference file, `jlong prepare --preference` of string pairs with a 400-id tokenizer."""
+    from chat_fixtures import chat_tokenizer
+    from test_preference_data import _jsonl, string_pairs
+
+    from jlong.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("pairs")
+    tokenizer = chat_tokenizer(root / "tokenizer", "chatml")
+    out = root / "pairs.npy"
+    prepare(str(out), [str(_jsonl(root / "pairs.jsonl", string_pairs(40, words=(2, 6))))],
+            tokenizer_path=str(tokenizer), preference=True)
+    return out
+
+
+def _dpo_run(tmp_path, data, *overrides):
+    from helpers import run_config
+
+    return run_config(tmp_path, "model.vocab_size=400", "train.objective=dpo", "data.source=tokens",
+                      f"data.path={data}", "data.eos_id=null", "attention.max_documents=9", "train.steps=3",
+                      "train.lr=1e-3", *overrides)
+
+
+def test_full_fine_tuning_computes_its_reference_once_and_starts_at_log_2(tmp_path, preference_file):
+    """The initial model's log-probabilities are computed before step 1 and
+    kept beside the pairs: step 1's loss is log 2 (the policy is the
+    reference), a second run reads them, a run of another model is refused."""
+    from jlong.errors import JlongError
+    from jlong.training.loop import train
+    from jlong.training.reference_logps import cache_path
+
+    records = train(_dpo_run(tmp_path / "first", preference_file))
+    np.testing.assert_allclose(records[0]["loss"], math.log(2), rtol=1e-5)
+    assert abs(records[0]["rewards/margins"]) < 1e-5 and records[0]["pairs"] > 0
+    config = _dpo_run(tmp_path / "second", preference_file)
+    cache = cache_path(config)
+    assert cache.is_file()
+    before = cache.read_bytes()
+    again = train(config)
+    assert [r["loss"] for r in again] == [r["loss"] for r in records] and cache.read_bytes() == before
+    with pytest.raises(JlongError, match="holds the reference log-probabilities of another model or file"):
+        train(_dpo_run(tmp_path / "third", preference_file, "model.hidden_size=32"))

@@ -115,6 +115,10 @@ class PreferencePairs(RowSampler):
             filled += length
         return slots
 
+    def pairs_of_step(self, step: int) -> list[np.ndarray]:
+        """The pairs each row of step `step` (1-based) holds, in slot order."""
+        return [self.pairs_of(i) for i in self._rows_of(step)]
+
     def pair_slots(self, step: int) -> np.ndarray:
         """[B, S + 1] `slot_row` of each row of step `step` (1-based)."""
         return np.stack([self.slot_row(i) for i in self._rows_of(step)])

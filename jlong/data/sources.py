@@ -103,6 +103,10 @@ class SyntheticTokens:
         return None
 
 
+# DPO with full fine-tuning: [B, N] the reference's log-probabilities of each row's completion slots.
+REFERENCE_LOGPS = "reference_logps"
+
+
 def batch_layout(config: Config) -> dict[str, tuple[tuple[int, int], np.dtype]]:
     """(shape, dtype) of each array of a step's batch: what `Batches.batch`
     gives and what the compiled step is built for."""
@@ -115,6 +119,8 @@ def batch_layout(config: Config) -> dict[str, tuple[tuple[int, int], np.dtype]]:
         layout["loss_mask"] = (shape, np.dtype(np.bool_))
     if config.train.objective == "dpo":
         layout["pair_documents"] = (shape, np.dtype(np.int32))
+        if config.lora is None:  # full fine-tuning: the reference's log-probabilities travel with the batch
+            layout[REFERENCE_LOGPS] = ((config.train.batch_size, config.attention.max_documents), np.dtype(np.float32))
     return layout
 
 
@@ -168,6 +174,12 @@ class Batches:
     def __init__(self, source, *, layout: dict, eos_id: int | None, max_documents: int):
         """`source`: what `sequences(step)` reads from (`make_source`); `layout`: `batch_layout`'s."""
         self.source, self.layout, self.eos_id, self.max_documents = source, layout, eos_id, max_documents
+        self.reference: np.ndarray | None = None  # [pairs, 2] (chosen, rejected): `use_reference`
+
+    def use_reference(self, logps_P2: np.ndarray) -> None:
+        """DPO with full fine-tuning: each pair's reference log-probabilities, computed once
+        (`jlong.training.reference_logps`), which every batch then carries."""
+        self.reference = logps_P2
 
     @classmethod
     def from_config(cls, config: Config) -> Batches:
@@ -183,12 +195,23 @@ class Batches:
         if "pair_documents" in self.layout:  # the completion each target belongs to
             arrays["pair_documents"] = self.source.pair_slots(step)[:, 1:]
             _check_pair_count(arrays["pair_documents"], self.max_documents, step)
+        if REFERENCE_LOGPS in self.layout:
+            arrays[REFERENCE_LOGPS] = self._reference_of(step)
         if self.eos_id is not None:
             mixed = isinstance(self.source, Mixture)
             eos_id = self.source.eos_ids(step)[:, None] if mixed else self.eos_id  # each row's source's own
             arrays.update(document_structure(arrays["inputs"], eos_id))
             _check_document_count(arrays["segment_ids"], self.max_documents, step)
         return {key: arrays[key] for key in self.layout}
+
+    def _reference_of(self, step: int) -> np.ndarray:
+        """[B, N]: slot 2p and 2p + 1 of each row, its p-th pair's reference (chosen, rejected); 0 elsewhere."""
+        if self.reference is None:
+            raise RuntimeError("a full fine-tuning DPO batch needs the reference's log-probabilities: use_reference")
+        out = np.zeros(self.layout[REFERENCE_LOGPS][0], np.float32)
+        for b, pairs in enumerate(self.source.pairs_of_step(step)):
+            out[b, :2 * len(pairs)] = self.reference[pairs].reshape(-1)
+        return out
 
     def drawn(self, step: int) -> dict:
         """What step `step` drew from each source of a mixture, for its metrics line (nothing otherwise)."""

@@ -105,16 +105,17 @@ _tiled_slot_logps.defvjp(_tiled_forward, _tiled_backward)
 def present_pairs(documents_BS, count: int):
     """[B, count // 2] True where the row holds pair p (its chosen completion has a token)."""
     tokens_BN = _slot_sums(jnp.ones(documents_BS.shape, jnp.float32), documents_BS, count)
-    return tokens_BN[:, 0::2] > 0
+    return tokens_BN[:, 0:count - count % 2:2] > 0
 
 
 def dpo_loss(policy_BN, reference_BN, present_BP, beta: float):
     """(the mean sigmoid DPO loss over the batch's pairs, TRL's metrics):
     documents 2p and 2p + 1 of each row are pair p's chosen and rejected."""
     reference_BN = jax.lax.stop_gradient(reference_BN)
-    chosen, rejected = policy_BN[:, 0::2], policy_BN[:, 1::2]
-    chosen_rewards = beta * (chosen - reference_BN[:, 0::2])
-    rejected_rewards = beta * (rejected - reference_BN[:, 1::2])
+    slots = 2 * present_BP.shape[1]  # an odd count's last slot holds no pair
+    chosen, rejected = policy_BN[:, 0:slots:2], policy_BN[:, 1:slots:2]
+    chosen_rewards = beta * (chosen - reference_BN[:, 0:slots:2])
+    rejected_rewards = beta * (rejected - reference_BN[:, 1:slots:2])
     pairs = present_BP.astype(jnp.float32)
     count = jnp.maximum(pairs.sum(), 1.0)
 

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jlong.config import Config
-from jlong.data.sources import batch_layout
+from jlong.data.sources import REFERENCE_LOGPS, batch_layout
 from jlong.families import family_of
 from jlong.model.transformer import ForwardOptions, Transformer
 from jlong.model.preference import DOCUMENTS
@@ -27,9 +27,6 @@ from jlong.program.frozen_base import FrozenBase
 from jlong.lora.targets import lora_settings
 from jlong.program.host_optimizer import HostAdamW
 from jlong.program.optimizer import DeviceAdamW, Optimizer
-
-
-REFERENCE = "reference_logps"  # a full fine-tuning DPO batch's reference log-probabilities [B, N]
 
 
 def make_optimizer(config: Config, frozen_base: FrozenBase | None = None) -> Optimizer:
@@ -86,14 +83,12 @@ class TrainProgram:
         )
 
         self.batch_sharding = batch_sharding(mesh)
+        per_row = compute_sharding(mesh, DOCUMENTS)  # DPO's reference [B, N]: the rows split as the tokens are
         self.abstract_batch = {
-            key: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
+            key: jax.ShapeDtypeStruct(shape, dtype,
+                                      sharding=per_row if key == REFERENCE_LOGPS else self.batch_sharding)
             for key, (shape, dtype) in batch_layout(config).items()
         }
-        if self.reference_in_batch:  # per row and document slot, float32, the rows split as the tokens are
-            B, N = config.train.batch_size, config.attention.max_documents
-            self.abstract_batch[REFERENCE] = jax.ShapeDtypeStruct(
-                (B, N), np.float32, sharding=compute_sharding(mesh, DOCUMENTS))
         self.batch_shardings = {key: s.sharding for key, s in self.abstract_batch.items()}
         if self.lora and config.train.objective == "dpo":  # the reference: the base alone, the adapters off
             base = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0), options=self.options,
@@ -217,7 +212,7 @@ class TrainProgram:
         """DPO's reference: [B, N] log-probabilities per document slot, from the
         batch, or (LoRA) the frozen base's with no adapters, no gradient."""
         if self.reference_in_batch:
-            return batch[REFERENCE]
+            return batch[REFERENCE_LOGPS]
         state = jax.tree.map(lambda v: v, self._abstract_base_state)
         nnx.replace_by_pure_dict(state, self.frozen_base.frozen(jax.lax.stop_gradient(params)))
         base = nnx.merge(self._base_graphdef, state)
@@ -259,7 +254,8 @@ class TrainProgram:
         layout = method_of(self.config).layout(self.config)
         placed = {}
         for key, value in batch.items():
-            laid_out = value if key == REFERENCE else layout.lay_out(value)  # per row, not along the sequence
+            # per row, not along the sequence
+            laid_out = value if key == REFERENCE_LOGPS else layout.lay_out(value)
             placed[key] = jax.make_array_from_callback(
                 value.shape, self.batch_shardings.get(key, self.batch_sharding),
                 functools.partial(_index, laid_out))

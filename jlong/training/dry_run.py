@@ -12,6 +12,7 @@ from jlong.attention.kernels import describe as describe_kernel
 from jlong.config import Config
 from jlong.config.stages import StageRun, stage_runs
 from jlong.data.documents import PackedDocuments, describe as describe_documents
+from jlong.data.pairs import PreferencePairs, describe as describe_pairs
 from jlong.data.mixture import Mixture
 from jlong.data.recorded import with_recorded_data
 from jlong.data.sources import Batches, TokenFile
@@ -92,15 +93,17 @@ def _data(config: Config, batches: Batches, steps: range) -> str:
         drawn = realised_mix([mixture.tokens_by_source(step) for step in steps])
         return (f"a mixture of {len(parts)} sources ({'; '.join(parts)}); steps {steps.start}-{steps.stop - 1} "
                 f"draw {drawn}")
-    if isinstance(batches.source, (PackedDocuments, TokenFile)):
+    if isinstance(batches.source, (PackedDocuments, TokenFile, PreferencePairs)):
         return _rows(config, batches.source, config.data.path)
     return "synthetic (learnable random sequences; set data.source=tokens and data.path for real data)"
 
 
 def _rows(config: Config, source, named) -> str:
-    """One token corpus: its documents, or its windows."""
+    """One token corpus: its documents, its preference pairs, or its windows."""
     if isinstance(source, PackedDocuments):
         return describe_documents(source, named)
+    if isinstance(source, PreferencePairs):
+        return describe_pairs(source, named)
     steps_per_pass = source.num_samples / config.train.batch_size
     order = "shuffled" if source.shuffle else "in order"
     packed = f", documents split at id {config.data.eos_id}" if config.data.eos_id is not None else ""
