@@ -180,16 +180,37 @@ def test_full_fine_tuning_computes_its_reference_once_and_starts_at_log_2(tmp_pa
     reference), a second run reads them, a run of another model is refused."""
     from jlong.errors import JlongError
     from jlong.training.loop import train
-    from jlong.training.reference_logps import cache_path
+    from jlong.eval.preference import cache_path
 
     records = train(_dpo_run(tmp_path / "first", preference_file))
     np.testing.assert_allclose(records[0]["loss"], math.log(2), rtol=1e-5)
     assert abs(records[0]["rewards/margins"]) < 1e-5 and records[0]["pairs"] > 0
     config = _dpo_run(tmp_path / "second", preference_file)
-    cache = cache_path(config)
+    cache = cache_path(config.data.path)
     assert cache.is_file()
     before = cache.read_bytes()
     again = train(config)
     assert [r["loss"] for r in again] == [r["loss"] for r in records] and cache.read_bytes() == before
     with pytest.raises(JlongError, match="holds the reference log-probabilities of another model or file"):
         train(_dpo_run(tmp_path / "third", preference_file, "model.hidden_size=32"))
+
+
+def test_jlong_eval_reports_trls_metrics_on_held_out_pairs(tmp_path, preference_file):
+    """A LoRA DPO run evaluated on held-out pairs: TRL's metrics by TRL's names;
+    before any step the policy is its reference (margins 0, loss log 2)."""
+    from jlong.eval.evaluate import evaluate
+    from jlong.training.loop import train
+
+    config = _dpo_run(tmp_path, preference_file, "lora.rank=4", "train.lr=2e-2", f"eval.path={preference_file}",
+                      "eval.passkey_trials=0", "eval.sequences=4")
+    program = TrainProgram(config, make_mesh(config.mesh))
+    from jlong.eval.preference import held_out_metrics
+
+    before = held_out_metrics(program, program.starting_params(), say=lambda _: None)
+    assert before["pairs"] > 0 and before["rewards/margins"] == 0.0
+    np.testing.assert_allclose(before["loss"], math.log(2), rtol=1e-6)
+    train(config)
+    after = evaluate(config, str(tmp_path / "ckpt"), make_mesh(config.mesh))["preference"]
+    assert set(after) >= {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                          "logps/chosen", "logps/rejected"}
+    assert after["pairs"] == before["pairs"] and after["rewards/margins"] > 0

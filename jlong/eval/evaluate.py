@@ -14,10 +14,11 @@ from jlong.checkpoint import Checkpoints, saved_steps, weights_kind
 from jlong.config import Config
 from jlong.config.stages import config_at_step
 from jlong.data.encoder import Encoder
-from jlong.data.sources import TokenFile, batch_layout, document_structure
+from jlong.data.sources import TokenFile, document_structure
 from jlong.errors import JlongError
 from jlong.eval import passkey
 from jlong.eval.positions import loss_by_position
+from jlong.eval.preference import held_out_metrics
 from jlong.attention.methods import method_of
 from jlong.planner.memory_choice import frugal
 from jlong.program.train_program import TrainProgram
@@ -29,7 +30,7 @@ class Evaluator:
     def __init__(self, program: TrainProgram):
         self.program, self.config = program, program.config
         self.layout = method_of(self.config).layout(self.config)
-        self.keys = batch_layout(self.config)
+        self.keys = program.abstract_eval_batch
         self.compiled = None
 
     def scores(self, params: dict, rows: np.ndarray, eos_ids: np.ndarray | None = None) -> np.ndarray:
@@ -239,6 +240,8 @@ def evaluate(config: Config, checkpoint: str, mesh, inputs: tuple | None = None)
     result = {"checkpoint": str(checkpoint), "step": step, "seq_len": config.train.seq_len}
     if held is not None:
         result.update(position_losses(evaluator, params, held))
+    if config.train.objective == "dpo" and config.eval.path:  # held-out preference pairs, TRL's metrics
+        result["preference"] = held_out_metrics(program, params, say=lambda _: None)
     result["passkey"] = passkey_accuracy(evaluator, params, made)
     result["not_evaluated"] = not_evaluated(config)
     return result

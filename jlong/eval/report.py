@@ -57,6 +57,9 @@ def summary(result: dict) -> str:
         if "loss_by_source" in result:
             sources = result["loss_by_source"].items()
             lines.append("by source: " + ", ".join(f"{name} {loss:.4f}" for name, loss in sources))
+    if preference := result.get("preference"):
+        lines.append(f"held-out preference pairs ({preference['pairs']:,}): DPO loss {preference['loss']:.4f}, "
+                     + ", ".join(f"{key} {preference[key]:.4f}" for key in preference if "/" in key))
     if result["passkey"]:
         lines.append("passkey accuracy (rows: depth; columns: length):")
         lengths, depths, cell = passkey_grid(result["passkey"])

@@ -100,7 +100,10 @@ class TrainProgram:
             out_shardings=(self.rest_shardings, self.opt_shardings, replicated(mesh)),  # every metric whole
             donate_argnums=(0, 1),
         )
-        # Forward only: (params, batch) -> [B, S, 2] per-token cross-entropy and argmax hits (`jlong.eval`).
+        # Forward only: (params, batch) -> [B, S, 2] per-token cross-entropy and argmax hits (`jlong.eval`),
+        # of the token arrays alone (a DPO batch's per-pair arrays are the objective's).
+        self.abstract_eval_batch = {key: s for key, s in self.abstract_batch.items()
+                                    if key not in ("pair_documents", REFERENCE_LOGPS)}
         self.eval_step = jax.jit(self._token_scores, in_shardings=(self.rest_shardings, self.batch_sharding),
                                  out_shardings=self.batch_sharding)
 
@@ -237,7 +240,7 @@ class TrainProgram:
 
     def lower_eval(self) -> jax.stages.Lowered:
         """The forward-only program of `eval_step`, lowered for abstract parameters and batch."""
-        return self.eval_step.lower(self.abstract_params, self.abstract_batch)
+        return self.eval_step.lower(self.abstract_params, self.abstract_eval_batch)
 
     def lower(self) -> jax.stages.Lowered:
         """The step lowered for the abstract parameters, state and batch: the

@@ -31,7 +31,7 @@ from jlong.training.initial_weights import InitialWeights, check_init_from, load
 from jlong.training.metric_sinks import check_available
 from jlong.program.optimizer import learning_rate
 from jlong.training.preemption import StopRequests
-from jlong.training.reference_logps import reference_logps
+from jlong.eval.preference import reference_logps
 from jlong.program.train_program import TrainProgram
 from jlong.training.progress import Progress
 from jlong.training.report import nothing_to_do, summary
@@ -190,7 +190,7 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
             _say(nothing_to_do(config, run.step, until_step))
             return []
         if config.train.objective == "dpo":
-            _use_dpo_reference(run, [batches for batches, _ in inputs.values()])
+            _use_dpo_reference(run, [(each.config.data.path, inputs[each.number][0]) for each in stages])
         if run_dir:
             for line in run_dir.start(resumed_at=run.step):
                 _say(line)
@@ -236,14 +236,15 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
             checkpoints.close()
 
 
-def _use_dpo_reference(run: Started, batches: list[Batches]) -> None:
-    """Says which reference a DPO run uses; with full fine-tuning, gives every
-    stage's batches their pairs' reference log-probabilities (computed once)."""
+def _use_dpo_reference(run: Started, stage_data: list[tuple[object, Batches]]) -> None:
+    """Says which reference a DPO run uses; with full fine-tuning, gives each
+    stage's batches (of its data.path) their pairs' reference log-probabilities, computed once."""
     if not run.program.reference_in_batch:
         _say("DPO's reference: the base model, the adapters off, in the same step (no second copy)")
         return
-    for each in batches:  # the initial weights are run.params only before step 1
-        each.use_reference(reference_logps(run.program, each, run.params if run.step == 0 else None, _say))
+    initial = run.params if run.step == 0 else None  # the initial weights are run.params only before step 1
+    for path, batches in stage_data:
+        batches.use_reference(reference_logps(run.program, batches.source, path, initial, _say))
 
 
 def routing_watch(config: Config) -> RoutingWatch | None:
