@@ -112,10 +112,11 @@ def test_loss_and_gradients_on_a_layout_equal_one_device(layout, one_device):
     assert_same_result((float(got[0]), jax.tree.map(np.asarray, got[1])), (loss, grads))
 
 
-@pytest.mark.parametrize("layout", ["sp4-fsdp2-tiled", "ring2-sp2-fsdp2"])
+@pytest.mark.parametrize("layout", ["ring2-sp2-fsdp2"])
 def test_a_policy_equal_to_its_reference_has_loss_log_2_and_no_reward(layout):
     """Full fine-tuning at step 1: the reference log-probabilities are the
-    initial model's own (computed on one device), the step's metrics say so."""
+    initial model's own (computed on one device), the step's metrics say so
+    (on Ulysses too: the run below, whose reference pass is its own)."""
     single = _program(devices=jax.devices()[:1])
     params = single.init_params(seed=0)
     batch = pair_rows()
