@@ -495,8 +495,10 @@ def _restored_adapters(checkpoints: Checkpoints, step: int, model: ModelConfig, 
     expected = {f"layers/{name}": shape for name, shape in adapter_shapes(model, lora).items()}
     if {path: shape for path, (shape, _) in saved.items()} != expected:
         first = min(saved.keys() ^ expected.keys() or {k for k in saved if saved[k][0] != expected[k]})
+        described = f"[{', '.join(map(str, expected[first]))}]" if first in expected else "nothing"
         raise JlongError(f"checkpoint step {step} in {str(checkpoints.directory)!r} holds params of another layout "
-                         f"than the adapters its meta describes ({first}: {_shape(saved.get(first))} saved)")
+                         f"than the adapters its meta describes ({first}: {_shape(saved.get(first))} saved, "
+                         f"{described} described)")
     here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = {"layers": {path.removeprefix("layers/"): jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype),
                                                                               sharding=here)

@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("source", help="a Hugging Face directory, or a jlong checkpoint directory")
     convert.add_argument("destination", help="where to write the converted checkpoint")
-    convert.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
+    convert.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
+                         help="the dtype of the weights written (a PEFT directory's adapters too)")
     convert.add_argument(
         "--merge", action="store_true",
         help="of a LoRA run's checkpoint, write a Hugging Face checkpoint of its base (read again from the run's "

@@ -24,7 +24,6 @@ merged checkpoint (`jlong convert --merge`) holds them.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -40,8 +39,9 @@ PREFIX = "base_model.model.model.layers"
 IMAGE_TEXT_PREFIX = "base_model.model.model.language_model.layers"
 # PEFT settings whose adapters compute otherwise than x @ (w + alpha / r * A^T B^T): read by no run.
 OTHER_KINDS = {"use_dora": "DoRA", "use_rslora": "rsLoRA (alpha / sqrt(r))", "fan_in_fan_out": "fan_in_fan_out",
-               "rank_pattern": "a rank per module (rank_pattern)", "alpha_pattern": "an alpha per module (alpha_pattern)",
-               "lora_bias": "LoRA biases", "target_parameters": "adapted parameters (target_parameters)"}
+               "rank_pattern": "a rank per module (rank_pattern)",
+               "alpha_pattern": "an alpha per module (alpha_pattern)", "lora_bias": "LoRA biases",
+               "target_parameters": "adapted parameters (target_parameters)"}
 # Families whose MLP names PEFT on transformers 5 takes for the experts' fused parameters (see the docstring).
 EXPERT_NAMES = {"qwen3_moe": ("w_gate", "w_up", "w_down")}
 
