@@ -215,3 +215,17 @@ def test_jlong_eval_reports_trls_metrics_on_held_out_pairs(tmp_path, preference_
     assert set(after) >= {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                           "logps/chosen", "logps/rejected"}
     assert after["pairs"] == before["pairs"] and after["rewards/margins"] > 0
+
+
+def test_lora_dpo_plans_one_copy_of_the_base():
+    """The reference forward reads the same base weights: the DPO step's plan has
+    the LoRA language-model step's parameter bytes, and no second base's worth
+    of temporaries (the weights dominate this shape)."""
+    from jlong.planner.memory import plan
+
+    shape = ["model.hidden_size=512", "model.intermediate_size=2048", "model.num_attention_heads=8",
+             "train.batch_size=8", "train.seq_len=32", "mesh.fsdp=8", "lora.rank=4"]
+    lm = plan(load_config(None, [*SMALL_MODEL, *shape]), devices=jax.devices())
+    dpo = plan(load_config(None, [*SMALL_MODEL, *DPO, *shape]), devices=jax.devices())
+    assert dpo.parameters == lm.parameters and dpo.frozen_parameters == lm.frozen_parameters > 0
+    assert dpo.temporaries - lm.temporaries < 0.5 * lm.frozen_parameters * 8  # the base's whole bytes
