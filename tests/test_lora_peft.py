@@ -56,15 +56,13 @@ def _config(hf_path, *overrides):
         "data.source=synthetic", f"lora.rank={RANK}", f"lora.alpha={ALPHA}", *overrides])
 
 
-def _without_lora(config, drop: bool = False) -> dict:
-    """The config's dict without its lora section when it is None (config_to_dict writes it so, and
-    load_config would read that as a lora section of default settings), or with `drop` in any case."""
-    return {key: value for key, value in config_to_dict(config).items()
-            if key != "lora" or (value is not None and not drop)}
+def _without_lora(config) -> dict:
+    """The config's dict without its lora section: the same model, every parameter its own."""
+    return {key: value for key, value in config_to_dict(config).items() if key != "lora"}
 
 
 def _one_device(config) -> TrainProgram:
-    one = load_config(None, ["mesh.fsdp=1", "mesh.ring=1", "mesh.sp=1"], base=_without_lora(config))
+    one = load_config(None, ["mesh.fsdp=1", "mesh.ring=1", "mesh.sp=1"], base=config_to_dict(config))
     return TrainProgram(one, make_mesh(one.mesh, jax.devices()[:1]))
 
 
@@ -172,7 +170,7 @@ def test_fresh_adapters_leave_the_base_model(family):
     adapters = program.saved(params)["layers"]
     assert all(not np.any(np.asarray(b)) for name, b in adapters.items() if name.endswith("_lora_b"))
     assert all(np.any(np.asarray(a)) for name, a in adapters.items() if name.endswith("_lora_a"))
-    base = _one_device(load_config(None, [], base=_without_lora(program.config, drop=True)))
+    base = _one_device(load_config(None, [], base=_without_lora(program.config)))
     assert base.lora is None
     base_logits = jax.jit(lambda p, t: base.bind(p)(t))(base.load_hf_params(family["path"] / "hf"), TOKENS)
     _, logits, _ = family["step"](params)

@@ -49,7 +49,10 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:
-    return config.model_dump(mode="json")  # lists, not tuples: what YAML writes and reads back
+    raw = config.model_dump(mode="json")  # lists, not tuples: what YAML writes and reads back
+    if raw.get("lora") is None:  # read back, an empty section means LoRA with its defaults
+        raw.pop("lora", None)
+    return raw
 
 
 def model_config(values: dict[str, Any]) -> ModelConfig:
