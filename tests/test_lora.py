@@ -155,3 +155,15 @@ def test_every_family_trains_its_adapters(preset):
         params, opt_state, metrics = program.step(params, opt_state, batch)
         losses.append(float(metrics["loss"]))
     assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.fast
+def test_a_config_without_lora_reads_back_without_it():
+    """config_to_dict and back (staged runs, maxlen's search, run records): no LoRA stays no LoRA."""
+    from jlong.config import config_to_dict
+    from jlong.config.loading import config_from_dict
+
+    plain = load_config(None, SMALL_MODEL)
+    assert config_from_dict(config_to_dict(plain)).lora is None
+    adapted = load_config(None, [*SMALL_MODEL, *LORA])
+    assert config_from_dict(config_to_dict(adapted)).lora == adapted.lora

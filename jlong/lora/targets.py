@@ -5,13 +5,18 @@ a Hugging Face module's name (`q_proj`, `down_proj`, `in_proj_qkv`, ...) or
 `all-linear`. Each names one of jlong's layer matrices, found through the
 family's Hugging Face tensor table, so every family that can read a
 Hugging Face checkpoint can be adapted. `all-linear` is every adaptable
-matrix the family has, as PEFT's `all-linear` takes every `nn.Linear` but
-the output layer.
+matrix the family has: attention's and Gated DeltaNet's projections and
+the dense (or shared-expert) MLP's.
 
-A mixture's routed experts are not adapted: transformers 5 keeps them as
-fused 3-D parameters (`mlp.experts.gate_up_proj`), which PEFT reaches only
-through `target_parameters` and `all-linear` leaves alone; jlong does the
-same (a Qwen3.5-MoE's shared expert is plain linear layers and is adapted).
+It is close to PEFT's `all-linear` (every `nn.Linear` but the output
+layer), not the same: PEFT also takes a Qwen3.5-MoE's one-output
+`shared_expert_gate` and routers that are `nn.Linear`, which stay frozen
+here. A mixture's routed experts are not adapted: transformers 5 keeps
+them as fused 3-D parameters (`mlp.experts.gate_up_proj`), which PEFT
+reaches only through `target_parameters` and its `all-linear` leaves
+alone. The PEFT directory jlong writes names its targets, so PEFT adapts
+exactly jlong's modules (`jlong.lora.peft_format`, which also says what
+PEFT cannot load: a Qwen3-MoE dense layer's MLP).
 """
 
 from __future__ import annotations
