@@ -265,10 +265,16 @@ def test_rows_hold_whole_pairs_and_pair_documents_name_each_completion_target(pa
     pairs = _file_pairs(packed_pairs)
     by_documents = {(tuple(c), tuple(r)): (cm, rm) for c, cm, r, rm in pairs}
     batches = Batches.from_config(config)
-    assert set(batches.layout) == {"inputs", "targets", "segment_ids", "positions", "loss_mask", "pair_documents"}
+    assert set(batches.layout) == {"inputs", "targets", "segment_ids", "positions", "loss_mask", "pair_documents",
+                                   "reference_logps"}  # full fine-tuning: the reference travels with the batch
+    reference = np.arange(2 * len(pairs), dtype=np.float32).reshape(-1, 2)  # each pair's own two values
+    batches.use_reference(reference)
     seen = 0
     for step in (1, 2, 3):
         batch = batches.batch(step)
+        for b, held in enumerate(batches.source.pairs_of_step(step)):
+            np.testing.assert_array_equal(batch["reference_logps"][b, :2 * len(held)], reference[held].reshape(-1))
+            assert not batch["reference_logps"][b, 2 * len(held):].any()
         assert batch["pair_documents"].dtype == np.int32 and batch["loss_mask"].dtype == bool
         np.testing.assert_array_equal(batch["loss_mask"], batch["pair_documents"] >= 0)
         for b in range(config.train.batch_size):
@@ -292,7 +298,9 @@ def test_rows_hold_whole_pairs_and_pair_documents_name_each_completion_target(pa
             np.testing.assert_array_equal(batch["pair_documents"][b], want[1:])
             seen += p
     assert seen > 3 * config.train.batch_size  # several pairs to a row
-    resumed = Batches.from_config(config).batch(3)  # a fresh reader gives step 3 exactly
+    fresh = Batches.from_config(config)
+    fresh.use_reference(reference)
+    resumed = fresh.batch(3)  # a fresh reader gives step 3 exactly
     for key, value in batches.batch(3).items():
         np.testing.assert_array_equal(resumed[key], value)
 
