@@ -73,17 +73,23 @@ def _tiled_loss_backward(tile, residuals, cotangents):
 
     def tile_gradients(dw_DV, inputs):
         h_BTD, targets_BT, mask_BT = inputs
-        logits_BTV = output_logits(h_BTD, w_DV)
-        one_hot = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=jnp.float32)
-        scale_BT = mask_BT.astype(jnp.float32) * d_total
-        dlogits_BTV = ((jax.nn.softmax(logits_BTV, axis=-1) - one_hot) * scale_BT[..., None]).astype(h_BTD.dtype)
-        dh_BTD = jnp.einsum("btv,dv->btd", dlogits_BTV, w_DV, preferred_element_type=jnp.float32)
-        dw_DV = dw_DV + jnp.einsum("btd,btv->dv", h_BTD, dlogits_BTV, preferred_element_type=jnp.float32)
-        return dw_DV, dh_BTD.astype(h_BTD.dtype)
+        return tile_gradient(h_BTD, w_DV, targets_BT, mask_BT.astype(jnp.float32) * d_total, dw_DV)
 
     tiles = tuple(split_tiles(a, tile) for a in (hidden_BsD, targets_Bs, mask_Bs))
     dw_DV, dh = jax.lax.scan(tile_gradients, jnp.zeros_like(w_DV, jnp.float32), tiles)
     return join_tiles(dh), dw_DV.astype(w_DV.dtype), None, None
+
+
+def tile_gradient(h_BTD, w_DV, targets_BT, scale_BT, dw_DV):
+    """A tile's part of the gradients of sum(scale x cross-entropy): (dw, with
+    the tile's added in float32; dh). The tile's logits are recomputed once and
+    turned into their gradient directly: (softmax - one-hot) x scale."""
+    logits_BTV = output_logits(h_BTD, w_DV)
+    one_hot = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=jnp.float32)
+    dlogits_BTV = ((jax.nn.softmax(logits_BTV, axis=-1) - one_hot) * scale_BT[..., None]).astype(h_BTD.dtype)
+    dh_BTD = jnp.einsum("btv,dv->btd", dlogits_BTV, w_DV, preferred_element_type=jnp.float32)
+    dw_DV = dw_DV + jnp.einsum("btd,btv->dv", h_BTD, dlogits_BTV, preferred_element_type=jnp.float32)
+    return dw_DV, dh_BTD.astype(h_BTD.dtype)
 
 
 _tiled_loss_sums.defvjp(_tiled_loss_forward, _tiled_loss_backward)

@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jlong.model.loss import output_logits
+from jlong.model.loss import output_logits, tile_gradient
 from jlong.ops.shards import HIDDEN, REPLICATED, TOKENS, OneDevice, Shards
 from jlong.ops.tiling import split_tiles, join_tiles, varying_like
 
@@ -62,9 +62,8 @@ def _device_document_logps(hidden, w_DV, targets, documents, *, tile, count, axe
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _tiled_slot_logps(hidden_BsD, w_DV, targets_Bs, documents_Bs, tile, count):
     """The shard's [B, count] sums, one tile of logits at a time. A custom VJP:
-    the backward pass recomputes each tile's logits once and turns them into
-    the logits' gradient directly, (one-hot - softmax) x the cotangent of
-    the token's slot, accumulating w's gradient in float32."""
+    the backward pass is the tiled cross-entropy's (`loss.tile_gradient`), each
+    token's scale the cotangent of its slot, negated (log p = -cross-entropy)."""
 
     def add_tile(sums, inputs):
         h_BTD, targets_BT, documents_BT = inputs
@@ -83,16 +82,11 @@ def _tiled_forward(hidden, w, targets, documents, tile, count):
 def _tiled_backward(tile, count, residuals, d_sums_BN):
     hidden_BsD, w_DV, targets_Bs, documents_Bs = residuals
 
-    def tile_gradients(dw_DV, inputs):
+    def tile_gradients(dw_DV, inputs):  # log p = -cross-entropy: the cross-entropy's gradient, scaled by -d
         h_BTD, targets_BT, documents_BT = inputs
-        logits_BTV = output_logits(h_BTD, w_DV)
-        one_hot = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=jnp.float32)
         slot = jnp.maximum(documents_BT, 0)
-        scale_BT = jnp.where(documents_BT >= 0, jnp.take_along_axis(d_sums_BN, slot, axis=1), 0.0)
-        dlogits_BTV = ((one_hot - jax.nn.softmax(logits_BTV, axis=-1)) * scale_BT[..., None]).astype(h_BTD.dtype)
-        dh_BTD = jnp.einsum("btv,dv->btd", dlogits_BTV, w_DV, preferred_element_type=jnp.float32)
-        dw_DV = dw_DV + jnp.einsum("btd,btv->dv", h_BTD, dlogits_BTV, preferred_element_type=jnp.float32)
-        return dw_DV, dh_BTD.astype(h_BTD.dtype)
+        scale_BT = jnp.where(documents_BT >= 0, -jnp.take_along_axis(d_sums_BN, slot, axis=1), 0.0)
+        return tile_gradient(h_BTD, w_DV, targets_BT, scale_BT, dw_DV)
 
     tiles = tuple(split_tiles(a, tile) for a in (hidden_BsD, targets_Bs, documents_Bs))
     dw_DV, dh = jax.lax.scan(tile_gradients, jnp.zeros_like(w_DV, jnp.float32), tiles)
