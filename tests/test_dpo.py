@@ -229,3 +229,11 @@ def test_lora_dpo_plans_one_copy_of_the_base():
     dpo = plan(load_config(None, [*SMALL_MODEL, *DPO, *shape]), devices=jax.devices())
     assert dpo.parameters == lm.parameters and dpo.frozen_parameters == lm.frozen_parameters > 0
     assert dpo.temporaries - lm.temporaries < 0.5 * lm.frozen_parameters * 8  # the base's whole bytes
+
+
+def test_a_set_end_id_other_than_the_pairs_is_refused(tmp_path, preference_file):
+    from jlong.errors import JlongError
+    from jlong.training.loop import train
+
+    with pytest.raises(JlongError, match="closes each preference document with id"):
+        train(_dpo_run(tmp_path, preference_file, "data.eos_id=0"))

@@ -15,7 +15,7 @@ from jlong.data.sources import Batches
 from jlong.parallel.placement import make_mesh
 from jlong.program.optimizer import learning_rate
 from jlong.program.train_program import TrainProgram
-from jlong.training.initial_weights import check_init_from, load_initial_weights
+from jlong.program.initial_weights import check_init_from, load_initial_weights
 from jlong.training.loop import train
 
 LONGER_ON_A_RING = ["train.seq_len=128", "mesh.fsdp=1", "mesh.ring=2", "mesh.sp=4"]

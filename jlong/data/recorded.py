@@ -6,7 +6,9 @@ beside its token files.
 - `data.eos_id`: for document sampling and for conversations, the
   end-of-document id the files' summaries (NAME.documents.json) record; for
   a mixture, each entry whose own recorded id differs gets it as its
-  `eos_id`. Files that record none leave it to be set.
+  `eos_id`. Files that record none leave it to be set. Preference pairs
+  refuse a set id other than the recorded one: their documents would run
+  together.
 
 A run's config is resolved once, before anything is built, and the resolved
 values are what its run directory and checkpoints record.
@@ -30,6 +32,12 @@ def with_recorded_data(config: Config) -> Config:
              if entries is not None else [("data.path", data.path, data.sampling)])
     corpora = [(setting, TokenCorpus(path, setting), sampling) for setting, path, sampling in named]
     changes = {}
+    for setting, corpus, sampling in corpora:
+        recorded = corpus.prepared_with.get("eos_id")
+        if sampling == "pairs" and data.eos_id is not None and recorded is not None and recorded != data.eos_id:
+            raise JlongError(f"data.eos_id={data.eos_id}, but {corpus.named} closes each preference document with "
+                             f"id {recorded} (recorded by jlong prepare --preference): drop data.eos_id or set it to "
+                             f"{recorded}")
     if data.loss_mask is None:
         changes["loss_mask"] = any(corpus.masked for _, corpus, _ in corpora)
     if data.eos_id is None:

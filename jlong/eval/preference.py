@@ -29,11 +29,11 @@ import jax
 import numpy as np
 
 from jlong.config import Config
-from jlong.config.loading import WEIGHT_DEFINING_FIELDS
 from jlong.data.pairs import PreferencePairs
 from jlong.data.sources import REFERENCE_LOGPS, document_structure
 from jlong.errors import JlongError
 from jlong.files import free_name
+from jlong.program.initial_weights import check_init_from
 from jlong.program.train_program import TrainProgram
 
 
@@ -44,10 +44,12 @@ def cache_path(path) -> Path:
 
 
 def identity(config: Config, source: PreferencePairs) -> dict:
-    """What the cached values depend on."""
-    model = config.model.model_dump(mode="json")
-    weights = config.model.hf_path or f"random, train.seed {config.train.seed}"
-    return {"model": {key: model[key] for key in WEIGHT_DEFINING_FIELDS if key in model}, "weights": weights,
+    """What the cached values depend on: the whole model section (RoPE too),
+    the starting weights (train.init_from's, model.hf_path's or the seed's),
+    the compute dtype and the file's pairs."""
+    initial = check_init_from(config)
+    weights = (initial.describe() if initial else config.model.hf_path) or f"random, train.seed {config.train.seed}"
+    return {"model": config.model.model_dump(mode="json"), "weights": weights,
             "compute_dtype": config.train.compute_dtype, "pairs": int(len(source.starts)),
             "tokens": int(len(source.tokens)), "pair_starts_sum": int(source.starts.sum())}
 
@@ -56,7 +58,7 @@ def reference_logps(program: TrainProgram, source: PreferencePairs, path, params
     """[pairs, 2] each pair's (chosen, rejected) log-probability under the
     initial model, for the preference file at `path`: read from its cache,
     or computed with the initial weights (`params`, or the run's starting
-    weights when None) and cached."""
+    weights, `TrainProgram.starting_params`, when None) and cached."""
     cache, wanted = cache_path(path), identity(program.config, source)
     if cache.exists():
         with np.load(cache) as saved:

@@ -26,6 +26,7 @@ from jlong.attention.methods import method_of
 from jlong.program.frozen_base import FrozenBase
 from jlong.lora.targets import lora_settings
 from jlong.program.host_optimizer import HostAdamW
+from jlong.program.initial_weights import check_init_from, load_initial_weights
 from jlong.program.optimizer import DeviceAdamW, Optimizer
 
 
@@ -143,9 +144,11 @@ class TrainProgram:
     # -- parameters and optimizer state
 
     def starting_params(self) -> dict:
-        """The weights of step 1 when no checkpoint or train.init_from gives them:
+        """The weights of step 1 when no checkpoint gives them: train.init_from's,
         model.hf_path's, or random from train.seed (a LoRA run's adapters fresh)."""
         hf_path, seed = self.config.model.hf_path, self.config.train.seed
+        if initial := check_init_from(self.config):
+            return load_initial_weights(self, initial)
         return self.load_hf_params(hf_path, seed) if hf_path else self.init_params(seed)
 
     def init_params(self, seed: int) -> dict:

@@ -27,7 +27,7 @@ from jlong.families import family_of
 from jlong.training.checkpoint_owner import check_owner
 from jlong.training.host_memory import available_bytes, check_host_memory
 from jlong.lora.peft_format import read_adapters
-from jlong.training.initial_weights import InitialWeights, check_init_from, load_initial_weights
+from jlong.program.initial_weights import InitialWeights, check_init_from, load_initial_weights
 from jlong.training.metric_sinks import check_available
 from jlong.program.optimizer import learning_rate
 from jlong.training.preemption import StopRequests

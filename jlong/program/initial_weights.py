@@ -13,13 +13,16 @@ checkpoints of its own, it resumes from those and `init_from` is not read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from jlong.checkpoint import Checkpoints, saved_steps, weights_kind
 from jlong.config import Config, ModelConfig
 from jlong.config.loading import WEIGHT_DEFINING_FIELDS
 from jlong.errors import JlongError
 from jlong.config.huggingface import read_hf_config
-from jlong.program.train_program import TrainProgram
+
+if TYPE_CHECKING:
+    from jlong.program.train_program import TrainProgram
 
 SETTING = "train.init_from"
 
