@@ -16,6 +16,7 @@ from jlong.checkpoint import Checkpoints
 from jlong.config import Config, config_to_dict
 from jlong.config.stages import StageRun, stage_at, stage_runs
 from jlong.data.recorded import with_recorded_data
+from jlong.data.pairs import describe as describe_pairs
 from jlong.data.sources import Batches
 from jlong.errors import JlongError
 from jlong.planner.advice import is_out_of_memory, out_of_memory_error, over_budget_error
@@ -239,6 +240,8 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
 def _use_dpo_reference(run: Started, stage_data: list[tuple[object, Batches]]) -> None:
     """Says which reference a DPO run uses; with full fine-tuning, gives each
     stage's batches (of its data.path) their pairs' reference log-probabilities, computed once."""
+    for path, batches in stage_data:
+        _say(describe_pairs(batches.source, path))  # how many pairs fill the rows, and how many are skipped
     if not run.program.reference_in_batch:
         _say("DPO's reference: the base model, the adapters off, in the same step (no second copy)")
         return
