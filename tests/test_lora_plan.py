@@ -8,9 +8,12 @@ experiments/lora_one_gpu.py (minutes each on a small machine)."""
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
-from helpers import REPO, assert_one_line_error, needs_gpu_compiler, run_cli
+from helpers import REPO, assert_one_line_error, load_experiment, needs_gpu_compiler, run_cli
 
 from jlong.config import load_config
 from jlong.families import family_of
@@ -170,3 +173,39 @@ def test_a_4bit_base_is_packed_in_the_compiled_program():
     result = plan_of(step)
     arguments = step.compiled.memory_analysis().argument_size_in_bytes
     assert arguments == pytest.approx(result.parameters + result.optimizer_state + result.inputs, abs=1024)
+
+
+def run_gpu_check(*args, timeout=900):
+    env = {**os.environ, "JAX_PLATFORMS": ""}  # as a user runs it: jax finds what the machine has
+    return subprocess.run([sys.executable, str(REPO / "experiments" / "lora_gpu_check.py"), *args],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
+
+
+@pytest.mark.fast
+def test_the_gpu_check_without_a_gpu_says_so_in_one_line():
+    result = run_gpu_check()
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "needs a GPU" in lines[0], result.stderr
+
+
+@pytest.mark.fast
+def test_the_gpu_checks_cases_are_the_one_gpu_configs_cut_to_four_layers():
+    script = load_experiment("lora_gpu_check")
+    for case in script.GPU_CASES:
+        config = load_config(REPO / case.config, list(case.overrides))
+        assert config.model.num_hidden_layers == 4 and config.lora is not None and config.mesh.size == 1
+        whole = load_config(REPO / case.config)
+        assert case.run or config.train.seq_len == whole.train.seq_len  # the compile-only cases: the configs' lengths
+
+
+@pytest.mark.slow  # an experiment rehearsed end to end: the long tier
+def test_the_gpu_check_rehearsal_compiles_runs_and_reports(tmp_path):
+    result = run_gpu_check("--rehearse", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads((tmp_path / "lora-gpu-check.json").read_text())
+    assert data["rehearsal"] and len(data["cases"]) == 3
+    for row in data["cases"]:
+        assert row["status"] == "ok" and row["compiled_device_bytes"] > 0 and row["planned"]["device_bytes"] > 0
+        if row["case"]["run"]:
+            assert len(row["step_s"]) == row["case"]["steps"] and all(math.isfinite(x) for x in row["losses"])
+    assert "measured / planned" in (tmp_path / "lora-gpu-check.md").read_text()
