@@ -24,6 +24,15 @@ whose estimate does not fit what is left is skipped, and one past its time is st
 the results. XLA's autotuning is off (as in a deviceless compile, whose programs the plans read) unless
 --autotune. Writes lora-gpu-check.json and .md into --out (default experiments/results). Without a GPU
 and without --rehearse or --plan it exits 2 with one line.
+
+On a GPU machine lent for minutes, from the repository, with jlong's dependencies there (qwix, which
+holds the NF4 base, and pydantic were not on the lent machines' image as last listed: carry their
+wheels), the commit named from this side because the carried history may be stale:
+
+    python3 -m pip install -q --no-deps --no-build-isolation -e . && \\
+        JLONG_SOURCE_COMMIT=COMMIT python3 experiments/lora_gpu_check.py --out "$OUT"
+
+The plans it reads (experiments/results/lora-gpu-check-plan.json) are committed; `--plan` makes them again.
 """
 
 from __future__ import annotations
