@@ -167,3 +167,10 @@ def test_a_config_without_lora_reads_back_without_it():
     assert config_from_dict(config_to_dict(plain)).lora is None
     adapted = load_config(None, [*SMALL_MODEL, *LORA])
     assert config_from_dict(config_to_dict(adapted)).lora == adapted.lora
+
+
+def test_a_qlora_run_trains_through_the_compiled_step(tmp_path):
+    """`jlong train`'s path (the step compiled ahead of time, then run on the
+    arrays init made): the 4-bit codes travel packed two to a byte."""
+    records = train(run_config(tmp_path, *LORA, "lora.base_dtype=nf4", "train.steps=2", "checkpoint.dir=null"))
+    assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)

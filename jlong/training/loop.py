@@ -20,11 +20,11 @@ from jlong.data.pairs import describe as describe_pairs
 from jlong.data.sources import Batches
 from jlong.errors import JlongError
 from jlong.planner.advice import is_out_of_memory, out_of_memory_error, over_budget_error
+from jlong.planner.flops import model_flops_per_token
 from jlong.planner.memory import CompiledStep, plan, plan_of
 from jlong.planner.memory_choice import resolve_stages
 from jlong.planner.targets import DEFAULT_HOST_BUDGET_GIB, GIB, PlanTarget, known_gpu, peak_flops_per_device
 from jlong.parallel.placement import make_mesh
-from jlong.families import family_of
 from jlong.training.checkpoint_owner import check_owner
 from jlong.training.host_memory import available_bytes, check_host_memory
 from jlong.lora.peft_format import read_adapters
@@ -420,8 +420,7 @@ class Recorder:
             "tokens_per_s": train.batch_size * train.seq_len / seconds,
             "step_time_s": seconds,
         }
-        model = (stage or self.config).model
-        flops_per_token = family_of(model).flops_per_token(model, train.seq_len)
+        flops_per_token = model_flops_per_token(stage or self.config)  # a LoRA run's: no base weight gradients
         record.update(device_memory(), **mfu(record["tokens_per_s"], flops_per_token, self.peak_flops),
                       **evaluation)
         self.records.append(record)
