@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import jlong.components  # noqa: F401  (the families and methods a config names register themselves)
-from jlong.config import Config, load_config
+from jlong.config import Config, config_to_dict, load_config
 from jlong.errors import JlongError
 from jlong.jax_startup import start_backends
 from jlong.planner.maxlen import SettingLength, longest_by_setting
@@ -39,7 +39,7 @@ def config_of(config: ConfigLike, overrides: Sequence[str] = (), *, check_stages
     if isinstance(config, Config):
         if not overrides:
             return config
-        return load_config(None, list(overrides), base=config.model_dump(mode="json"), check_stages=check_stages)
+        return load_config(None, list(overrides), base=config_to_dict(config), check_stages=check_stages)
     if not isinstance(config, (str, Path)):
         raise JlongError(f"a config is a jlong.Config or the path of a YAML file, got {type(config).__name__}")
     return load_config(config, list(overrides), check_stages=check_stages)

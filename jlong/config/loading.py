@@ -41,7 +41,8 @@ def read_config(path: str | Path | None, overrides: list[str] = (), *, base: dic
 def config_from_dict(raw: dict[str, Any]) -> Config:
     raw = dict(raw)
     for name in SECTIONS:
-        if raw.get(name, {}) is None:  # an empty section in YAML
+        # An empty section in YAML takes its defaults; `lora: null` (a dumped config without LoRA) stays off.
+        if raw.get(name, {}) is None and name != "lora":
             raw[name] = {}
     if isinstance(raw.get("model"), dict):
         raw["model"] = _resolve_model_fields(raw["model"])
@@ -50,7 +51,7 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
 
 def config_to_dict(config: Config) -> dict[str, Any]:
     raw = config.model_dump(mode="json")  # lists, not tuples: what YAML writes and reads back
-    if raw.get("lora") is None:  # read back, an empty section means LoRA with its defaults
+    if raw.get("lora") is None:  # no LoRA: no section (older readers took an empty one for LoRA's defaults)
         raw.pop("lora", None)
     return raw
 
