@@ -118,19 +118,26 @@ def _expected(trl, eos):
     return ids, mask
 
 
+def _prepared_as_trl(tokenizer, tmp_path, records):
+    """`prepare --preference` of `records`, checked id for id and mask bit for bit against TRL's
+    preparation: (the summary, the ids written, TRL's (prompt, chosen, rejected) ids)."""
+    out = tmp_path / "pairs.npy"
+    summary = prepare(str(out), [str(_jsonl(tmp_path / "p.jsonl", records))], tokenizer_path=str(tokenizer),
+                      preference=True)
+    trl = trl_ids(tokenizer, records)
+    want_ids, want_mask = _expected(trl, summary["eos_id"])
+    written = np.load(out)
+    assert written.tolist() == want_ids
+    assert _unpacked(out, len(written)).tolist() == want_mask
+    return summary, written, trl
+
+
 @pytest.mark.parametrize("kind", ["chatml", "plain", "bos"])
 def test_string_pairs_are_trls_ids_with_exactly_the_completions_masked(tokenizers, tmp_path, kind):
     records = string_pairs(12, seed=1)
     records[1]["chosen"] += {"chatml": "<|im_end|>", "plain": "<|endoftext|>", "bos": "<|eot_id|>"}[kind]
     records[2]["prompt"] = ""  # no prompt (a BOS alone with bos)
-    out = tmp_path / "pairs.npy"
-    summary = prepare(str(out), [str(_jsonl(tmp_path / "p.jsonl", records))], tokenizer_path=str(tokenizers[kind]),
-                      preference=True)
-    trl = trl_ids(tokenizers[kind], records)
-    want_ids, want_mask = _expected(trl, summary["eos_id"])
-    written = np.load(out)
-    assert written.tolist() == want_ids
-    assert _unpacked(out, len(written)).tolist() == want_mask
+    summary, written, trl = _prepared_as_trl(tokenizers[kind], tmp_path, records)
     if kind == "bos":
         assert all(prompt[0] == written[0] for prompt, _, _ in trl)  # the post-processor's BOS on every prompt
     if kind == "plain":  # no template: the end id is the eos_token, which closes each completion
@@ -139,9 +146,9 @@ def test_string_pairs_are_trls_ids_with_exactly_the_completions_masked(tokenizer
     assert any(len(prompt) < len(TokenizerIds(tokenizers[kind]).of(r["prompt"])) for r, (prompt, _, _)
                in zip(records, trl))
     assert summary["pairs"] == len(records) and summary["documents"] == 2 * len(records)
-    assert summary["trained_tokens"] == sum(want_mask) and summary["preference"]["format"] == "strings"
+    assert summary["trained_tokens"] == int(_unpacked(tmp_path / "pairs.npy", len(written)).sum()) and summary["preference"]["format"] == "strings"
     starts = np.load(tmp_path / "pairs.documents.npy")
-    assert np.array_equal(np.load(pairs_path(out)), starts.reshape(-1, 2))
+    assert np.array_equal(np.load(pairs_path(tmp_path / "pairs.npy")), starts.reshape(-1, 2))
 
 
 class TokenizerIds:
@@ -159,14 +166,7 @@ class TokenizerIds:
 @pytest.mark.parametrize("kind", ["chatml", "headers"])
 def test_conversation_pairs_are_trls_ids_with_exactly_the_completions_masked(tokenizers, tmp_path, kind):
     records = conversation_pairs(10, seed=2)
-    out = tmp_path / "pairs.npy"
-    summary = prepare(str(out), [str(_jsonl(tmp_path / "p.jsonl", records))], tokenizer_path=str(tokenizers[kind]),
-                      preference=True)
-    trl = trl_ids(tokenizers[kind], records)
-    want_ids, want_mask = _expected(trl, summary["eos_id"])
-    written = np.load(out)
-    assert written.tolist() == want_ids
-    assert _unpacked(out, len(written)).tolist() == want_mask
+    summary, written, trl = _prepared_as_trl(tokenizers[kind], tmp_path, records)
     assert summary["preference"]["format"] == "conversations"
     # The end id is the end-of-text token the template never writes (as --chat takes), not the turns' eos_token.
     assert TokenizerIds(tokenizers[kind]).tokenizer.id_to_token(summary["eos_id"]) == {
