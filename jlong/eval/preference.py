@@ -22,6 +22,7 @@ and reports TRL's metrics (`held_out_metrics`).
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -83,12 +84,7 @@ def reference_logps(program: TrainProgram, source: PreferencePairs, path, params
 def pair_logps(program: TrainProgram, source: PreferencePairs, params: dict, rows: int | None = None) -> np.ndarray:
     """[pairs, 2] each pair's (chosen, rejected) sum of completion log-probabilities under `params`, by one
     pass over the first pass's rows (the first `rows` of them; the pairs of the rest are NaN), a batch at a time."""
-    count = program.config.attention.max_documents
-    keys = [key for key in program.abstract_batch if key != REFERENCE_LOGPS]
-    forward = jax.jit(
-        lambda params, batch: program.bind(program.optimizer.compute_params(params, program.param_shardings))
-        .document_logps_and_routing(batch, count)[0],
-        in_shardings=(program.rest_shardings, {key: program.batch_shardings[key] for key in keys}))
+    keys, forward = _forward(program)
     logps = np.full((len(source.starts), 2), np.nan, np.float32)
     rows, B = min(source.rows_per_epoch(0), rows or np.inf), program.config.train.batch_size
     for first in range(0, rows, B):
@@ -99,6 +95,19 @@ def pair_logps(program: TrainProgram, source: PreferencePairs, params: dict, row
             pairs = source.pairs_of(i)
             logps[pairs] = values[b, :2 * len(pairs)].reshape(-1, 2)
     return logps
+
+
+@functools.cache
+def _forward(program: TrainProgram):
+    """(the batch keys, the jitted (params, batch) -> [B, N] per-slot log-probabilities): one per
+    program, so the policy's and the reference's passes share a compiled program."""
+    count = program.config.attention.max_documents
+    keys = [key for key in program.abstract_batch if key != REFERENCE_LOGPS]
+    forward = jax.jit(
+        lambda params, batch: program.bind(program.optimizer.compute_params(params, program.param_shardings))
+        .document_logps_and_routing(batch, count)[0],
+        in_shardings=(program.rest_shardings, {key: program.batch_shardings[key] for key in keys}))
+    return keys, forward
 
 
 def held_out_pairs(config: Config) -> PreferencePairs:
