@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from common import GIB
+from common import GIB, commit, invocation, machine, today
 
 from jlong.config import Config, load_config
 from jlong.hf_config import hf_config_dict
@@ -115,8 +115,9 @@ def provenance(device: str) -> str:
     import transformers
 
     name, _ = device_description(device)
-    return (f"Device: {name}. jax {jax.__version__}, torch {torch.__version__}, transformers "
-            f"{transformers.__version__}. Command: `python experiments/bench.py {' '.join(sys.argv[1:])}`")
+    return (f"Device: {name} (host: {machine()}). jax {jax.__version__}, torch {torch.__version__}, transformers "
+            f"{transformers.__version__}. Command: `{invocation(__file__)}` at commit {commit() or 'unknown'} "
+            f"on {today()}.")
 
 
 def speed(args, config: Config) -> str:

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 import jlong
-from common import invocation, provenance
+from common import invocation, provenance, provenance_record
 from jlong.data.prepare import prepare
 from jlong.eval.passkey import FILLER
 
@@ -209,15 +209,16 @@ def accuracy_by_depth(checkpoint: Path, tokenizer: Path, trials: int) -> dict[fl
 
 def report(accuracy: dict, args, trained: int, minutes: float) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "chat-finetune.json").write_text(json.dumps({"accuracy_by_depth": accuracy,
-                                                             "trained_tokens": trained}, indent=1) + "\n")
+    command = invocation(__file__, [f"--base-steps={args.base_steps}", f"--extend-steps={args.extend_steps}",
+                                    f"--chat-steps={args.chat_steps}", f"--trials={args.trials}"])
+    (RESULTS / "chat-finetune.json").write_text(json.dumps({"accuracy_by_depth": accuracy, "trained_tokens": trained,
+                                                             "provenance": provenance_record(command)},
+                                                            indent=1) + "\n")
     names = {"extended": f"extended (before fine-tuning): {args.base_steps} steps at 256 + {args.extend_steps} "
                          "in stages to 1,024", "chat": f"+ {args.chat_steps} steps on conversations: {2 * args.chat_steps // 3} at 256, the rest at 1,024"}
     rows = ["| model | " + " | ".join(f"depth {d:.2f}" for d in DEPTHS) + " |", "|---|" + "---|" * len(DEPTHS)]
     for name, label in names.items():
         rows.append(f"| {label} | " + " | ".join(f"{accuracy[name][d]:.2f}" for d in DEPTHS) + " |")
-    command = invocation(__file__, [f"--base-steps={args.base_steps}", f"--extend-steps={args.extend_steps}",
-                                    f"--chat-steps={args.chat_steps}", f"--trials={args.trials}"])
     text = (f"# Fine-tuning on long conversations, on the CPU mesh (measured)\n\n"
             f"{provenance(command, 'cpu, 8 virtual devices: fsdp 2 x sp 4').replace('compiled memory analysis, nothing allocated', 'trained and evaluated on the CPU')} "
             f"{minutes:.1f} minutes in all. The tiny model of configs/tiny.yaml (2 layers of 128) with a byte-level "

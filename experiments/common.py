@@ -58,24 +58,37 @@ def invocation(script: str, argv: list[str] | None = None) -> str:
     """The command line that ran SCRIPT (a script's __file__) with ARGV
     (sys.argv's arguments by default), as a results file names it."""
     arguments = sys.argv[1:] if argv is None else argv
-    return " ".join(["python", f"experiments/{Path(script).name}", *arguments])
+    return " ".join(["python", f"experiments/{Path(script).name}", *map(portable, arguments)])
 
 
-def provenance(command: str, compiler: str | None = None) -> str:
+def provenance(command: str, compiler: str | None = None,
+               how: str = "compiled memory analysis, nothing allocated") -> str:
     """Where and how a result was produced, for the top of a results file: the command, the commit, the
-    date, the jax version, the machine and what compiled (no path of the machine)."""
+    date, the jax version, the machine, what compiled or ran (COMPILER) and HOW the figures came (no path
+    of the machine)."""
     import jax
 
     compiled = compiler or f"{jax.devices()[0].platform}, {len(jax.devices())} devices"
     return (
         f"Produced by `{command}` at commit {commit() or 'unknown'} on {today()} with jax {jax.__version__} "
-        f"on {machine()} ({compiled}): compiled memory analysis, nothing allocated."
+        f"on {machine()} ({compiled}): {how}."
     )
+
+
+def provenance_record(command: str) -> dict:
+    """`provenance`'s facts as a JSON results file holds them: command, commit, date, jax version, machine."""
+    import jax
+
+    return {"command": command, "commit": commit(), "date": today(), "jax": jax.__version__, "machine": machine()}
 
 
 def portable(argument: str) -> str:
     """A path or command-line argument as a results file may quote it: relative to the repository,
-    never an absolute path of the machine that ran it ("DIR" where it lies elsewhere)."""
+    never an absolute path of the machine that ran it ("DIR" where it lies elsewhere); in an
+    argument KEY=PATH (`--out=/x`, `run_dir=/x`) the path after the first "=" likewise."""
+    key, equals, value = argument.partition("=")
+    if equals and Path(value).is_absolute() and not Path(argument).is_absolute():
+        return f"{key}={portable(value)}"
     path = Path(argument)
     if not path.is_absolute():
         return argument

@@ -15,6 +15,7 @@ import argparse
 from pathlib import Path
 
 import jlong
+from common import invocation, provenance
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "llama3-8b-5m.yaml"
@@ -39,9 +40,11 @@ def main() -> None:
     for name, plan in plans.items():
         rows.append(f"| {name} | {plan.device_bytes / 2**30:.2f} | {plan.host_bytes_per_node / 2**30:,.0f} | "
                     f"{'yes' if plan.fits else 'no'} | {plan.step_time_s:,.1f} | {plan.tokens_per_s:,.0f} |")
+    command = invocation(__file__, ["--target", args.target]
+                         + (["--seq-len", str(args.seq_len)] if args.seq_len != 1_048_576 else []))
     header = (f"# Three layouts of Llama3-8B at {args.seq_len:,} tokens on one node\n\n"
-              f"Produced by `python experiments/compare_layouts.py --target {args.target}` through `jlong.plan` "
-              f"(jlong {jlong.__version__}): XLA:GPU compiling for compile-only {args.target.upper()}s; the memory is "
+              f"{provenance(command, f'XLA:GPU compiling for compile-only {args.target.upper()}s')} Through "
+              f"`jlong.plan` (jlong {jlong.__version__}): the memory is "
               "the compiler's plan, the step time an estimate read from the compiled program on data-sheet "
               "rates (docs/planning.md), not a measurement.\n\n")
     RESULTS.mkdir(exist_ok=True)

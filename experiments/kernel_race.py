@@ -55,7 +55,7 @@ import_jax_quietly()  # before `common` imports jax: no CUDA plugin's "no driver
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
-from common import RESULTS, commit, markdown_table, median_seconds, portable  # noqa: E402
+from common import RESULTS, commit, markdown_table, median_seconds, portable, today  # noqa: E402
 
 GATED_DELTA_SHAPES = [  # (label, B, T, Hk, H, D)
     ("16 heads", 1, 8_192, 16, 16, 128),
@@ -562,6 +562,7 @@ def main(argv=None) -> int:
         "versions": {**jax_result["versions"], **torch_result["versions"]},
         "rehearsal": args.rehearse,
         "commit": commit(),
+        "date": today(),
         "command": " ".join(["python", "experiments/kernel_race.py", *(portable(a) for a in (argv or sys.argv[1:]))]),
         "seconds": round(time.time() - started, 1),
         "rows": jax_result["rows"] + torch_result["rows"],
@@ -606,7 +607,8 @@ def markdown(report: dict) -> str:
         "# Kernel race" + (" (rehearsal on the CPU: jlong's kernels interpreted, nothing timed means anything)"
                            if report["rehearsal"] else ""),
         "",
-        f"Produced by `{report['command']}` at commit {report['commit'] or 'unknown'} in {report['seconds']} s on "
+        f"Produced by `{report['command']}` at commit {report['commit'] or 'unknown'} on {report.get('date') or '?'} "
+        f"in {report['seconds']} s on "
         f"{device.get('name') or device.get('kind')} (driver {device.get('driver', 'none')}); versions: "
         + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + ".",
         "",

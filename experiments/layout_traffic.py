@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import GIB, markdown_table, publish
+from common import GIB, invocation, markdown_table, provenance, publish
 
 from jlong.attention.methods.ulysses import StagePlan
 from jlong.config import load_config
@@ -71,8 +71,8 @@ def main() -> int:
     text = "\n\n".join([
         f"# Attention traffic per layer: {args.model} at {args.seq_len:,} tokens on {args.nodes} x "
         f"{args.gpus_per_node} GPUs",
-        f"Produced by `{' '.join(['python experiments/layout_traffic.py', *sys.argv[1:]])}`: counted from the "
-        "exchanged shapes, not measured. GiB each device sends per layer.",
+        provenance(invocation(__file__), "nothing compiled: Python arithmetic",
+                   "counted from the exchanged shapes, not measured") + " GiB each device sends per layer.",
         markdown_table(["layout", "U", "Ulysses all-to-all, forward", "Ulysses all-to-all, backward",
                         "ring, forward", "ring, backward", "crosses nodes"], rows),
     ]) + "\n"

@@ -51,7 +51,8 @@ from jlong.jax_startup import import_jax_quietly
 
 import_jax_quietly()  # before anything imports jax: no CUDA plugin's "no driver" lines on a CPU machine
 
-from common import GIB, ROOT, commit, machine, markdown_table, portable  # noqa: E402 (imports jax)
+from common import (  # noqa: E402 (imports jax)
+    GIB, ROOT, commit, invocation, machine, markdown_table, portable, provenance_record, today)
 
 HERE = Path(__file__).resolve()
 PLANNED = ROOT / "experiments" / "results" / "lora-gpu-check-plan.json"
@@ -234,7 +235,7 @@ def report(rows: list[dict], device: str, rehearsal: bool, command: str, deadlin
              "through `TrainProgram.step` (jit), compiled again."] if mismatched else []
     return "\n\n".join([
         "# The one-GPU LoRA plans against one GPU" + (" (a CPU rehearsal)" if rehearsal else ""),
-        f"`{command}` at commit {commit() or 'unknown'} on {time.strftime('%Y-%m-%d', time.gmtime())} on {device} "
+        f"`{command}` at commit {commit() or 'unknown'} on {today()} on {device} "
         f"(host: {machine()}); {wall_s:.0f} s of the {deadline_s:.0f} s deadline.",
         "Planned: the deviceless XLA:GPU plan of the same config (`--plan`, recorded in "
         f"`{portable(str(PLANNED))}`), device bytes and estimated step time (estimates, not measurements). "
@@ -263,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cases = REHEARSAL_CASES if args.rehearse else GPU_CASES
     if args.plan:
-        PLANNED.write_text(json.dumps({"target": args.target, "commit": commit(), "budgets": BUDGETS,
+        PLANNED.write_text(json.dumps({"target": args.target, "commit": commit(),
+                                       "provenance": provenance_record(invocation(__file__, argv)), "budgets": BUDGETS,
                                        "plans": deviceless_plans(cases, args.target)}, indent=1) + "\n")
         print(f"wrote {PLANNED}")
         return 0
@@ -284,9 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     wall_s = time.perf_counter() - began
     import jax
 
-    command = " ".join(["python experiments/lora_gpu_check.py", *(argv if argv is not None else sys.argv[1:])])
+    command = invocation(__file__, argv)
     data = {"device": {"platform": platform, "kind": kind}, "versions": {"jax": jax.__version__},
-            "commit": commit(), "rehearsal": args.rehearse, "deadline_s": args.deadline_s, "wall_s": wall_s,
+            "commit": commit(), "command": command, "date": today(), "machine": machine(),
+            "rehearsal": args.rehearse, "deadline_s": args.deadline_s, "wall_s": wall_s,
             "cases": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "lora-gpu-check.json").write_text(json.dumps(data, indent=1) + "\n")

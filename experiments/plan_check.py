@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import GIB, markdown_table
+from common import GIB, commit, invocation, machine, markdown_table, today
 
 from jlong.planner.targets import cuda_plugin_installed
 
@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([seq_len, *(in_unit(v, size) for v in (cpu_plan, gpu_plan, peak)), ratio])
     text = "\n\n".join([
         "# The plan against the measured peak",
-        f"Device: {device_kind} ({platform}). jax {jax_version}. Command: "
-        f"`python experiments/plan_check.py {' '.join(argv if argv is not None else sys.argv[1:])}`. "
+        f"Device: {device_kind} ({platform}; host: {machine()}). jax {jax_version}. Command: "
+        f"`{invocation(__file__, argv)}` at commit {commit() or 'unknown'} on {today()}. "
         f"{unit} per device; the measured peak is `peak_bytes_in_use` over a 2-step `jlong train` "
         "(XLA_PYTHON_CLIENT_PREALLOCATE=false); the ratio is measured over planned (GPU compiler where run).",
         markdown_table(["seq_len", "planned, CPU compiler", "planned, GPU compiler", "measured peak",

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import markdown_table, write_result
+from common import invocation, markdown_table, provenance, write_result
 
 REFERENCE = """
 import json, sys, time
@@ -146,8 +146,9 @@ def main() -> int:
     text = "\n".join([
         "# jlong prepare against the tokenizers library's batch encoding",
         "",
-        f"Produced by `python experiments/prepare_throughput.py --corpus-mb {args.corpus_mb} --vocab {args.vocab}` "
-        f"on this machine ({cores} cores). Corpus: {documents:,} documents ({size_mb:.0f} MB of JSON Lines: the "
+        provenance(invocation(__file__, ["--corpus-mb", str(args.corpus_mb), "--vocab", str(args.vocab)]),
+                   f"{cores} cores used", "measured on this machine")
+        + f" Corpus: {documents:,} documents ({size_mb:.0f} MB of JSON Lines: the "
         f"standard library's text files), {results[0]['tokens']:,} tokens with a {args.vocab:,}-id byte-level BPE. "
         "prepare is the whole command in a fresh process (start-up, index, summary and plot included); the "
         "reference is a fresh process that parses the same lines and calls `encode_batch_fast` in batches, "

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import jlong
-from common import invocation, portable, provenance
+from common import invocation, portable, provenance, provenance_record
 from jlong.checkpoint import saved_steps
 from jlong.data.prepare import prepare
 from jlong.eval.passkey import FILLER, INSTRUCTION, NEEDLE, QUESTION
@@ -162,7 +162,11 @@ def _spread(values: list[float], digits: int) -> str:
 
 def report(seeds: dict, args, minutes: float) -> None:
     accuracy = {seed: {name: _by_length(result) for name, result in results.items()} for seed, results in seeds.items()}
-    (RESULTS / "results.json").write_text(json.dumps({"passkey_by_length": accuracy, "seeds": seeds}, indent=1))
+    command = invocation(__file__, [f"--base-steps={args.base_steps}", f"--check-every={args.check_every}",
+                                    f"--retrieves={args.retrieves:g}", f"--extra-steps={args.extra_steps}",
+                                    "--seeds", *map(str, seeds)])
+    (RESULTS / "results.json").write_text(json.dumps({"passkey_by_length": accuracy, "seeds": seeds,
+                                                      "provenance": provenance_record(command)}, indent=1))
     names = {"base": f"base: at 256 until it retrieves ({args.retrieves:g}; at most {args.base_steps:,} steps)",
              "extended": f"extended: + {args.extra_steps} steps in stages 512 -> 1,024, RoPE base 10,000 -> 100,000",
              "control": f"control: + {args.extra_steps} steps at 256, RoPE base 10,000"}
@@ -189,9 +193,6 @@ def report(seeds: dict, args, minutes: float) -> None:
     for i, (start, end) in enumerate(buckets):
         losses = [_spread([seeds[seed][name]["loss_by_position"][i]["loss"] for seed in seeds], 3) for name in names]
         loss_rows.append(f"| [{start:,}, {end:,}) | " + " | ".join(losses) + " |")
-    command = invocation(__file__, [f"--base-steps={args.base_steps}", f"--check-every={args.check_every}",
-                                    f"--retrieves={args.retrieves:g}", f"--extra-steps={args.extra_steps}",
-                                    "--seeds", *map(str, seeds)])
     text = (f"# Context extension that retrieves, on the CPU mesh (measured)\n\n"
             f"{provenance(command, 'cpu, 8 virtual devices: fsdp 2 x sp 4').replace('compiled memory analysis, nothing allocated', 'trained and evaluated on the CPU')} "
             f"{minutes:.1f} minutes in all, {len(seeds)} seeds (`train.seed`, which also draws each seed's training "
