@@ -100,67 +100,117 @@ def _fraction(value: Any) -> float:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # Each field's description is the docstring under it (pydantic's `description`): the configuration
+    # reference (`jlong.reference`) is generated from them.
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 
 class ModelConfig(_Section):
     """Decoder architecture, named as in Hugging Face config.json files."""
 
-    family: Text  # the model family (`jlong.families`), as Hugging Face's model_type names it
+    family: Text
+    """The model family (`jlong.families`), as Hugging Face's `model_type` names it, or one a script registers
+    (`jlong.families.register`). Unset: the preset's or config.json's `model_type`, else what the flags imply
+    (`qk_norm`: qwen3, `attention_bias`: qwen2, neither: llama). The family's defaults lie beneath the fields set."""
     vocab_size: PositiveInt
+    """Token ids in the vocabulary: the embedding's rows and the output projection's columns."""
     hidden_size: PositiveInt
+    """The model's width: each token's hidden state."""
     intermediate_size: PositiveInt
+    """The gated MLP's inner size (GPT-OSS: each expert's; Qwen3.5-MoE: its shared expert's, config.json's
+    `shared_expert_intermediate_size`)."""
     num_hidden_layers: PositiveInt
+    """Decoder layers."""
     num_attention_heads: PositiveInt
-    num_key_value_heads: optional(PositiveInt) = None  # default: num_attention_heads
-    head_dim: optional(PositiveInt) = None  # default: hidden_size // num_attention_heads
+    """Query heads of each attention layer."""
+    num_key_value_heads: optional(PositiveInt) = None
+    """Key and value heads (grouped-query attention); unset: `num_attention_heads`."""
+    head_dim: optional(PositiveInt) = None
+    """Each attention head's size; unset: `hidden_size // num_attention_heads`."""
     rope_theta: Number = 10000.0
-    rope_scaling: optional(Mapping) = None  # the llama3 form, or None for plain RoPE
+    """RoPE's base (of the full-attention layers, where a family's layer types have bases of their own)."""
+    rope_scaling: optional(Mapping) = None
+    """Hugging Face's RoPE scaling; unset: plain RoPE. `rope_type` `linear` (`factor`), `llama3` (`factor,
+    low_freq_factor, high_freq_factor, original_max_position_embeddings`) or `yarn` (`factor,
+    original_max_position_embeddings`; optional `beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim,
+    truncate`), read from either config.json form (transformers 4's `rope_scaling`, 5's `rope_parameters`) and
+    written back by `jlong convert`; other types are refused."""
     rms_norm_eps: Number = 1e-5
+    """RMSNorm's epsilon."""
     tie_word_embeddings: Flag = False
-    attention_bias: Flag = False  # q/k/v projection biases (Qwen2.x)
-    qk_norm: Flag = False  # per-head RMSNorm of q and k (Qwen3)
+    """The output projection is the embedding's transpose (no `lm_head`)."""
+    attention_bias: Flag = False
+    """Biases of the q, k and v projections (Qwen2.x; GPT-OSS: of q, k, v and o)."""
+    qk_norm: Flag = False
+    """A per-head RMSNorm of q and k (Qwen3, Gemma 3, Qwen3.5)."""
     max_position_embeddings: optional(Integer) = None
-    # Sliding-window attention (Gemma 3): the window of the "sliding_attention" layers among layer_types
-    # (unset: every sliding_window_pattern-th layer is "full_attention", the rest sliding), their own RoPE
-    # base, and the query scale's denominator (query_pre_attn_scalar^-1/2; default head_dim).
+    """The context length config.json declares: read from it and written back (131072 when unset); it limits
+    nothing in jlong, whose length is `train.seq_len`."""
+    # Sliding-window attention (Gemma 3, GPT-OSS) and layer types.
     sliding_window: optional(PositiveInt) = None
+    """The window of the `sliding_attention` layers: a token sees itself and the window - 1 tokens before it
+    (Hugging Face's convention). A family without sliding layers refuses it."""
     layer_types: tuple[str, ...] | None = None
+    """Each layer's type, first to last, as Hugging Face's `layer_types`: `full_attention`, and the family's
+    others (`sliding_attention`: Gemma 3, GPT-OSS; `linear_attention`: Qwen3.5). Unset: the family's pattern
+    (`sliding_window_pattern`, `full_attention_interval`). A family of one layer type refuses it."""
     sliding_window_pattern: optional(PositiveInt) = None
+    """Gemma 3 without `layer_types`: every sliding_window_pattern-th layer is `full_attention`, the rest
+    sliding."""
     rope_local_base_freq: optional(Number) = None
+    """Gemma 3: the RoPE base of the sliding layers."""
     query_pre_attn_scalar: optional(Number) = None
-    # RoPE on the first partial_rotary_factor of each head's dimensions (Qwen3.5: 0.25); unset: all of them.
+    """Gemma 3: the query scale's denominator, queries scaled by query_pre_attn_scalar^-1/2; unset: `head_dim`."""
     partial_rotary_factor: optional(Number) = None
-    # Linear-attention layers (Qwen3.5's Gated DeltaNet, the "linear_attention" layers among layer_types; unset:
-    # every full_attention_interval-th layer is "full_attention"): key and value heads and their sizes, and the
-    # kernel of the short causal convolution before the rule.
+    """RoPE on the first partial_rotary_factor of each head's dimensions (Qwen3.5: 0.25); unset: all of them."""
+    # Linear-attention layers: Qwen3.5's Gated DeltaNet, the "linear_attention" layers among layer_types.
     full_attention_interval: optional(PositiveInt) = None
+    """Qwen3.5 without `layer_types`: every full_attention_interval-th layer is `full_attention`, the rest Gated
+    DeltaNet (`linear_attention`)."""
     linear_num_key_heads: optional(PositiveInt) = None
+    """Qwen3.5's Gated DeltaNet: key heads."""
     linear_num_value_heads: optional(PositiveInt) = None
+    """Qwen3.5's Gated DeltaNet: value heads."""
     linear_key_head_dim: optional(PositiveInt) = None
+    """Qwen3.5's Gated DeltaNet: each key head's size."""
     linear_value_head_dim: optional(PositiveInt) = None
+    """Qwen3.5's Gated DeltaNet: each value head's size."""
     linear_conv_kernel_dim: optional(PositiveInt) = None
-    # Mixture of experts (Qwen3-MoE, Qwen3.5-MoE): num_experts SwiGLU experts of moe_intermediate_size, each token
-    # routed to num_experts_per_tok of them, their router probabilities renormalised when norm_topk_prob. Qwen3-MoE's
-    # dense layers (an MLP of intermediate_size): those in mlp_only_layers, and all but every decoder_sparse_step-th.
-    # Qwen3.5-MoE's shared expert is an MLP of intermediate_size (its config.json's shared_expert_intermediate_size).
-    # output_router_logits: Hugging Face's flag, read from and written to config.json; jlong trains the
-    # load-balancing loss (router_aux_loss_coef x it) by train.router_aux_loss instead.
+    """Qwen3.5's Gated DeltaNet: the kernel of the short causal convolution before the delta rule."""
+    # Mixtures of experts (Qwen3-MoE, Qwen3.5-MoE, GPT-OSS).
     num_experts: optional(PositiveInt) = None
+    """A mixture of experts: the experts of each layer (config.json may say `num_local_experts`)."""
     num_experts_per_tok: optional(PositiveInt) = None
+    """A mixture of experts: the experts each token is routed to (GPT-OSS's config.json: `experts_per_token`)."""
     moe_intermediate_size: optional(PositiveInt) = None
+    """Qwen3-MoE and Qwen3.5-MoE: each SwiGLU expert's inner size (GPT-OSS's experts are `intermediate_size`)."""
     norm_topk_prob: Flag = False
+    """Renormalise each token's top-k router probabilities (Qwen3.5-MoE always does)."""
     decoder_sparse_step: optional(PositiveInt) = None
+    """Qwen3-MoE: every decoder_sparse_step-th layer is a mixture, the others dense (an MLP of
+    `intermediate_size`)."""
     mlp_only_layers: tuple[int, ...] | None = None
+    """Qwen3-MoE: the layers (0-based) that are dense, an MLP of `intermediate_size`."""
     output_router_logits: Flag = False
+    """Hugging Face's flag, read from and written to config.json; it decides nothing here: jlong trains the
+    load-balancing loss by `train.router_aux_loss`."""
     router_aux_loss_coef: Number = 0.001
-    # GPT-OSS's experts: a clamped SwiGLU, (up + 1) x gate x sigmoid(swiglu_alpha x gate) with the gate clamped
-    # above at swiglu_limit and up to [-swiglu_limit, swiglu_limit]; their size is intermediate_size, as in
-    # Hugging Face's config (its router and experts have biases, and attention a sink logit per head).
+    """A mixture of experts' training loss adds router_aux_loss_coef x the load-balancing loss (as transformers
+    computes it), unless `train.router_aux_loss=false`."""
+    # GPT-OSS's experts: a clamped SwiGLU, (up + 1) x gate x sigmoid(swiglu_alpha x gate); their size is
+    # intermediate_size, as in Hugging Face's config (its router and experts have biases, and attention a sink
+    # logit per head).
     swiglu_limit: optional(PositiveNumber) = None
+    """GPT-OSS: the clamped SwiGLU's limit, the gate clamped above at swiglu_limit and up to [-swiglu_limit,
+    swiglu_limit]. Other families refuse it."""
     swiglu_alpha: optional(PositiveNumber) = None
+    """GPT-OSS: the clamped SwiGLU's slope, (up + 1) x gate x sigmoid(swiglu_alpha x gate). Other families refuse
+    it."""
     preset: optional(Text) = None
+    """A model preset: a file of `configs/models/`, whose fields lie beneath the ones set inline."""
     hf_path: optional(Text) = None
+    """A Hugging Face checkpoint directory: its config.json gives the model's fields (inline ones may not
+    contradict its shapes) and its weights start the run (a LoRA run's frozen base)."""
 
     def __hash__(self):  # rope_scaling is a dict; models keep this config as static data
         return hash(json.dumps(self.model_dump(), sort_keys=True))
@@ -190,10 +240,18 @@ class ModelConfig(_Section):
 
 
 class MeshConfig(_Section):
+    """The device mesh: data x fsdp x ring x sp, whose product is the device count; each sequence is cut into
+    ring x sp shards, one per device."""
+
     data: PositiveInt = 1
+    """Data-parallel replicas: each holds the whole model and takes its share of the batch."""
     fsdp: PositiveInt = 1
-    ring: PositiveInt = 1  # ring attention across these groups of sp devices (context parallel, e.g. across nodes)
-    sp: PositiveInt = 1  # Ulysses: heads exchanged all-to-all within a group of sp devices
+    """Fully sharded data parallelism: parameters, gradients and optimizer state sharded over these devices,
+    which also split the batch."""
+    ring: PositiveInt = 1
+    """Ring attention across this many groups of sp devices (context parallelism, e.g. across nodes)."""
+    sp: PositiveInt = 1
+    """Sequence parallelism within a group of sp devices: Ulysses exchanges heads all-to-all among them."""
 
     @property
     def size(self) -> int:
@@ -206,81 +264,138 @@ class MeshConfig(_Section):
 
 
 class AttentionConfig(_Section):
-    impl: Text = "auto"  # auto, or a kernel of `jlong.attention.kernels` (cudnn, blockwise), or reference
-    sp_method: Text = "ulysses"  # how attention spans the sp devices (`jlong.attention.methods`): ulysses, allgather
-    # U: unset = the method's default (Ulysses: mesh.sp); "all" (or 0) = every head in one stage (plain Ulysses);
-    # "auto" = the largest stage whose plan fits, chosen with memory.remat=auto (`jlong.planner.memory_choice`)
+    """The attention kernel and how attention spans the sequence-parallel devices."""
+
+    impl: Text = "auto"
+    """The attention kernel: `auto` (chosen by platform and model), a kernel of `jlong.attention.kernels`, or
+    `reference` (plain attention, for tests)."""
+    sp_method: Text = "ulysses"
+    """How attention spans the sp devices (`jlong.attention.methods`): `ulysses`, heads exchanged all-to-all, with
+    ring attention across `mesh.ring`; or `allgather`, keys and values gathered over sp in head stages, each
+    device attending its own queries (the Llama 3 paper's context parallelism, without a ring)."""
     heads_per_stage: Annotated[int | Literal["all", "auto"] | None, BeforeValidator(_heads_per_stage)] = None
-    block_size: PositiveInt = DEFAULT_BLOCK_SIZE  # query/key block of the blockwise kernel
-    max_documents: PositiveInt = DEFAULT_MAX_DOCUMENTS  # packed documents per sequence cuDNN takes (sizes its statistics)
+    """The head stage size U. Unset: the method's default (Ulysses: `mesh.sp`; the all-gather: one kv head's
+    query group); `all` (or 0): every head in one stage (plain Ulysses); `auto`: the largest stage whose plan
+    fits, chosen with `memory.remat=auto` (`jlong.planner.memory_choice`)."""
+    block_size: PositiveInt = DEFAULT_BLOCK_SIZE
+    """The query and key block of the blockwise kernel."""
+    max_documents: PositiveInt = DEFAULT_MAX_DOCUMENTS
+    """Packed documents per sequence that cuDNN takes (it sizes cuDNN's statistics); a batch with more stops the
+    run."""
 
 
 class MemoryConfig(_Section):
-    # auto: the planner chooses each layer's policy (and k) to fill both budgets (`jlong.planner.memory_choice`)
+    """What the backward pass keeps, recomputes or offloads to host memory, and the sequence tiles."""
+
     remat: choice(Literal[RematName, "auto"]) = "none"
-    layers_per_checkpoint: PositiveInt = 1  # with save_inputs / offload_inputs: one kept input per this many layers
-    # The first layers in runs under policies of their own, in order, {policy: layers, ...}: for example
-    # {save_attention: 1, offload_attention: 7} keeps attention's outputs on the device for the first layer and
-    # in host memory for the next seven. The remaining layers follow remat; empty, every layer does.
+    """What each layer keeps for the backward pass (the rest is recomputed), on the device or offloaded to host
+    memory; `auto`: the planner chooses each layer's policy (and `layers_per_checkpoint`) to fill both budgets,
+    and says why in `jlong plan` and `--dry-run` (`jlong.planner.memory_choice`)."""
+    layers_per_checkpoint: PositiveInt = 1
+    """k: with `save_inputs` / `offload_inputs`, one kept input per k layers."""
     remat_runs: Annotated[dict, BeforeValidator(_remat_runs)] = {}
-    optimizer_offload: Flag = False  # master parameters and AdamW moments in host memory
-    mlp_tile: NonNegativeInt = 0  # tokens per tile of each device's sequence shard, 0 = untiled
+    """The first layers in runs under policies of their own, in order, `{policy: layers, ...}`: for example
+    `{save_attention: 1, offload_attention: 7}` keeps attention's outputs on the device for the first layer and
+    in host memory for the next seven. The remaining layers follow `remat`; empty, every layer does."""
+    optimizer_offload: Flag = False
+    """Master parameters and AdamW moments in host memory."""
+    mlp_tile: NonNegativeInt = 0
+    """Tokens per tile of each device's sequence shard through the MLP; 0 = untiled."""
     loss_tile: NonNegativeInt = 0
+    """Tokens per tile of each device's sequence shard through the output projection and the loss, so the whole
+    logits never exist; 0 = untiled."""
 
 
 class KernelsConfig(_Section):
     """The GPU kernels of the token and channel mixers; `auto` picks by platform (the GPU's own on a GPU)."""
 
-    gated_delta: Text = "auto"  # Gated DeltaNet's rule: auto, or one of `jlong.linear_attention.gated_delta.KERNELS`
-    grouped_matmul: Text = "auto"  # the experts' grouped matmul: auto, or one of `jlong.moe.grouped_matmul.KERNELS`
+    gated_delta: Text = "auto"
+    """Gated DeltaNet's rule: `auto` (the Triton kernel on a GPU, `chunked` elsewhere), or one of
+    `jlong.linear_attention.gated_delta.KERNELS`; a GPU kernel chosen on the CPU runs in Pallas' interpreter
+    (slow)."""
+    grouped_matmul: Text = "auto"
+    """The experts' grouped matmul: `auto` (the Triton kernel on a GPU, `ragged_dot` elsewhere), or one of
+    `jlong.moe.grouped_matmul.KERNELS`; a GPU kernel chosen on the CPU runs in Pallas' interpreter (slow)."""
 
 
 class TrainConfig(_Section):
+    """The run's length and batch, the optimizer (AdamW, global-norm clipping, linear warmup then cosine decay),
+    dtypes, the objective, and what each step logs."""
+
     steps: PositiveInt = 100
+    """Optimizer steps of the run; the learning-rate schedule spans them."""
     seq_len: PositiveInt = 2048
-    batch_size: PositiveInt = 8  # global sequences per step
+    """Tokens per sequence: the context length trained."""
+    batch_size: PositiveInt = 8
+    """Global sequences per step."""
     lr: PositiveNumber = 3e-4
+    """The peak learning rate: linear warmup from lr / warmup_steps to lr, then cosine decay to min_lr_ratio x lr
+    at the last step."""
     min_lr_ratio: Number = 0.1
+    """Where the cosine decay ends, as a share of lr."""
     warmup_steps: NonNegativeInt = 10
+    """Steps of linear warmup."""
     weight_decay: NonNegativeNumber = 0.1
+    """AdamW's decoupled weight decay, of the weight matrices only."""
     grad_clip: NonNegativeNumber = 1.0
+    """The gradients' global norm is clipped to this; 0 = no clipping."""
     b1: Number = 0.9
+    """AdamW's decay of the first moment."""
     b2: Number = 0.95
+    """AdamW's decay of the second moment."""
     eps: Number = 1e-8
+    """AdamW's epsilon."""
     seed: Integer = 0
+    """The seed of the random initial parameters, synthetic data, shuffling and document sampling."""
     param_dtype: choice(DType) = "float32"
+    """The dtype of the parameters between steps (and of the optimizer's state)."""
     compute_dtype: choice(DType) = "bfloat16"
-    profile_start: Integer = 3  # first step of the jax.profiler trace window
-    profile_steps: NonNegativeInt = 0  # steps to trace into run_dir/profile; 0 = no trace
-    # The share of each GPU's memory the run asks XLA for (XLA_PYTHON_CLIENT_MEM_FRACTION);
-    # the planner's default device budget follows it.
+    """The dtype the forward and backward passes compute in."""
+    profile_start: Integer = 3
+    """The first step of the `jax.profiler` trace window."""
+    profile_steps: NonNegativeInt = 0
+    """Steps to trace into run_dir/profile from `profile_start`; 0 = no trace."""
     gpu_memory_fraction: Annotated[float, BeforeValidator(_fraction)] = DEFAULT_GPU_MEMORY_FRACTION
-    eval_every: NonNegativeInt = 0  # steps between evaluations of loss by position on eval.path; 0 = none
-    # Where each step's metrics go besides run_dir/metrics.jsonl (always written: resuming and loss.png read it).
+    """The share of each GPU's memory the run asks XLA for (XLA_PYTHON_CLIENT_MEM_FRACTION); the planner's
+    default device budget follows it. The rest is for what lives outside XLA's pool: the CUDA context,
+    cuBLAS/cuDNN handles, NCCL's buffers."""
+    eval_every: NonNegativeInt = 0
+    """Steps between evaluations of the held-out loss by position on eval.path (or eval.mix), logged as
+    `eval_loss` and `eval_loss_by_position`; 0 = none."""
     log_to: sequence_of(choice(Literal["jsonl", "tensorboard", "wandb"])) = ("jsonl",)
-    # Step 1 from these weights (a jlong checkpoint directory or a Hugging Face one), with a fresh optimizer.
+    """Where each step's metrics go besides run_dir/metrics.jsonl (always written: resuming and loss.png read
+    it): `tensorboard`, event files in run_dir/tensorboard; `wandb`, Weights & Biases (`pip install
+    'jlong[wandb]'`; offline with WANDB_MODE=offline)."""
     init_from: optional(Text) = None
-    # On a GPU, compare the step's host bytes on each node with the node's available memory before step 1.
+    """Step 1 from these weights, with a fresh optimizer: a jlong checkpoint directory (of any mesh) or a Hugging
+    Face one; the model's shapes must match."""
     check_host_memory: Flag = True
-    # A mixture of experts adds model.router_aux_loss_coef x the load-balancing loss to its training loss.
+    """On a GPU, compare the step's host bytes on each node with the node's available memory before step 1, and
+    stop when they do not fit."""
     router_aux_loss: Flag = True
-    # lm: next-token cross-entropy; dpo: Direct Preference Optimization on preference pairs
-    # (`jlong prepare --preference`, data.sampling=pairs), against a reference model (`jlong.model.preference`).
+    """A mixture of experts adds model.router_aux_loss_coef x the load-balancing loss to its training loss."""
     objective: choice(Literal["lm", "dpo"]) = "lm"
-    dpo_beta: PositiveNumber = 0.1  # DPO's beta: how far the policy may move from the reference
+    """`lm`: next-token cross-entropy; `dpo`: Direct Preference Optimization on preference pairs (`jlong prepare
+    --preference`, data.sampling=pairs) against a reference model (`jlong.model.preference`)."""
+    dpo_beta: PositiveNumber = 0.1
+    """DPO's beta: how far the policy may move from the reference."""
 
 
 class LoraConfig(_Section):
     """LoRA: the base frozen, low-rank adapters trained on the linear layers `targets` names (`jlong.lora`)."""
 
     rank: PositiveInt = 16
-    alpha: PositiveNumber = 16.0  # the adapters' product is scaled by alpha / rank, as PEFT's lora_alpha
-    # PEFT's target_modules names (q_proj, down_proj, in_proj_qkv, ...), or all-linear: every linear layer of
-    # the layers (not the output layer, not a mixture's routed experts).
+    """The adapters' rank."""
+    alpha: PositiveNumber = 16.0
+    """The adapters' product is scaled by alpha / rank, as PEFT's lora_alpha."""
     targets: Annotated[tuple[str, ...], BeforeValidator(_targets)] = ("all-linear",)
-    # The frozen base: in train.compute_dtype, or in 4-bit NormalFloat with blockwise scales (QLoRA).
+    """PEFT's target_modules names (q_proj, down_proj, in_proj_qkv, ...), or `all-linear`: every linear layer of
+    the layers (not the output layer, not a mixture's routed experts)."""
     base_dtype: choice(Literal["compute", "nf4"]) = "compute"
-    init_from: optional(Text) = None  # a PEFT adapter directory to start the adapters from
+    """The frozen base: in train.compute_dtype (`compute`), or in 4-bit NormalFloat with blockwise scales
+    (`nf4`: QLoRA)."""
+    init_from: optional(Text) = None
+    """A PEFT adapter directory to start the adapters from."""
 
 
 Sampling = choice(Literal["windows", "documents", "pairs"])
@@ -289,10 +404,14 @@ Sampling = choice(Literal["windows", "documents", "pairs"])
 class CorpusEntry(_Section):
     """One weighted token corpus of a mixture (`eval.mix`; `data.mix` adds sampling settings)."""
 
-    path: Paths  # a token file, a directory of shards, or a list of them
-    weight: PositiveNumber = 1.0  # its share: weight / the sum of the weights
-    name: optional(Text) = None  # in metrics (tokens_by_source, loss by source); default: the path's stem
-    eos_id: optional(Integer) = None  # its own end-of-document id (default: data.eos_id)
+    path: Paths
+    """A token file, a directory of shards, or a list of them."""
+    weight: PositiveNumber = 1.0
+    """Its share: weight / the sum of the weights."""
+    name: optional(Text) = None
+    """Its name in metrics (`tokens_by_source`, the loss by source); default: the path's stem."""
+    eos_id: optional(Integer) = None
+    """Its own end-of-document id (default: data.eos_id)."""
 
     @property
     def label(self) -> str:
@@ -304,8 +423,11 @@ class MixSource(CorpusEntry):
     """One source of `data.mix`; unset settings are data's own."""
 
     sampling: optional(Sampling) = None
+    """Its data.sampling; unset: data's."""
     long_document_weight: optional(PositiveNumber) = None
+    """Its data.long_document_weight; unset: data's."""
     shuffle: optional(Flag) = None
+    """Its data.shuffle; unset: data's."""
 
 
 def mix_entries(entries, entry_type: type[CorpusEntry], key: str) -> list:
@@ -332,21 +454,32 @@ def mix_entries(entries, entry_type: type[CorpusEntry], key: str) -> list:
 
 
 class DataConfig(_Section):
+    """The training data: synthetic tokens, a token file (or shards), or a weighted mixture of them, and how
+    sequences are drawn from it."""
+
     source: choice(Literal["synthetic", "tokens"]) = "synthetic"
-    path: optional(Paths) = None  # a token file, a directory of shards (`jlong prepare --shard-tokens`), or a list
-    # a weighted mixture of token corpora in place of path: a list of MixSource entries
+    """`synthetic`: random token ids, nothing to read; `tokens`: token files (`path` or `mix`)."""
+    path: optional(Paths) = None
+    """A 1-D integer .npy of token ids (`jlong prepare`), a directory of shards (`jlong prepare
+    --shard-tokens`), or a list of them, read as one corpus."""
     mix: optional(sequence_of(Mapping)) = None
+    """A weighted mixture of token corpora in place of path: a list of entries, each with the settings of
+    `data.mix[]`."""
     shuffle: Flag = False
-    # set: packed documents split at this token; unset: the one `jlong prepare` recorded, for document sampling
-    # and conversations (`jlong.data.recorded`)
+    """Each pass over the samples in its own seeded order; false: sample i is tokens[i*S : i*S + S + 1], step t
+    taking samples (t-1)B to tB-1."""
     eos_id: optional(Integer) = None
-    # train only the ids a token file's mask marks (`jlong prepare --chat`); unset: when the files have masks
+    """Packed documents split at this id: attention and RoPE restart after each. Unset: the id `jlong prepare`
+    recorded beside the token file, for document sampling and conversations (`jlong.data.recorded`)."""
     loss_mask: optional(Flag) = None
-    # windows: contiguous windows of the token file; documents: sequences packed from whole documents;
-    # pairs: whole preference pairs packed (`jlong prepare --preference`; the default of train.objective=dpo)
+    """Train only the ids a token file's mask marks (`jlong prepare --chat`); unset: when the files have masks;
+    false: every id."""
     sampling: Sampling = "windows"
-    # documents: how many times as often as the others a document of at least train.seq_len tokens is drawn
+    """`windows`: contiguous windows of the token file; `documents`: sequences packed from whole documents;
+    `pairs`: whole preference pairs packed (`jlong prepare --preference`; the default of train.objective=dpo)."""
     long_document_weight: PositiveNumber = 1.0
+    """With `documents`: how many times as often as the others a document of at least train.seq_len tokens is
+    drawn (at least 1)."""
 
     @model_validator(mode="after")
     def _check(self):
@@ -383,15 +516,26 @@ class DataConfig(_Section):
 
 
 class EvalConfig(_Section):
-    path: optional(Paths) = None  # held-out tokens (a .npy or shards, like data.path) for the loss by position
-    # held-out corpora in place of path, each scored on its own: a list of {path, weight, name, eos_id}
+    """Evaluation (`jlong eval`, train.eval_every, a stage's end): the held-out loss by position and passkey
+    retrieval."""
+
+    path: optional(Paths) = None
+    """Held-out tokens (a .npy or shards, like data.path) for the loss by position."""
     mix: optional(sequence_of(Mapping)) = None
-    sequences: PositiveInt = 8  # train.seq_len windows of held-out tokens to score (a mix: split by weight)
-    passkey_trials: NonNegativeInt = 4  # per (length, depth) cell; 0 = no passkey retrieval
-    passkey_lengths: optional(sequence_of(PositiveInt)) = None  # default: seq_len/8, /4, /2 and seq_len
+    """Held-out corpora in place of path, each scored on its own: a list of entries, each with the settings of
+    `eval.mix[]`."""
+    sequences: PositiveInt = 8
+    """train.seq_len windows of held-out tokens to score (a mix: split by weight)."""
+    passkey_trials: NonNegativeInt = 4
+    """Passkey retrieval trials per (length, depth) cell; 0 = no passkey retrieval."""
+    passkey_lengths: optional(sequence_of(PositiveInt)) = None
+    """The passkey prompts' lengths in tokens; unset: seq_len/8, /4, /2 and seq_len."""
     passkey_depths: sequence_of(Annotated[float, BeforeValidator(_share)]) = (0.0, 0.25, 0.5, 0.75, 1.0)
-    passkey_digits: Annotated[int, BeforeValidator(_key_digits)] = 5  # the key's length; 1: reach without copying
-    tokenizer: optional(Text) = None  # a Hugging Face tokenizer.json or directory for the passkey's text
+    """Where the key sits in each prompt, as a share of its length (0: the start, 1: the end)."""
+    passkey_digits: Annotated[int, BeforeValidator(_key_digits)] = 5
+    """The key's length in digits; 1 asks for reach without copying a sequence."""
+    tokenizer: optional(Text) = None
+    """A Hugging Face tokenizer.json, or a directory holding one, for the passkey's text; unset: bytes."""
 
     @model_validator(mode="after")
     def _check(self):
@@ -415,31 +559,54 @@ class EvalConfig(_Section):
 
 
 class CheckpointConfig(_Section):
+    """Where and how often the run saves itself; a run started again resumes from its newest checkpoint."""
+
     dir: optional(Text) = None
-    every: NonNegativeInt = 0  # steps between checkpoints; 0 = only at the end
+    """The checkpoint directory, resumed from when it holds this run's checkpoints; unset: none are written."""
+    every: NonNegativeInt = 0
+    """Steps between checkpoints; 0 = only at the end."""
     keep: PositiveInt = 2
+    """How many of the newest checkpoints are kept."""
 
 
 class Stage(_Section):
     """One stage of a run's length curriculum (`jlong.config.stages`)."""
 
-    until_step: PositiveInt  # the stage's last step
-    set: Mapping = {}  # dotted keys -> values, over the run's config
+    until_step: PositiveInt
+    """The stage's last step."""
+    set: Mapping = {}
+    """Dotted keys -> values, over the run's config (for example `{train.seq_len: 65536}`)."""
 
 
 class Config(_Section):
+    """A run: one YAML file of these sections; any key can be overridden as `section.key=value`."""
+
     model: ModelConfig
+    """The decoder's architecture: a preset, a Hugging Face checkpoint's config.json, or fields inline."""
     mesh: MeshConfig = Field(default_factory=MeshConfig)
+    """The device mesh."""
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
+    """The attention kernel and sequence-parallel method."""
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    """Rematerialisation, host offload and sequence tiles."""
     kernels: KernelsConfig = Field(default_factory=KernelsConfig)
+    """The token and channel mixers' GPU kernels."""
     train: TrainConfig = Field(default_factory=TrainConfig)
+    """The steps, batch, optimizer, dtypes and objective."""
     data: DataConfig = Field(default_factory=DataConfig)
+    """The training data."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoints and resuming."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    lora: LoraConfig | None = None  # LoRA / QLoRA fine-tuning; None: every parameter trains
+    """Held-out loss and passkey retrieval."""
+    lora: LoraConfig | None = None
+    """LoRA / QLoRA fine-tuning; absent: every parameter trains."""
     run_dir: optional(Text) = None
-    stages: tuple[Stage, ...] = ()  # a curriculum: each stage's settings until its step (jlong.config.stages)
+    """The run directory: metrics.jsonl (one JSON object per step), config.yaml, loss.png (the loss of every step
+    so far), and tensorboard/ and profile/ when asked for; unset: none is written."""
+    stages: tuple[Stage, ...] = ()
+    """A curriculum in one run: a list of `{until_step: N, set: {dotted.key: value, ...}}`, in order, the last
+    ending at train.steps (`jlong.config.stages`)."""
 
     @model_validator(mode="before")
     @classmethod
