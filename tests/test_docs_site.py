@@ -302,3 +302,24 @@ def test_the_site_builds_strictly_and_its_reference_pages_name_everything(tmp_pa
     assert absent(read["metrics"], metric_names_to_show(), form=lambda name: html.escape(name, quote=False)) == []
     assert (site / "results" / "gpu-truth" / "index.html").is_file()  # results pages join the site
     assert not (site / "hooks.py").exists()
+
+
+@pytest.mark.fast
+def test_nothing_in_jlong_imports_the_reference_generator():
+    """The generator reads jlong; jlong never reads it (imports anywhere in a module counted)."""
+    import ast
+
+    importers = []
+    for path in (REPO / "jlong").rglob("*.py"):
+        if "reference" in path.relative_to(REPO / "jlong").parts[:1]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):  # `from jlong import reference` too
+                names = [node.module or "", *(f"{node.module}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            if any(name == "jlong.reference" or name.startswith("jlong.reference.") for name in names):
+                importers.append(str(path.relative_to(REPO)))
+    assert importers == []
