@@ -210,7 +210,9 @@ class ModelConfig(_Section):
     """A model preset: a file of `configs/models/`, whose fields lie beneath the ones set inline."""
     hf_path: optional(Text) = None
     """A Hugging Face checkpoint directory: its config.json gives the model's fields (inline ones may not
-    contradict its shapes) and its weights start the run (a LoRA run's frozen base)."""
+    contradict its shapes) and its weights start the run (a LoRA run's frozen base). An image-text checkpoint
+    (Gemma 3, Qwen3.5, Qwen3.5-MoE) is read as its text model, GPT-OSS's MXFP4 experts dequantized as
+    transformers dequantizes them; what is left out is said in one line."""
 
     def __hash__(self):  # rope_scaling is a dict; models keep this config as static data
         return hash(json.dumps(self.model_dump(), sort_keys=True))
