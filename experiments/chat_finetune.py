@@ -15,7 +15,8 @@ steps on short conversations at 256 tokens and the rest on long ones at
 
 The tokenizer is byte-level (ids 0-255 are the bytes) with ChatML's special
 tokens added (<|im_start|> 256, <|im_end|> 257, <|endoftext|> 258) and a
-ChatML chat template, written by this script. Everything goes through
+ChatML chat template: the chat starter's (`jlong.data.chat_starter`, shipped
+as configs/tokenizers/byte-chatml), written under the run directory. Everything goes through
 jlong: `jlong.data.prepare.prepare` (plain text, then `chat=True`, which
 masks all but the assistant's answer), `jlong.train` (the end-of-document
 id and the mask read from the token files), and the run's own forward pass
@@ -40,6 +41,7 @@ import numpy as np
 
 import jlong
 from common import invocation, provenance, provenance_record
+from jlong.data.chat_starter import write_tokenizer
 from jlong.data.prepare import prepare
 from jlong.eval.passkey import FILLER
 
@@ -47,10 +49,6 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
 RUNS = ROOT / "runs" / "chat-finetune"
 SENTENCES = [s.strip() + "." for s in FILLER.replace("\n", " ").split(".") if s.strip()]
-SPECIAL = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
-CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + "
-          "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-          "{%- endif %}")
 NEEDLE = "The code is {key}. "  # one digit; the filler has none
 QUESTION = "What is the code?"
 DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
@@ -58,30 +56,9 @@ LENGTH = 900  # bytes of the held-out user turns: beyond the base length of 256,
 
 
 def byte_tokenizer(directory: Path) -> Path:
-    """Bytes as ids 0-255 (byte-level BPE without merges) plus ChatML's special tokens, with the template."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {character: _byte_of(character) for character in pre_tokenizers.ByteLevel.alphabet()}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML, "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>"}))
-    return directory
-
-
-def _byte_of(character: str) -> int:
-    """The byte ByteLevel writes as `character` (GPT-2's bytes_to_unicode, inverted)."""
-    code = ord(character)
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    if code in printable:
-        return code
-    others = [b for b in range(256) if b not in printable]
-    return others[code - 256]
+    """Bytes as ids 0-255 plus ChatML's special tokens, with the template: the chat starter's tokenizer
+    (`jlong.data.chat_starter.write_tokenizer`, shipped as configs/tokenizers/byte-chatml)."""
+    return write_tokenizer(directory)
 
 
 def filler_with_key(rng: random.Random, length: int, depth: float | None = None, *,
