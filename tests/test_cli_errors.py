@@ -76,7 +76,7 @@ CASES = {
     "random bytes as tokens": (["train", "{cfg}", "data.source=tokens", "data.path={files}/random.npy"],
                                "is not a token file"),
     "a hybrid model without one of its layer types": (["train", "configs/tiny.yaml", "model.preset=tiny-qwen3.5",
-                                                       "run_dir={tmp}/run"],
+                                                       "model.num_hidden_layers=2", "run_dir={tmp}/run"],
                                                       "model.num_hidden_layers=2 gives model.family=qwen3_5_text no "
                                                       "full_attention layer"),
     "float tokens": (["train", "{cfg}", "data.source=tokens", "data.path={files}/floats.npy"], "1-D integer"),
