@@ -135,11 +135,13 @@ def test_conversations_are_deterministic_long_and_answer_from_what_the_user_said
 
 @pytest.mark.fast
 def test_the_module_writes_training_and_held_out_conversations(tmp_path, capsys):
-    chat_starter.main([str(tmp_path / "data"), "--conversations", "5", "--held-out", "2"])
+    chat_starter.main([str(tmp_path / "data"), "--conversations", "5", "--held-out", "2",
+                       "--tokenizer", str(tmp_path / "tokenizer")])
     train = (tmp_path / "data" / "chats.jsonl").read_text().splitlines()
     held = (tmp_path / "data" / "held-out.jsonl").read_text().splitlines()
     assert len(train) == 5 and len(held) == 2 and not set(train) & set(held)
     assert "wrote 5 conversations" in capsys.readouterr().out
+    assert (tmp_path / "tokenizer" / "tokenizer.json").read_bytes() == (SHIPPED / "tokenizer.json").read_bytes()
 
 
 def test_the_readmes_commands_fine_tune_the_tiny_model_with_a_falling_loss(tmp_path):

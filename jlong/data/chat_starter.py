@@ -18,12 +18,17 @@ acknowledgement, then two to five exchanges, each a user turn (a few
 sentences or none, and a question) and the assistant's answer: a sum of two
 digits, counting between two numbers, or recalling the name or the code from
 the notes. The answers follow fixed templates from what the question states,
-so a 2-layer byte model's loss on them falls in a few hundred steps;
-recalling from the notes, hundreds of bytes back, is what it learns last.
+so a 2-layer byte model's loss on them falls in a few hundred steps: in
+configs/tiny-chat.yaml's 200 steps from 5.6 to about 0.3, the templates'
+wording learned (0.66-0.94 of the answers' tokens predicted, the
+acknowledgement whole) but not yet the digits and names the question or the
+notes give, which take far longer (recalling from the notes, hundreds of
+bytes back, longest).
 
-    python -m jlong.data.chat_starter OUT_DIR [--conversations 2000] [--held-out 100] [--seed 0]
+    python -m jlong.data.chat_starter OUT_DIR [--conversations 2000] [--held-out 100] [--seed 0] [--tokenizer DIR]
 
-writes OUT_DIR/chats.jsonl and OUT_DIR/held-out.jsonl (`{"messages": [...]}` a line).
+writes OUT_DIR/chats.jsonl and OUT_DIR/held-out.jsonl (`{"messages": [...]}` a line), and with
+--tokenizer the tokenizer directory (configs/tokenizers/byte-chatml is the same).
 """
 
 from __future__ import annotations
