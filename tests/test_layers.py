@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jlong"
 # Hugging Face form), every built-in part registered (components), the model,
 # its placement on a mesh, weights in and out, data, the program, then what
 # runs the program (planner, evaluator, loop), then the ways in (Python API,
-# command line).
+# command line), and above them the documentation's generated reference pages.
 LAYERS = [
     "errors", "options", "files", "plots", "jax_private", "jax_startup",
     "config",
@@ -37,6 +37,7 @@ LAYERS = [
     "training",
     "api",
     "cli", "__main__",
+    "reference",
 ]
 
 
