@@ -64,7 +64,6 @@ def _by_hand(q, k, v, segments, window, sinks):
     return out
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("mask", MASKS)
 def test_reference_attention_with_sinks_is_the_softmax_with_one_more_term(mask):
     q, k, v, _ = _qkv()
@@ -81,7 +80,6 @@ def _output_and_grads(attention, q, k, v, sinks, do):
     return [out, *pullback(do)]
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("mask", ["causal", "packed window"])
 def test_flash_kernels_with_sinks_equal_reference(mask, monkeypatch):
     """Local attention (a one-step ring) with the blockwise kernel and cuDNN's
@@ -100,7 +98,6 @@ def test_flash_kernels_with_sinks_equal_reference(mask, monkeypatch):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()), err_msg=f"{impl} {name}")
 
 
-@pytest.mark.fast
 def test_bfloat16_sink_logits_get_a_bfloat16_gradient_from_float32_math():
     q, k, v, do = _qkv()
     sinks = SINKS.astype(jnp.bfloat16)
@@ -200,7 +197,6 @@ def test_each_sequence_parallel_path_with_sinks_equals_one_device(path, params, 
     assert_block_close(got, references[packed, window])
 
 
-@pytest.mark.fast
 def test_the_output_bias_is_added_once_after_the_stages(params, inputs):
     """Four head stages on one device: with bo the output is the output
     without it plus bo, once (its gradient: the paths above)."""

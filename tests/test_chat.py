@@ -78,7 +78,6 @@ def test_ids_and_mask_equal_transformers_chat_template_and_assistant_tokens(toke
     assert recorded["eos_id"] == eos and recorded["chat"]["train_on"] == "assistant"
 
 
-@pytest.mark.fast
 def test_train_on_last_or_all_and_conversations_without_assistant_turns_are_skipped(tokenizers, tmp_path):
     directory = tokenizers["chatml"]
     chats = [EVERY_TURN, [{"role": "user", "content": "no answer here"}], *conversations(3, seed=2)]
@@ -113,7 +112,6 @@ def test_the_cli_summary_names_conversations_tokens_and_trained_tokens(tokenizer
             "assistant); 1 conversations skipped") in result.stdout
 
 
-@pytest.mark.fast
 def test_shards_carry_their_own_masks_and_read_as_the_whole_file_does(tokenizers, tmp_path):
     from jlong.data.corpus import TokenCorpus
 
@@ -216,7 +214,6 @@ def test_the_masked_loss_is_a_cross_entropy_over_trained_tokens_the_same_on_ever
         assert_same_result(result, results["fsdp8"])
 
 
-@pytest.mark.fast
 def test_a_step_with_no_trained_token_contributes_zero(packed_chats):
     config = _chat_config(packed_chats, "mesh.fsdp=8")
     program = TrainProgram(config, make_mesh(config.mesh, jax.devices()))

@@ -97,7 +97,6 @@ def test_documents_become_cudnns_ragged_form():
     np.testing.assert_array_equal(segments.lse_of(stats), lse)
 
 
-@pytest.mark.fast
 def test_an_off_diagonal_step_attends_within_the_document_spanning_the_boundary():
     """Keys of documents 0 and 1, queries of documents 1 and 2 (row 0); row 1's
     queries start a new document, so that row has no segment at all."""

@@ -36,7 +36,6 @@ def _state(B, H, dk, dv, seed=1):
     return np.random.default_rng(seed).normal(size=(B, H, dk, dv)).astype(np.float32)
 
 
-@fast
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "state"])
 @pytest.mark.parametrize("rule", [triton, in_blocks], ids=["one-block", "blocks"])
 def test_outputs_equal_the_rule_token_by_token(with_state, rule):
@@ -46,7 +45,6 @@ def test_outputs_equal_the_rule_token_by_token(with_state, rule):
     _close(rule(q, k, v, g, beta, *args), gated_delta.recurrent(q, k, v, g, beta, *args))
 
 
-@fast
 @pytest.mark.parametrize("rule", [triton, in_blocks], ids=["one-block", "blocks"])
 def test_gradients_of_every_input_equal_the_rule_token_by_token(rule):
     """With a starting state that the first document continues and a
@@ -66,7 +64,6 @@ def test_gradients_of_every_input_equal_the_rule_token_by_token(rule):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5 * np.abs(b).max())
 
 
-@fast
 def test_the_rings_call_in_float32_with_values_of_width_dk_plus_dv():
     """`ring_rule`'s summary: an identity state beside zeros, values [0 | v],
     differentiated through the state and with a cotangent on it."""

@@ -34,7 +34,6 @@ def _tiny(*overrides):
     return small_config(*TINY, *overrides)
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("impl", ["reference", "blockwise", "cudnn"])
 def test_a_window_of_w_sees_itself_and_the_w_minus_1_tokens_before_it(impl, monkeypatch):
     """Equal scores make each output the mean of the values it sees: with
@@ -52,7 +51,6 @@ def test_a_window_of_w_sees_itself_and_the_w_minus_1_tokens_before_it(impl, monk
     np.testing.assert_allclose(np.asarray(out)[0, :, 0, 0], (first_seen + np.arange(S)) / 2, rtol=1e-6)
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("window", [1, 7, 8, 9, 64])
 def test_windowed_kernels_equal_reference_with_packed_documents(window, monkeypatch):
     """Outputs and gradients of the blockwise kernel (blocks of 8: windows at,
@@ -109,7 +107,6 @@ def test_ring_with_a_window_equals_reference_attention(R, window, tile, packed):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()), err_msg=name)
 
 
-@pytest.mark.fast
 def test_the_ring_with_a_window_calls_the_kernel_for_its_chunk_and_two_halos_only():
     """Counted in the compiled program: one collective permute of the keys
     and one of the values per halo in the forward pass, outside any loop (no
@@ -204,7 +201,6 @@ def test_a_llama_with_a_window_or_layer_types_is_refused():
         small_config("model.layer_types=[full_attention,full_attention]")
 
 
-@pytest.mark.fast
 def test_transformers4_config_form_and_refusals(tmp_path):
     """rope_theta / rope_scaling / rope_local_base_freq at the top level and
     the pattern in place of layer_types, as transformers 4 wrote Gemma 3
@@ -227,7 +223,6 @@ def test_transformers4_config_form_and_refusals(tmp_path):
         jlong.from_hf(tmp_path)
 
 
-@pytest.mark.fast
 def test_the_text_model_of_an_image_text_checkpoint_matches_transformers(tmp_path, capfd):
     """A Gemma3ForConditionalGeneration checkpoint: jlong reads its text_config
     and language-model tensors, says in one line that the vision tower is

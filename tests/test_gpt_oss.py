@@ -62,7 +62,6 @@ def _mxfp4_checkpoint(path, seed=0):
     return quantized
 
 
-@pytest.mark.fast
 def test_an_mxfp4_checkpoint_is_read_as_transformers_dequantizes_it_and_gives_its_logits(tmp_path):
     """The experts equal transformers' own dequantization (`convert_moe_packed_tensors`) exactly, in float32 and
     in bfloat16; the logits over 24 tokens (an 8-token window) equal those of transformers' model loaded from the

@@ -12,7 +12,6 @@ from hf_models import ARCHITECTURES, SCALED, hf_logits, small_hf_model
 import jlong
 from jlong.errors import JlongError
 
-pytestmark = pytest.mark.fast  # every test here is quick: the fast tier (pytest -m fast)
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
@@ -27,6 +26,7 @@ def _tokens(seq_len=70, batch=2, vocab=96):
     return np.random.default_rng(1).integers(0, vocab, (batch, seq_len))
 
 
+@pytest.mark.fast
 def test_logits_match_transformers(hf_checkpoint):
     hf_model, path = hf_checkpoint
     model = jlong.from_hf(path)
@@ -36,6 +36,7 @@ def test_logits_match_transformers(hf_checkpoint):
     np.testing.assert_allclose(np.asarray(logits), hf_logits(hf_model, tokens), rtol=0, atol=1e-4)
 
 
+@pytest.mark.fast
 def test_round_trip_is_exact(hf_checkpoint, tmp_path):
     hf_model, path = hf_checkpoint
     model = jlong.from_hf(path)
@@ -49,6 +50,7 @@ def test_round_trip_is_exact(hf_checkpoint, tmp_path):
         np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(name))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", SCALED)
 def test_transformers4_config_form(name, tmp_path):
     """rope_theta / rope_scaling at the top level, as transformers 4 writes them
@@ -66,6 +68,7 @@ def test_transformers4_config_form(name, tmp_path):
     np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens))), hf_logits(hf_model, tokens), atol=1e-4)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", SCALED)
 def test_rope_scaling_is_written_back(name, tmp_path):
     """A scaled model written by jlong loads in transformers with the same
@@ -78,6 +81,7 @@ def test_rope_scaling_is_written_back(name, tmp_path):
     np.testing.assert_allclose(hf_logits(reloaded, tokens), hf_logits(hf_model, tokens), rtol=0, atol=1e-6)
 
 
+@pytest.mark.fast
 def test_yarn_without_its_original_context_takes_the_checkpoints_as_transformers_does(tmp_path):
     yarn = {"rope_type": "yarn", "factor": 4.0}
     hf_model = small_hf_model("llama", rope_scaling=yarn, max_position_embeddings=40)
@@ -88,6 +92,7 @@ def test_yarn_without_its_original_context_takes_the_checkpoints_as_transformers
     np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens))), hf_logits(hf_model, tokens), atol=1e-4)
 
 
+@pytest.mark.fast
 def test_unsupported_rope_scaling_is_one_line(tmp_path):
     small_hf_model("llama").save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -97,6 +102,7 @@ def test_unsupported_rope_scaling_is_one_line(tmp_path):
         jlong.from_hf(tmp_path)
 
 
+@pytest.mark.fast
 def test_sharded_checkpoint_is_read_and_written(tmp_path, monkeypatch):
     hf_model = small_hf_model("qwen2")
     hf_model.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
@@ -110,6 +116,7 @@ def test_sharded_checkpoint_is_read_and_written(tmp_path, monkeypatch):
     np.testing.assert_array_equal(hf_logits(reloaded, tokens), hf_logits(hf_model, tokens))
 
 
+@pytest.mark.fast
 def test_missing_files_and_tensors_are_clear_errors(tmp_path):
     with pytest.raises(JlongError, match="has no config.json"):
         jlong.from_hf(tmp_path)
@@ -119,6 +126,7 @@ def test_missing_files_and_tensors_are_clear_errors(tmp_path):
         jlong.from_hf(tmp_path)
 
 
+@pytest.mark.fast
 def test_shape_mismatch_is_a_clear_error(tmp_path):
     small_hf_model("llama", intermediate_size=48).save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())

@@ -18,7 +18,6 @@ def run_script(*args):
                           env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600)
 
 
-@pytest.mark.fast
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
     result = run_script("--out", str(tmp_path))
     assert result.returncode == 2, result.stderr

@@ -95,7 +95,6 @@ def test_training_leaves_the_base_unchanged_and_keeps_state_for_the_adapters_alo
     assert state_values < 0.2 * model_values
 
 
-@pytest.mark.fast
 def test_a_qlora_base_computes_as_its_dequantized_weights():
     """The 4-bit base's forward equals the same model run with the dequantized
     weights: the step adds no error to the quantization's. The quantization

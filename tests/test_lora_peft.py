@@ -124,7 +124,6 @@ def family(request, tmp_path_factory):
     return dict(name=name, path=tmp, program=program, peft=peft_model, base_logits=base_logits, step=step)
 
 
-@pytest.mark.fast
 def test_logits_and_adapter_gradients_equal_peft(family):
     """Logits for every family; the adapters' gradients for those of GRADIENTS (Qwen3.5's layers are
     Qwen3.5-MoE's: their gradients are checked there)."""
@@ -160,7 +159,6 @@ def test_logits_and_adapter_gradients_equal_peft(family):
         np.testing.assert_allclose(grad, want_grads[key], rtol=1e-4, atol=1e-4 * scale, err_msg=key)
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("family", GRADIENTS, indirect=True)  # Qwen3.5's layers are Qwen3.5-MoE's
 def test_fresh_adapters_leave_the_base_model(family):
     """Exactly, but where a Gated DeltaNet input projection (in_proj_qkv, _z, _b, _a) is adapted: there XLA
@@ -196,7 +194,6 @@ def lora_run(tmp_path_factory):
     return dict(path=tmp, config=config, peft=peft_model)
 
 
-@pytest.mark.fast
 def test_a_run_from_a_peft_directory_starts_with_exactly_its_adapters(lora_run):
     config = load_config(None, ["checkpoint.dir=null"], base=config_to_dict(lora_run["config"]))
     run = start(config, make_mesh(config.mesh), None, last=0)
@@ -242,7 +239,6 @@ def _trained_logits(lora_run):
     return np.asarray(program.bind(params)(jnp.asarray(TOKENS))), step
 
 
-@pytest.mark.fast
 def test_convert_writes_peft_adapters_and_a_merged_checkpoint_with_the_runs_logits(lora_run, tmp_path):
     import transformers
 

@@ -84,7 +84,6 @@ def test_tiled_loss_needs_at_most_a_quarter_of_the_untiled_temporaries():
     assert tiled <= 0.25 * untiled, (tiled, untiled)
 
 
-@pytest.mark.fast
 def test_tiled_mlp_needs_at_most_half_of_the_untiled_temporaries():
     untiled = block_probe.mlp_temp_bytes(LLAMA_SHAPED, LONG_SEQ, SP, tile=0)
     tiled = block_probe.mlp_temp_bytes(LLAMA_SHAPED, LONG_SEQ, SP, tile=256)

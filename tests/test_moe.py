@@ -84,7 +84,6 @@ def test_work_items_cover_every_row_once_within_their_bound(seed):
     assert (covered[:1000] == 1).all() and (covered[1000:] == 0).all()
 
 
-@pytest.mark.fast
 def test_a_model_on_the_triton_kernel_gives_the_ragged_dot_logits(tmp_path, monkeypatch):
     """The kernel as the model runs it on a GPU (here interpreted): the tiny Qwen3.5-MoE's logits."""
     monkeypatch.setitem(grouped_matmul.KERNELS, "triton",
@@ -110,7 +109,6 @@ def _routing_reference(hf_model, tokens, top_k):
     return float(out.loss), float(out.aux_loss), worst
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("name", ["qwen3-moe", "qwen3-moe-unnormed", "qwen3.5-moe", "gpt-oss"])
 def test_load_balancing_loss_and_expert_load_match_transformers(name, tmp_path):
     hf_model = small_hf_model(name, output_router_logits=True, router_aux_loss_coef=0.25)

@@ -68,7 +68,6 @@ def test_unit_lower_inverse_inverts():
     np.testing.assert_allclose(got @ (np.eye(64) + n), np.broadcast_to(np.eye(64), n.shape), atol=1e-4)
 
 
-@pytest.mark.fast
 def test_logits_match_transformers_across_chunks_with_yarn(tmp_path):
     """150 tokens (three chunks of the rule), both layer types, value heads
     more than key heads, the output gate, partial RoPE scaled by YaRN."""
@@ -81,7 +80,6 @@ def test_logits_match_transformers_across_chunks_with_yarn(tmp_path):
     np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens))), hf_logits(hf_model, tokens), atol=1e-4)
 
 
-@pytest.mark.fast
 def test_layers_that_repeat_run_as_one_loop_over_periods_with_transformers_logits(tmp_path):
     """Qwen3.5-27B's 64 layers compile as one loop of 16 four-layer periods;
     a model scanned by its period gives transformers' logits."""
@@ -99,7 +97,6 @@ def test_layers_that_repeat_run_as_one_loop_over_periods_with_transformers_logit
     np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens))), hf_logits(hf_model, tokens), atol=1e-4)
 
 
-@pytest.mark.fast
 def test_the_text_model_of_an_image_text_checkpoint_matches_transformers(tmp_path, capfd):
     import torch
     import transformers
@@ -120,7 +117,6 @@ def test_the_text_model_of_an_image_text_checkpoint_matches_transformers(tmp_pat
     np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens))), hf_logits(hf_model, tokens), atol=1e-4)
 
 
-@pytest.mark.fast
 def test_packed_documents_equal_the_documents_run_alone(tmp_path):
     """Three documents in one row (the middle one crossing a chunk boundary)
     give each document's logits as if it ran alone: the rule's state and

@@ -143,7 +143,6 @@ def test_eval_of_a_checkpoint_of_another_model_is_one_line(first_run, tmp_path):
     assert "saved, " in result.stderr and "configured" in result.stderr
 
 
-@pytest.mark.fast
 def test_convert_says_what_it_wrote_with_normal_permissions_and_never_overwrites(first_run, tmp_path):
     mask = os.umask(0o022)
     try:

@@ -143,7 +143,6 @@ def _bad_shard_directories(tmp_path, inputs):
     }
 
 
-@pytest.mark.fast
 def test_a_bad_shard_directory_is_one_line_before_anything_compiles(tmp_path, inputs):
     for name, (directory, message) in _bad_shard_directories(tmp_path, inputs).items():
         config = tmp_path / f"{name.replace(' ', '_')}.yaml"

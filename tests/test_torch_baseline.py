@@ -54,7 +54,6 @@ def test_grad_norms_agree(runs):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), a["step"]
 
 
-@pytest.mark.fast
 def test_compare_prints_side_by_side_and_plots(runs, capsys):
     plot = runs / "losses.png"
     compare.main([str(runs / "jlong"), str(runs / "torch"), "--plot", str(plot)])
