@@ -32,6 +32,7 @@ def test_plan_is_the_function_whatever_was_imported_and_matches_the_command_line
     assert first.as_dict() == printed
 
 
+@pytest.mark.slow  # a second maxlen search; CI runs test_planner's
 def test_maxlen_reports_every_setting_and_a_refused_one():
     base = small_long("memory.mlp_tile=1024", "memory.loss_tile=1024", "train.seq_len=8192")
     budget = memory_plan(small_long("memory.mlp_tile=1024", "memory.loss_tile=1024",

@@ -49,6 +49,7 @@ def test_every_gpu_case_is_a_valid_config_of_its_model():
     assert families == {"llama", "qwen3_5_text", "qwen3_5_moe_text"}
 
 
+@pytest.mark.slow  # the GPU run rehearsed end to end, as the long tier's other rehearsals
 def test_the_rehearsal_plans_trains_and_measures_what_the_gpu_run_does(tmp_path):
     result = run_script("--rehearse", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr[-2000:]

@@ -179,3 +179,28 @@ def test_a_qlora_run_trains_through_the_compiled_step(tmp_path):
     arrays init made): the 4-bit codes travel packed two to a byte."""
     records = train(run_config(tmp_path, *LORA, "lora.base_dtype=nf4", "train.steps=2", "checkpoint.dir=null"))
     assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("inputs, in_shape, out_shape", [
+    (2, (3, 4), (32,)),   # an output projection of three heads: narrow in, one joined product
+    (1, (32,), (3, 4)),   # an input projection: wide in, two products
+])
+def test_an_adapted_weight_computes_its_merged_weight_and_its_adapters_gradients(inputs, in_shape, out_shape):
+    """x @ Adapted(w, a, b) = x @ (w + a b) in both of matmul's forms, and so do the gradients of a and b."""
+    from jlong.ops.adapted import Adapted, matmul
+
+    rng = np.random.default_rng(0)
+    x, w, a, b = (jax.numpy.asarray(rng.standard_normal(shape), jax.numpy.float32) for shape in
+                  [(2, 5, *in_shape), (*in_shape, *out_shape), (*in_shape, 4), (4, *out_shape)])
+
+    def adapted(a, b):
+        return jax.numpy.sum(jax.numpy.sin(matmul(x, Adapted(w, a, b, inputs), inputs)))
+
+    def merged(a, b):
+        return jax.numpy.sum(jax.numpy.sin(jax.numpy.tensordot(x, w + jax.numpy.tensordot(a, b, axes=1), inputs)))
+
+    got, want = jax.value_and_grad(adapted, (0, 1))(a, b), jax.value_and_grad(merged, (0, 1))(a, b)
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
+    for g, m in zip(got[1], want[1]):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(m), rtol=1e-4, atol=1e-4)

@@ -81,6 +81,7 @@ def _signal_at(process, run_dir: Path, steps: int, delay: float, signals: list) 
         process.send_signal(signum)
 
 
+@pytest.mark.slow  # CI keeps the SIGKILL case; signals at random moments are the long tier's
 def test_stop_signals_at_random_moments_save_and_resume_to_the_same_losses(tmp_path, uninterrupted_long_run):
     """SIGTERM or SIGUSR1 at start-up, during a step, and right after a step,
     while its checkpoint is written (with a second signal 10 ms later): each
@@ -107,6 +108,7 @@ def test_stop_signals_at_random_moments_save_and_resume_to_the_same_losses(tmp_p
     assert logged_losses(run_dir) == uninterrupted_long_run
 
 
+@pytest.mark.slow  # CI keeps the SIGKILL case; Ctrl-C at random moments is the long tier's
 def test_ctrl_c_at_random_moments_saves_and_resumes_to_the_same_losses(tmp_path, uninterrupted_long_run):
     """The first Ctrl-C stops after the step under way with its checkpoint
     and exit status 130, whether it comes during start-up, mid-step or while a

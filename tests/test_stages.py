@@ -132,6 +132,7 @@ def test_each_stage_ends_with_an_evaluation_and_its_checkpoint_names_the_stage(t
     checkpoints.close()
 
 
+@pytest.mark.slow  # CI resumes killed runs in test_reliability; a killed curriculum is the long tier's
 def test_a_staged_run_killed_mid_stage_resumes_exactly(uninterrupted, tmp_path):
     """SIGKILL a few milliseconds after step 3 (stage 2) is logged, then the same command."""
     records, _ = uninterrupted

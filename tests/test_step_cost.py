@@ -270,6 +270,7 @@ def test_plan_prints_the_step_cost(tmp_path):
     assert "not a measurement" in text.stdout and "tokens/s" in text.stdout and "kernel launches" in text.stdout
 
 
+@pytest.mark.slow  # a search over many compiled plans; CI prices single plans in the tests above
 @needs_gpu_compiler
 def test_fastest_ranks_the_fitting_settings_by_estimated_tokens_per_s():
     result = run_cli("maxlen", "configs/tiny.yaml", "data.source=synthetic", "--target", "h100", "--fastest",

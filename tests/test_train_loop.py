@@ -71,7 +71,8 @@ def _free_port() -> int:
 @pytest.mark.parametrize("mesh, signalled", [
     ([], 1),
     # the planner's memory choice, made by each process against the tightest budgets: one program for both
-    (["mesh.fsdp=1", "mesh.ring=2", "checkpoint.dir=null", "memory.remat=auto"], None),
+    # the long tier's: CI keeps two processes on the first (a compile of over a minute on its 2 cores)
+    pytest.param(["mesh.fsdp=1", "mesh.ring=2", "checkpoint.dir=null", "memory.remat=auto"], None, marks=pytest.mark.slow),
 ], ids=["fsdp-sp-one-process-signalled", "ring-across-processes-with-the-memory-choice"])
 def test_two_processes_train_like_one(tmp_path, uninterrupted, mesh, signalled):
     """4 CPU devices per process; with mesh.ring=2 (x sp=4) the ring's two
