@@ -18,6 +18,7 @@ diagonal (exact: the zero blocks add nothing); `matmul` multiplies.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -81,8 +82,20 @@ def concatenate(pieces: list, axis: int):
 
 
 def matmul(x, w, inputs: int):
-    """x [..., *input axes] times w: [..., *output axes]."""
+    """x [..., *input axes] times w: [..., *output axes].
+
+    With adapters, x @ w + (x @ a) @ b. Where the inputs are narrower than the
+    outputs (an output projection of a few heads: [S, U d] -> [S, D]), one
+    product [x | x @ a] @ [w ; b] makes a single output where two would be
+    live before their sum; the copy of x it makes is the smaller buffer.
+    Elsewhere (x [S, D] in), the two products: copying x would cost more."""
     if not isinstance(w, Adapted):
         return jnp.tensordot(x, w, axes=inputs)
     low = jnp.tensordot(x, w.a, axes=inputs)
-    return jnp.tensordot(x, w.w, axes=inputs) + jnp.tensordot(low, w.b, axes=1)
+    in_shape, out_shape = w.w.shape[:inputs], w.w.shape[inputs:]
+    if math.prod(in_shape) >= math.prod(out_shape):
+        return jnp.tensordot(x, w.w, axes=inputs) + jnp.tensordot(low, w.b, axes=1)
+    batch = x.shape[:x.ndim - inputs]
+    joined_x = jnp.concatenate([x.reshape(*batch, -1), low.astype(x.dtype)], axis=-1)
+    joined_w = jnp.concatenate([w.w.reshape(-1, *out_shape), w.b.astype(w.w.dtype)], axis=0)
+    return jnp.tensordot(joined_x, joined_w, axes=1)
