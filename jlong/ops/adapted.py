@@ -24,6 +24,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jlong.ops.tiling import varying_like
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +89,9 @@ def matmul(x, w, inputs: int):
     With adapters, x @ w + (x @ a) @ b. Where the inputs are narrower than the
     outputs (an output projection of a few heads: [S, U d] -> [S, D]), one
     product [x | x @ a] @ [w ; b] makes a single output where two would be
-    live before their sum; the copy of x it makes is the smaller buffer.
-    Elsewhere (x [S, D] in), the two products: copying x would cost more."""
+    live before their sum; the copy of x it makes is the smaller buffer, and
+    its backward forms no gradient of w. Elsewhere (x [S, D] in), the two
+    products: copying x would cost more."""
     if not isinstance(w, Adapted):
         return jnp.tensordot(x, w, axes=inputs)
     low = jnp.tensordot(x, w.a, axes=inputs)
@@ -96,6 +99,32 @@ def matmul(x, w, inputs: int):
     if math.prod(in_shape) >= math.prod(out_shape):
         return jnp.tensordot(x, w.w, axes=inputs) + jnp.tensordot(low, w.b, axes=1)
     batch = x.shape[:x.ndim - inputs]
-    joined_x = jnp.concatenate([x.reshape(*batch, -1), low.astype(x.dtype)], axis=-1)
-    joined_w = jnp.concatenate([w.w.reshape(-1, *out_shape), w.b.astype(w.w.dtype)], axis=0)
-    return jnp.tensordot(joined_x, joined_w, axes=1)
+    frozen, b = varying_like((w.w.reshape(-1, *out_shape), w.b.astype(w.w.dtype)), x)  # db: this device's part
+    return _joined_matmul(x.reshape(*batch, -1), low.astype(x.dtype), frozen, b)
+
+
+@jax.custom_vjp
+def _joined_matmul(x, low, w, b):
+    """[x | low] @ [w ; b], x [..., K], low [..., r], w [K, *out], b [r, *out]."""
+    return jnp.tensordot(jnp.concatenate([x, low], axis=-1), jnp.concatenate([w, b], axis=0), axes=1)
+
+
+def _joined_matmul_forward(x, low, w, b):
+    return _joined_matmul(x, low, w, b), (low, w, b)
+
+
+def _joined_matmul_backward(residuals, dy):
+    """dx and dlow from one product with [w ; b]; db from low; no gradient of the frozen w (autodiff of the
+    joined product would form all of [w ; b]'s, x^T dy included, and drop w's part)."""
+    low, w, b = residuals
+    joined_w = jnp.concatenate([w, b], axis=0)
+    out_axes = tuple(range(1, w.ndim))
+    dy_axes = tuple(range(dy.ndim - len(out_axes), dy.ndim))
+    d_joined = jnp.tensordot(dy, joined_w, axes=(dy_axes, out_axes)).astype(low.dtype)
+    dx, dlow = d_joined[..., :w.shape[0]], d_joined[..., w.shape[0]:]
+    batch_axes = tuple(range(low.ndim - 1))
+    db = jnp.tensordot(low, dy, axes=(batch_axes, batch_axes)).astype(b.dtype)
+    return dx, dlow, None, db
+
+
+_joined_matmul.defvjp(_joined_matmul_forward, _joined_matmul_backward)
