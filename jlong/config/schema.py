@@ -134,7 +134,8 @@ class ModelConfig(_Section):
     low_freq_factor, high_freq_factor, original_max_position_embeddings`) or `yarn` (`factor,
     original_max_position_embeddings`; optional `beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim,
     truncate`), read from either config.json form (transformers 4's `rope_scaling`, 5's `rope_parameters`) and
-    written back by `jlong convert`; other types are refused."""
+    written back by `jlong convert`; other types are refused. Each gives transformers' logits (float32, 1e-4,
+    tested past the original context)."""
     rms_norm_eps: Number = 1e-5
     """RMSNorm's epsilon."""
     tie_word_embeddings: Flag = False
