@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     maxlen = commands.add_parser(
         "maxlen", help="the longest train.seq_len whose planned step fits the budgets",
         description="Plans the configured train step at growing sequence lengths (doubling, then "
-        "bisection) and reports the longest that fits both budgets: device memory per device "
+        "bisection, each a multiple of sp times the tiles) and reports the longest that fits both budgets: device memory per device "
         "(--budget-gib) and host memory per node (--host-budget-gib), saying which binds. With "
         "--fastest, ranks the --search settings by estimated tokens/s at the configured length.",
     )
