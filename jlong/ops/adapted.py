@@ -114,14 +114,14 @@ def _joined_matmul_forward(x, low, w, b):
 
 
 def _joined_matmul_backward(residuals, dy):
-    """dx and dlow from one product with [w ; b]; db from low; no gradient of the frozen w (autodiff of the
-    joined product would form all of [w ; b]'s, x^T dy included, and drop w's part)."""
+    """dx = dy w^T and dlow = dy b^T apart (one joined product would need a joined buffer and two slices of
+    it), db from low, and no gradient of the frozen w (autodiff of the joined product would form all of
+    [w ; b]'s, x^T dy included, and drop w's part)."""
     low, w, b = residuals
-    joined_w = jnp.concatenate([w, b], axis=0)
     out_axes = tuple(range(1, w.ndim))
     dy_axes = tuple(range(dy.ndim - len(out_axes), dy.ndim))
-    d_joined = jnp.tensordot(dy, joined_w, axes=(dy_axes, out_axes)).astype(low.dtype)
-    dx, dlow = d_joined[..., :w.shape[0]], d_joined[..., w.shape[0]:]
+    dx = jnp.tensordot(dy, w, axes=(dy_axes, out_axes)).astype(low.dtype)
+    dlow = jnp.tensordot(dy, b, axes=(dy_axes, out_axes)).astype(low.dtype)
     batch_axes = tuple(range(low.ndim - 1))
     db = jnp.tensordot(low, dy, axes=(batch_axes, batch_axes)).astype(b.dtype)
     return dx, dlow, None, db
