@@ -13,8 +13,8 @@ after another:
   after the first and the device's peak bytes (`peak_bytes_in_use`), beside the plan of the same
   config (`--plan`'s deviceless XLA:GPU compile, recorded in PLANNED: planned device bytes and the
   estimated step time) and the memory analysis of this GPU's own compile of it. One step of four
-  layers at the whole configs' lengths takes minutes (est. 370 s for the 8B's attention at 983,040
-  tokens, 64 s for the 70B's at 208,896), so they run shorter (98,304 and 49,152 tokens: est. 8.5 s
+  layers at the whole configs' lengths takes minutes (est. about 420 s for the 8B's attention at
+  1,048,576 tokens, 64 s for the 70B's at 208,896), so they run shorter (98,304 and 49,152 tokens: est. 8.5 s
   and 10 s a step, three steps each);
 - `compile` cases: the configs' own lengths, compiled for this GPU and not run: its memory analysis
   beside the deviceless plan (the same compiler on a real device against none).
@@ -79,7 +79,7 @@ class Case:
 GPU_CASES = (
     Case("8B LoRA, 4 layers, 98,304 tokens", EIGHT_B, (*FOUR_LAYERS, "train.seq_len=98304"), run=True),
     Case("70B QLoRA, 4 layers, 49,152 tokens", SEVENTY_B, (*FOUR_LAYERS, "train.seq_len=49152"), run=True),
-    Case("8B LoRA, 4 layers, the config's 983,040 tokens", EIGHT_B, FOUR_LAYERS, run=False, limit_s=60),
+    Case("8B LoRA, 4 layers, the config's 1,048,576 tokens", EIGHT_B, FOUR_LAYERS, run=False, limit_s=60),
     Case("70B QLoRA, 4 layers, the config's 208,896 tokens", SEVENTY_B, FOUR_LAYERS, run=False, limit_s=60),
 )
 # The rehearsal: the same pipeline on tiny shapes (the configs' stacks, the models shrunk), on the CPU.
