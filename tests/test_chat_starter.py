@@ -142,6 +142,10 @@ def test_the_module_writes_training_and_held_out_conversations(tmp_path, capsys)
     assert len(train) == 5 and len(held) == 2 and not set(train) & set(held)
     assert "wrote 5 conversations" in capsys.readouterr().out
     assert (tmp_path / "tokenizer" / "tokenizer.json").read_bytes() == (SHIPPED / "tokenizer.json").read_bytes()
+    (tmp_path / "data" / "chats.jsonl").write_text("mine\n")  # a file already there is kept, and said so
+    chat_starter.main([str(tmp_path / "data"), "--conversations", "5", "--held-out", "2"])
+    assert (tmp_path / "data" / "chats.jsonl").read_text() == "mine\n"
+    assert "kept " in capsys.readouterr().out
 
 
 def test_the_readmes_commands_fine_tune_the_tiny_model_with_a_falling_loss(tmp_path):

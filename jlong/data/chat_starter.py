@@ -222,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out_dir)
     for path, count, seed in ((out / "chats.jsonl", args.conversations, args.seed),
                               (out / "held-out.jsonl", args.held_out, args.seed + 1)):
+        if path.exists():  # never over a file that may be someone's own data; the same seed writes the same
+            print(f"kept {path} (it exists; remove it to write {count:,} conversations anew)")
+            continue
         write_conversations(path, count, seed)
         print(f"wrote {count:,} conversations to {path}")
     if args.tokenizer:
