@@ -163,13 +163,15 @@ def grouped_shapes(quick: bool) -> list:
     return GROUPED_SHAPES[:1] if quick else GROUPED_SHAPES
 
 
-def jax_part(rehearse: bool, quick: bool, workdir: Path) -> dict:
+def jax_part(rehearse: bool, quick: bool, workdir: Path, tiles: Path | None = None) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from jlong.linear_attention import gated_delta, gated_delta_triton
     from jlong.moe import grouped_matmul_triton
+
+    settings = _set_tiles(tiles, {"grouped_matmul": grouped_matmul_triton, "gated_delta": gated_delta_triton})
 
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and not rehearse:
@@ -224,7 +226,23 @@ def jax_part(rehearse: bool, quick: bool, workdir: Path) -> dict:
         dense_shape = {"M": M, "K": K, "N": N, "label": label}
         rows.extend(_matmul_rows("dense_gemm", "jax", lambda x, w: x @ w, (xb, wb[0]), dyb, dense_shape,
                                  2.0 * M * K * N, None, median))
-    return {"rows": rows, "rates": rates, "versions": _jax_versions(on_gpu), "device": _jax_device()}
+    return {"rows": rows, "rates": rates, "versions": _jax_versions(on_gpu), "device": _jax_device(),
+            "tiles": settings}
+
+
+def _set_tiles(tiles: Path | None, modules: dict) -> dict:
+    """Each kernel module's constants set to the fastest candidate of a
+    `kernel_tiles.py` report (none: the modules' own); the settings run."""
+    from kernel_tiles import best_settings
+
+    report = json.loads(tiles.read_text()) if tiles else None
+    settings = {}
+    for kernel, module in modules.items():
+        chosen = best_settings(report, kernel) if report and kernel in report else {}
+        for name, value in chosen.items():
+            setattr(module, name, value)  # read by the kernels when traced
+        settings[kernel] = {"from": str(tiles.name) if chosen else "the module's defaults", **chosen}
+    return settings
 
 
 def _gated_delta_outputs(rule, inputs, cotangent):
@@ -249,15 +267,16 @@ def _recurrence_rates(bf16, f32, cotangent, shape, median) -> list[dict]:
     heads = lambda t: t.reshape(B * H, *t.shape[2:])  # noqa: E731
     mats = [heads(t).astype(jnp.bfloat16) for t in (terms.u, terms.w, terms.a, terms.qr, terms.kw)]
     decay, state = heads(terms.decay), heads(state)
-    forward = jax.jit(lambda *a: gdt._forward(*a, False))
-    outputs = forward(*mats, decay, state)
+    u, w, a, qr, kw = mats
+    forward = jax.jit(lambda *t: gdt._forward(*t, False))
+    _, states, _ = forward(u, w, kw, decay, state)
     do = jnp.moveaxis(cotangent.reshape(B, T, H, dv), 2, 1).reshape(B * H, -1, gdt.CHUNK, dv)
-    backward = jax.jit(lambda do, final, w, a, qr, kw, decay: gdt._backward(do, final, w, a, qr, kw, decay, False))
+    backward = jax.jit(lambda *t: gdt._backward(*t, False))
     dims = [list(m.shape) for m in mats]
-    flops = gdt.call_flops(gdt.TRITON_CALL, f'name = "{gdt.FORWARD}", num_stages', dims, ())
     result = []
-    for name, fn, args in (("forward", forward, (*mats, decay, state)),
-                           ("backward", backward, (do, outputs[1], *mats[1:], decay))):
+    for name, kernel, fn, args in (("forward", gdt.FORWARD, forward, (u, w, kw, decay, state)),
+                                   ("backward", gdt.BACKWARD, backward, (do, states[:, 0], w, a, qr, kw, decay))):
+        flops = gdt.call_flops(gdt.TRITON_CALL, f'name = "{kernel}", num_stages', dims, ())
         seconds = median(fn, *args)
         result.append({"name": f"gated_delta recurrence {name}", "shape": shape, "seconds": seconds,
                        "tflops": flops / seconds / 1e12, "share_of_bf16_peak": flops / seconds / PEAK_BF16})
@@ -349,12 +368,14 @@ def torch_part(quick: bool, workdir: Path) -> dict:
         versions["triton"] = triton.__version__
     except ImportError:
         pass
+    fla_note = None
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         import fla
 
         versions["fla"] = getattr(fla, "__version__", "unknown")
+        fla_note = _allow_flas_backward_on_this_triton()
     except ImportError as exc:
         chunk_gated_delta_rule, fla_missing = None, str(exc)
     cuda = torch.device("cuda")
@@ -403,7 +424,7 @@ def torch_part(quick: bool, workdir: Path) -> dict:
                     want = [reference[f"arr_{i}"] for i in range(6)]
                     error = pass_error(pass_, got[0] if pass_ == "fwd" else got[1:], want[0], want[1:])
                 rows.append(row("gated_delta", "fla", pass_, shape, tokens_per_s=B * T / seconds, error=error,
-                                seconds=seconds))
+                                seconds=seconds, note=fla_note if pass_ == "fwd+bwd" else None))
             except Exception as exc:  # noqa: BLE001
                 rows.append(failed("gated_delta", "fla", pass_, shape, exc))
         del q, k, v, g, beta, do
@@ -430,6 +451,19 @@ def torch_part(quick: bool, workdir: Path) -> dict:
         del xb, wb, dyb
         torch.cuda.empty_cache()
     return {"rows": rows, "versions": versions}
+
+
+def _allow_flas_backward_on_this_triton() -> str | None:
+    """FLA 0.6 refuses its gated backward on Hopper under Triton 3.4-3.7.0
+    (its issue #640: wrong results from one kernel there). The race times it
+    anyway, its error column showing whether it was wrong here; the note
+    says so. None where FLA would have run it unasked."""
+    from fla.ops.common import chunk_o
+
+    if not (chunk_o.IS_NVIDIA_HOPPER and chunk_o.TRITON_ABOVE_3_4_0 and not chunk_o.TRITON_ABOVE_3_7_1):
+        return None
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    return "FLA's refusal on this Triton (its #640) bypassed: see the error"
 
 
 def _torch_grouped_reference(x, w, dy, sizes):
@@ -505,6 +539,7 @@ def run_child(part: str, args, workdir: Path, limit_s: float | None) -> dict:
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     command = [sys.executable, str(HERE), "--part", part, "--workdir", str(workdir)]
     command += ["--rehearse"] * args.rehearse + ["--quick"] * args.quick
+    command += ["--tiles", str(args.tiles.resolve())] if args.tiles else []
     try:
         returncode = subprocess.run(command, env=env, timeout=limit_s).returncode
     except subprocess.TimeoutExpired:
@@ -535,13 +570,15 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="T = 8,192 and 32,768 of 16 heads, the first expert shape (a short device lease)")
     parser.add_argument("--part-limit", type=float, help="seconds each framework's part may run (default: none)")
+    parser.add_argument("--tiles", type=Path,
+                        help="a kernel_tiles.py report: jlong's kernels run at its fastest tiles (default: theirs)")
     parser.add_argument("--part", choices=("jax", "torch"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.part:
         global STREAM
         STREAM = args.workdir / f"{args.part}.jsonl"
-        result = (jax_part(args.rehearse, args.quick, args.workdir) if args.part == "jax" else
+        result = (jax_part(args.rehearse, args.quick, args.workdir, args.tiles) if args.part == "jax" else
                   torch_part(args.quick, args.workdir))
         (args.workdir / f"{args.part}.json").write_text(json.dumps(result))
         return 0
@@ -567,6 +604,7 @@ def main(argv=None) -> int:
         "seconds": round(time.time() - started, 1),
         "rows": jax_result["rows"] + torch_result["rows"],
         "rates": jax_result["rates"],
+        "tiles": jax_result.get("tiles", {}),
         "unfinished": [r["unfinished"] for r in (jax_result, torch_result) if "unfinished" in r],
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -600,8 +638,7 @@ def markdown(report: dict) -> str:
         shape = ", ".join(f"{k}={v}" for k, v in r["shape"].items())
         error = "" if r["max_rel_error"] is None else f"{r['max_rel_error']:.1e}"
         shown = "" if rate is None else (f"{rate:,.0f} {unit}" if unit == "tokens/s" else f"{rate:.1f} {unit}")
-        table.append([r["kernel"], r["impl"], r["pass"], shape, r["status"] + (f" ({r['note']})" if r["note"] and
-                      r["status"] != "ok" else ""), shown, error, versus, versus_dense])
+        table.append([r["kernel"], r["impl"], r["pass"], shape, r["status"] + (f" ({r['note']})" if r["note"] else ""), shown, error, versus, versus_dense])
     device = report["device"]
     head = [
         "# Kernel race" + (" (rehearsal on the CPU: jlong's kernels interpreted, nothing timed means anything)"
@@ -623,6 +660,10 @@ def markdown(report: dict) -> str:
     if report["unfinished"]:
         head += ["", "Parts that did not finish (their rows above are those measured before): "
                  + "; ".join(report["unfinished"]) + "."]
+    if report.get("tiles"):
+        head += ["", "jlong's kernels ran at: " + "; ".join(
+            f"{kernel} " + ", ".join(f"{k}={v}" for k, v in settings.items()) for kernel, settings in
+            report["tiles"].items()) + "."]
     if report["rates"]:
         head += ["", "The Triton gated delta rule's recurrence kernels alone (what the planner prices them at):", "",
                  markdown_table(["kernel", "seconds", "TFLOP/s", "share of bf16 peak"],

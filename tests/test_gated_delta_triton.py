@@ -107,14 +107,17 @@ def test_the_registry_runs_it_interpreted_where_asked_and_auto_picks_it_on_gpus(
 
 @fast
 def test_the_kernels_calls_are_priced_at_their_recurrences_flops():
-    """Forward and backward alike: 2 C (3 dk + C) per chunk, head and value column."""
-    forward = 'name = "gated_delta_forward", num_stages = 1'
+    """Per chunk, head and value column: the forward's two products 4 C dk, the backward's four 2 C (3 dk + C)."""
     BH, n, C, dv, dk = 48, 2048, 64, 128, 128
     dims = [[BH, n, C, dv], [BH, n, C, dk], [BH, n, C, C]]
-    flops = gated_delta_triton.call_flops(gated_delta_triton.TRITON_CALL, forward, dims, (BH, n, C, dv))
-    assert flops == 2.0 * BH * n * C * dv * (3 * dk + C)
-    assert gated_delta_triton.call_flops("other", forward, dims, ()) is None
-    assert pricing.kernel_flops(gated_delta_triton.TRITON_CALL, forward, dims, (BH, n, C, dv)) == (flops, "gated delta")
+    for name, per_column in ((gated_delta_triton.FORWARD, 4 * C * dk),
+                             (gated_delta_triton.BACKWARD, 2 * C * (3 * dk + C))):
+        attributes = f'name = "{name}", num_stages = 1'
+        flops = gated_delta_triton.call_flops(gated_delta_triton.TRITON_CALL, attributes, dims, (BH, n, C, dv))
+        assert flops == BH * n * dv * per_column
+        assert pricing.kernel_flops(gated_delta_triton.TRITON_CALL, attributes, dims, (BH, n, C, dv)) == \
+            (flops, "gated delta")
+        assert gated_delta_triton.call_flops("other", attributes, dims, ()) is None
 
 
 @needs_gpu_compiler

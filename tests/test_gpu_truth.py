@@ -30,7 +30,7 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2():
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("script", ["gpu_kernels.py", "grouped_matmul_tiles.py"])
+@pytest.mark.parametrize("script", ["gpu_kernels.py", "kernel_tiles.py"])
 def test_the_gpu_only_kernel_scripts_refuse_without_a_gpu_in_one_line(script):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     result = subprocess.run([sys.executable, str(REPO / "experiments" / script)], capture_output=True, text=True,

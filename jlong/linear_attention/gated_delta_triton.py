@@ -7,12 +7,14 @@ same kernels on the CPU, as the tests do).
    attention and decays, as batched XLA operations over all chunks (large
    kernels, a fixed number of them whatever the length);
 2. the forward kernel walks the chunks of one (sequence, head) and block of
-   value columns, the state [dk, block_v] kept on chip in float32:
+   value columns, the state [dk, block_v] kept on chip in float32, and does
+   only what the next chunk waits for:
 
-       v_new = u - w S,   o = qr S + a v_new,   S <- decay S + kw^T v_new
+       v_new = u - w S,   S <- decay S + kw^T v_new
 
-   writing o, the state entering each chunk and v_new (the backward pass
-   needs them);
+   writing the state entering each chunk and v_new; the outputs
+   o = qr S + a v_new are then batched products over all chunks (as FLA
+   splits its forward into the state pass and the output pass);
 3. the backward kernel walks the chunks in reverse with the state's
    gradient dS on chip:
 
@@ -21,9 +23,10 @@ same kernels on the CPU, as the tests do).
    and the gradients of the chunk terms are again batched XLA products over
    all chunks, through which autodiff reaches q, k, v, g and beta.
 
-The matrices enter the kernels in bf16 when v is bf16 (as FLA's do; the
-state and every accumulation stay float32) and in float32 otherwise (the
-ring's summaries, the tests). Same contract as `gated_delta.chunked`.
+The matrices enter the kernels and the batched products in bf16 when v is
+bf16 (as FLA's do; the state and every accumulation stay float32) and in
+float32 at the highest precision otherwise (the ring's summaries, the
+tests). Same contract as `gated_delta.chunked`.
 """
 
 from __future__ import annotations
@@ -81,20 +84,17 @@ def _block_v(dv: int) -> int:
     return block
 
 
-def _forward_kernel(u_ref, w_ref, a_ref, qr_ref, kw_ref, decay_ref, state_ref, o_ref, final_ref, states_ref,
-                    v_new_ref, *, chunks: int, block_v: int):
+def _forward_kernel(u_ref, w_ref, kw_ref, decay_ref, state_ref, final_ref, states_ref, v_new_ref, *, chunks: int,
+                    block_v: int):
     bh, columns = pl.program_id(0), pl.ds(pl.program_id(1) * block_v, block_v)
     operand = w_ref.dtype
 
     def one_chunk(c, S):
         load = lambda ref, *index: plgpu.load(ref.at[bh, c, *index])  # noqa: E731
         plgpu.store(states_ref.at[bh, c, :, columns], S)
-        S_op = S.astype(operand)
-        v_new = load(u_ref, slice(None), columns).astype(jnp.float32) - plgpu.dot(load(w_ref), S_op)
+        v_new = load(u_ref, slice(None), columns).astype(jnp.float32) - plgpu.dot(load(w_ref), S.astype(operand))
         plgpu.store(v_new_ref.at[bh, c, :, columns], v_new)
-        v_new_op = v_new.astype(operand)
-        plgpu.store(o_ref.at[bh, c, :, columns], plgpu.dot(load(qr_ref), S_op) + plgpu.dot(load(a_ref), v_new_op))
-        return S * plgpu.load(decay_ref.at[bh, c]) + plgpu.dot(load(kw_ref), v_new_op, trans_a=True)
+        return S * plgpu.load(decay_ref.at[bh, c]) + plgpu.dot(load(kw_ref), v_new.astype(operand), trans_a=True)
 
     state = plgpu.load(state_ref.at[bh, :, columns])
     plgpu.store(final_ref.at[bh, :, columns], jax.lax.fori_loop(0, chunks, one_chunk, state))
@@ -130,14 +130,28 @@ def _call(kernel, name: str, out_shapes, grid, interpret: bool):
     )
 
 
-def _forward(u, w, a, qr, kw, decay, state, interpret):
-    """o [BH, n, C, dv], the final state [BH, dk, dv], the state entering each
-    chunk [BH, n, dk, dv] and v_new [BH, n, C, dv], all float32."""
+def _forward(u, w, kw, decay, state, interpret):
+    """The final state [BH, dk, dv], the state entering each chunk
+    [BH, n, dk, dv] and v_new [BH, n, C, dv], all float32."""
     (BH, n, C, dv), dk = u.shape, w.shape[-1]
     block_v = _block_v(dv)
     kernel = functools.partial(_forward_kernel, chunks=n, block_v=block_v)
-    shapes = [(BH, n, C, dv), (BH, dk, dv), (BH, n, dk, dv), (BH, n, C, dv)]
-    return _call(kernel, FORWARD, shapes, (BH, dv // block_v), interpret)(u, w, a, qr, kw, decay, state)
+    shapes = [(BH, dk, dv), (BH, n, dk, dv), (BH, n, C, dv)]
+    return _call(kernel, FORWARD, shapes, (BH, dv // block_v), interpret)(u, w, kw, decay, state)
+
+
+def _by_chunk(spec: str, x, y, operand):
+    """A product batched over all chunks: in `operand` (bf16 or float32) with
+    float32 accumulation, float32 at the highest precision."""
+    precision = jax.lax.Precision.HIGHEST if operand == jnp.float32 else None
+    return jnp.einsum(spec, x.astype(operand), y.astype(operand), precision=precision,
+                      preferred_element_type=jnp.float32)
+
+
+def _outputs(qr, a, states, v_new):
+    """o = qr S + a v_new [BH, n, C, dv] for every chunk at once."""
+    operand = qr.dtype
+    return _by_chunk("bnck,bnkv->bncv", qr, states, operand) + _by_chunk("bncj,bnjv->bncv", a, v_new, operand)
 
 
 def _backward(do, d_final, w, a, qr, kw, decay, interpret):
@@ -153,12 +167,12 @@ def _backward(do, d_final, w, a, qr, kw, decay, interpret):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _recurrence(u, w, a, qr, kw, decay, state, interpret):
     """(o [BH, T, dv], final state) of the chunks' terms [BH, n, ...] from `state` [BH, dk, dv]."""
-    o, final, _, _ = _forward(u, w, a, qr, kw, decay, state, interpret)
-    return o.reshape(o.shape[0], -1, o.shape[-1]), final
+    return _recurrence_forward(u, w, a, qr, kw, decay, state, interpret)[0]
 
 
 def _recurrence_forward(u, w, a, qr, kw, decay, state, interpret):
-    o, final, states, v_new = _forward(u, w, a, qr, kw, decay, state, interpret)
+    final, states, v_new = _forward(u, w, kw, decay, state, interpret)
+    o = _outputs(qr, a, states, v_new)
     return (o.reshape(o.shape[0], -1, o.shape[-1]), final), (w, a, qr, kw, decay, states, v_new)
 
 
@@ -166,15 +180,15 @@ def _recurrence_backward(interpret, saved, cotangents):
     w, a, qr, kw, decay, states, v_new = saved
     do, d_final = cotangents
     BH, n, C, dk = w.shape
-    do = do.reshape(BH, n, C, -1)
-    d_v_new, d_next, d_state = _backward(do.astype(w.dtype), d_final, w, a, qr, kw, decay, interpret)
+    operand = w.dtype
+    do = do.reshape(BH, n, C, -1).astype(operand)
+    d_v_new, d_next, d_state = _backward(do, d_final, w, a, qr, kw, decay, interpret)
     # The chunk terms' gradients, for all chunks at once.
-    by_chunk = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
     d_u = d_v_new
-    d_w = -by_chunk("bncv,bnkv->bnck", d_v_new, states)
-    d_a = by_chunk("bncv,bnjv->bncj", do, v_new)
-    d_qr = by_chunk("bncv,bnkv->bnck", do, states)
-    d_kw = by_chunk("bncv,bnkv->bnck", v_new, d_next)
+    d_w = -_by_chunk("bncv,bnkv->bnck", d_v_new, states, operand)
+    d_a = _by_chunk("bncv,bnjv->bncj", do, v_new, operand)
+    d_qr = _by_chunk("bncv,bnkv->bnck", do, states, operand)
+    d_kw = _by_chunk("bncv,bnkv->bnck", v_new, d_next, operand)
     d_decay = jnp.einsum("bnkv,bnkv->bn", states, d_next)
     cast = lambda t, like: t.astype(like.dtype)  # noqa: E731
     return (cast(d_u, w), cast(d_w, w), cast(d_a, a), cast(d_qr, qr), cast(d_kw, kw), d_decay, d_state)
@@ -185,12 +199,13 @@ _recurrence.defvjp(_recurrence_forward, _recurrence_backward)
 
 def call_flops(target: str, attributes: str, operand_dims: list, result_dims: tuple) -> float | None:
     """The FLOPs of one of these kernels' calls in a compiled program, for the
-    planner: per chunk and value column, the four products of the
-    recurrence, 2 C (3 dk + C) (forward and backward alike); None for any
-    other call."""
+    planner: per chunk and value column, the forward's two products
+    (w S, kw^T v_new) 4 C dk, the backward's four 2 C (3 dk + C); None for
+    any other call."""
     names = re.findall(r'name = "([^"]+)", num_stages', attributes or "")
     if target != TRITON_CALL or not names or names[-1] not in (FORWARD, BACKWARD):
         return None
     BH, n, C, dv = operand_dims[0]
     dk = operand_dims[1][-1]  # w [BH, n, C, dk], the second operand of both
-    return 2.0 * BH * n * C * dv * (3 * dk + C)
+    per_column = 4 * C * dk if names[-1] == FORWARD else 2 * C * (3 * dk + C)
+    return float(BH * n * dv * per_column)

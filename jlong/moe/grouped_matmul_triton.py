@@ -87,8 +87,10 @@ def _product_kernel(group_ref, tile_ref, real_ref, start_ref, end_ref, x_ref, w_
         K = x_ref.shape[1]
 
         def step(k, total):
+            # The tile's rows of other groups are multiplied too and never stored: unmasked loads
+            # (the rows are padded to whole tiles, so every load is in bounds).
             k_slice = pl.ds(k * block_k, block_k)
-            x = plgpu.load(x_ref.at[row_slice, k_slice], mask=in_group[:, None], other=0.0)
+            x = plgpu.load(x_ref.at[row_slice, k_slice])
             if transpose_w:
                 w = plgpu.load(w_ref.at[group, column_slice, k_slice]).T
             else:
@@ -129,8 +131,8 @@ def _weight_gradient_kernel(start_ref, end_ref, x_ref, dy_ref, dw_ref, *, block_
         rows = tile * block_m + jnp.arange(block_m)
         in_group = ((rows >= start) & (rows < end))[:, None]
         row_slice = pl.ds(tile * block_m, block_m)
-        x = plgpu.load(x_ref.at[row_slice, k_slice], mask=in_group, other=0.0)
-        dy = plgpu.load(dy_ref.at[row_slice, column_slice], mask=in_group, other=0.0)
+        x = plgpu.load(x_ref.at[row_slice, k_slice], mask=in_group, other=0.0)  # zero rows: other groups' add 0
+        dy = plgpu.load(dy_ref.at[row_slice, column_slice])
         return total + plgpu.dot(x.T, dy)
 
     total = jax.lax.fori_loop(0, tiles, step, jnp.zeros((block_k, block_n), jnp.float32))
