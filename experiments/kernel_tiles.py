@@ -40,6 +40,7 @@ from jlong.moe import grouped_matmul_triton
 GROUPED_CANDIDATES = {"BLOCK_M": (64, 128), "BLOCK_N": (128, 256), "BLOCK_K": (64,), "NUM_WARPS": (8, 4),
                       "NUM_STAGES": (4, 3)}
 GATED_DELTA_CANDIDATES = {"BLOCK_V": (32, 16, 64), "NUM_WARPS": (4, 2), "NUM_STAGES": (2, 3, 1)}
+REPEATS = 20  # calls of about a millisecond each: fewer left a quarter's spread between equal kernels
 RATES = ("up forward", "up dx", "up dw", "down forward", "forward", "backward")  # a row's rates, not its settings
 
 
@@ -87,10 +88,11 @@ def sweep(module, candidates: dict, passes: dict, work: float, unit: float, dead
             break
         for name, value in zip(names, values):
             setattr(module, name, value)  # read by the kernels when traced
+        jax.clear_caches()  # else jit reuses the first candidate's trace: the same function, the same operands
         row = dict(zip(names, values))
         for name, (run, operands) in passes.items():
             try:
-                row[name] = round(work / median_seconds(jax.jit(run), *operands) / unit, 2)
+                row[name] = round(work / median_seconds(jax.jit(run), *operands, repeats=REPEATS) / unit, 2)
             except Exception as error:  # a tile Triton cannot fit (shared memory) is reported, the rest go on
                 row[name] = None
                 row.setdefault("errors", []).append(f"{name}: {str(error).splitlines()[0][:160]}")
