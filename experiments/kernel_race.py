@@ -72,7 +72,7 @@ GROUPED_SHAPES = [  # (label, M, K, N, G, k)
 GROUPED_REHEARSAL = [("tiny", 256, 64, 32, 8, 2)]
 QUICK_LENGTHS = (8_192, 32_768)  # --quick: two lengths of 16 heads and the first expert shape
 DISTRIBUTIONS = ("uniform", "skewed")
-REPEATS = 5
+REPEATS = 10  # calls per median: 5 left a spread of a quarter between runs of millisecond kernels
 PEAK_BF16 = 989e12  # H100 and H200 SXM, dense bf16 (jlong.planner.targets)
 
 
