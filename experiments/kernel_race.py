@@ -171,11 +171,15 @@ def jax_part(rehearse: bool, quick: bool, workdir: Path, tiles: Path | None = No
     from jlong.linear_attention import gated_delta, gated_delta_triton
     from jlong.moe import grouped_matmul_triton
 
-    settings = _set_tiles(tiles, {"grouped_matmul": grouped_matmul_triton, "gated_delta": gated_delta_triton})
+    settings = _set_tiles(tiles, {"grouped_matmul": grouped_matmul_triton,
+                                  "grouped_matmul_weight_gradient": grouped_matmul_triton,
+                                  "gated_delta": gated_delta_triton})
 
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and not rehearse:
         raise SystemExit(2)
+    versions, device = _jax_versions(on_gpu), _jax_device()
+    _known_early(workdir / "jax", {"versions": versions, "device": device, "tiles": settings})
     interpret = not on_gpu
     repeats = 1 if rehearse else REPEATS
 
@@ -226,8 +230,12 @@ def jax_part(rehearse: bool, quick: bool, workdir: Path, tiles: Path | None = No
         dense_shape = {"M": M, "K": K, "N": N, "label": label}
         rows.extend(_matmul_rows("dense_gemm", "jax", lambda x, w: x @ w, (xb, wb[0]), dyb, dense_shape,
                                  2.0 * M * K * N, None, median))
-    return {"rows": rows, "rates": rates, "versions": _jax_versions(on_gpu), "device": _jax_device(),
-            "tiles": settings}
+    return {"rows": rows, "rates": rates, "versions": versions, "device": device, "tiles": settings}
+
+
+def _known_early(part: Path, found: dict) -> None:
+    """What a part knows before it measures (versions, device), kept where a part stopped early is read back."""
+    part.with_suffix(".early.json").write_text(json.dumps(found))
 
 
 def _set_tiles(tiles: Path | None, modules: dict) -> dict:
@@ -378,6 +386,7 @@ def torch_part(quick: bool, workdir: Path) -> dict:
         fla_note = _allow_flas_backward_on_this_triton()
     except ImportError as exc:
         chunk_gated_delta_rule, fla_missing = None, str(exc)
+    _known_early(workdir / "torch", {"versions": versions})
     cuda = torch.device("cuda")
 
     def median(fn, warmups=3):
@@ -550,7 +559,9 @@ def run_child(part: str, args, workdir: Path, limit_s: float | None) -> dict:
     stream = workdir / f"{part}.jsonl"
     rows = [json.loads(line) for line in stream.read_text().splitlines()] if stream.is_file() else []
     print(f"kernel_race: the {part} part did not finish ({returncode}); {len(rows)} rows kept", file=sys.stderr)
-    return {"rows": rows, "rates": [], "versions": {}, "device": {}, "unfinished": f"{part}: {returncode}"}
+    early = workdir / f"{part}.early.json"
+    known = {"versions": {}, "device": {}} | (json.loads(early.read_text()) if early.is_file() else {})
+    return {"rows": rows, "rates": [], **known, "unfinished": f"{part}: {returncode}"}
 
 
 def driver() -> dict:

@@ -3,11 +3,12 @@
 The kernels take their tiles, Triton's warps and its pipeline stages from
 module constants, which this sets candidate by candidate before tracing:
 
-- grouped matmul (`jlong.moe.grouped_matmul_triton`): ROWS x HIDDEN ->
-  INTERMEDIATE forward, its input's gradient (the transposed product) and
-  its weights' gradient, and the down projection's forward, routed rows
-  near-balanced over the experts as a trained router leaves them; TFLOP/s
-  of the routed rows;
+- grouped matmul (`jlong.moe.grouped_matmul_triton`): the products' tiles
+  on ROWS x HIDDEN -> INTERMEDIATE forward, its input's gradient (the
+  transposed product) and the down projection's forward, then the weight
+  gradient's own tiles on its weights' gradient; routed rows near-balanced
+  over the experts as a trained router leaves them; TFLOP/s of the routed
+  rows;
 - gated delta (`jlong.linear_attention.gated_delta_triton`): the state
   recurrence's forward and backward kernels alone, on chunk terms of
   TOKENS x HEADS heads of 128 in bf16; tokens/s.
@@ -37,15 +38,19 @@ from jlong.linear_attention import gated_delta_triton
 from jlong.moe import grouped_matmul_triton
 
 # Tried in this order (the last setting varies fastest), the likelier first: a deadline cuts the rest.
-GROUPED_CANDIDATES = {"BLOCK_M": (64, 128), "BLOCK_N": (128, 256), "BLOCK_K": (64,), "NUM_WARPS": (8, 4),
+GROUPED_CANDIDATES = {"BLOCK_M": (128, 64), "BLOCK_N": (256, 128), "BLOCK_K": (64,), "NUM_WARPS": (8, 4),
                       "NUM_STAGES": (4, 3)}
+WEIGHT_GRADIENT_CANDIDATES = {"WGRAD_BLOCK_M": (64, 128), "WGRAD_BLOCK_N": (128, 256), "WGRAD_BLOCK_K": (64,),
+                              "WGRAD_NUM_WARPS": (8, 4), "WGRAD_NUM_STAGES": (4, 3)}
 GATED_DELTA_CANDIDATES = {"BLOCK_V": (32, 16, 64), "NUM_WARPS": (4, 2), "NUM_STAGES": (2, 3, 1)}
 REPEATS = 20  # calls of about a millisecond each: fewer left a quarter's spread between equal kernels
+KERNELS = ("grouped_matmul", "grouped_matmul_weight_gradient", "gated_delta")  # a report's sections
 RATES = ("up forward", "up dx", "up dw", "down forward", "forward", "backward")  # a row's rates, not its settings
 
 
 def grouped_matmul_passes(rows: int, hidden: int, intermediate: int, experts: int):
-    """{pass: (function, operands)}, and the FLOPs of one pass."""
+    """{pass: (function, operands)} of the products (forward, input gradient) and of the weight gradient,
+    and the FLOPs of one pass."""
     kernels = grouped_matmul_triton
     keys = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(keys[0], (rows, hidden), jnp.bfloat16)
@@ -53,14 +58,16 @@ def grouped_matmul_passes(rows: int, hidden: int, intermediate: int, experts: in
     w_down = jax.random.normal(keys[2], (experts, intermediate, hidden), jnp.bfloat16)
     dy = jax.random.normal(keys[3], (rows, intermediate), jnp.bfloat16)
     sizes = jnp.asarray(np.random.default_rng(0).multinomial(rows, np.full(experts, 1 / experts)), jnp.int32)
-    passes = {  # each a function and its operands (passed, not closed over: no constants in the program)
+    products = {  # each a function and its operands (passed, not closed over: no constants in the program)
         "up forward": (lambda x, w, s: kernels._product(x, w, s, transpose_w=False, interpret=False), (x, w_up, sizes)),
         "up dx": (lambda dy, w, s: kernels._product(dy, w, s, transpose_w=True, interpret=False), (dy, w_up, sizes)),
-        "up dw": (lambda x, dy, s: kernels._weight_gradient(x, dy, s, jnp.bfloat16, interpret=False), (x, dy, sizes)),
         "down forward": (lambda h, w, s: kernels._product(h, w, s, transpose_w=False, interpret=False),
                          (dy, w_down, sizes)),
     }
-    return passes, 2.0 * rows * hidden * intermediate
+    weight_gradient = {
+        "up dw": (lambda x, dy, s: kernels._weight_gradient(x, dy, s, jnp.bfloat16, interpret=False), (x, dy, sizes)),
+    }
+    return products, weight_gradient, 2.0 * rows * hidden * intermediate
 
 
 def gated_delta_passes(tokens: int, heads: int, width: int = 128, chunk: int = gated_delta_triton.CHUNK):
@@ -119,17 +126,23 @@ def main(argv=None) -> int:
         print(f"kernel_tiles needs a GPU; this backend is {jax.default_backend()}", file=sys.stderr)
         return 2
     started = time.monotonic()
-    grouped, flops = grouped_matmul_passes(args.rows, args.hidden, args.intermediate, args.experts)
+    products, weight_gradient, flops = grouped_matmul_passes(args.rows, args.hidden, args.intermediate, args.experts)
     gated, tokens = gated_delta_passes(args.tokens, args.heads)
+    shape = {"rows": args.rows, "hidden": args.hidden, "intermediate": args.intermediate, "experts": args.experts}
     report = {
         "command": invocation(__file__, [portable(a) for a in argv or sys.argv[1:]]),
         "commit": commit(), "date": today(), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
         "grouped_matmul": {
-            "shape": {"rows": args.rows, "hidden": args.hidden, "intermediate": args.intermediate,
-                      "experts": args.experts},
+            "shape": shape,
             "unit": "TFLOP/s",
-            "results": sweep(grouped_matmul_triton, GROUPED_CANDIDATES, grouped, flops, 1e12,
-                             started + args.deadline_s / 2),
+            "results": sweep(grouped_matmul_triton, GROUPED_CANDIDATES, products, flops, 1e12,
+                             started + args.deadline_s * 0.35),
+        },
+        "grouped_matmul_weight_gradient": {
+            "shape": shape,
+            "unit": "TFLOP/s",
+            "results": sweep(grouped_matmul_triton, WEIGHT_GRADIENT_CANDIDATES, weight_gradient, flops, 1e12,
+                             started + args.deadline_s * 0.55),
         },
         "gated_delta": {
             "shape": {"tokens": args.tokens, "heads": args.heads, "dk": 128, "dv": 128},
@@ -140,7 +153,7 @@ def main(argv=None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    for kernel in ("grouped_matmul", "gated_delta"):
+    for kernel in KERNELS:
         for row in report[kernel]["results"][:3]:
             print(f"best {kernel}:", json.dumps(row))
     return 0

@@ -47,8 +47,12 @@ CHUNK = 64  # tokens per chunk, as FLA's
 # terms and the states entering each chunk (what the backward kernel reads) are O(block), and a block's
 # forward runs twice in training. 32,768 tokens of 6 heads of 128 hold about 0.8 GB of them in float32.
 BLOCK = 32_768
-BLOCK_V = 64  # value columns per program
-NUM_WARPS, NUM_STAGES = 4, 1
+# Value columns per program, warps and pipeline stages, from experiments/kernel_tiles.py on an H200
+# (2026-11-28; experiments/results/kernel-tiles.json): 16 columns (more programs for the few heads of one
+# device) and 3 stages (the next chunk's terms load while this one's products run) ran the recurrence at
+# 32-33 M tokens/s forward and backward where 64 columns in 1 stage ran 10-12 M.
+BLOCK_V = 16
+NUM_WARPS, NUM_STAGES = 4, 3
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call XLA:GPU runs a Pallas Triton kernel as
 FORWARD, BACKWARD = "gated_delta_forward", "gated_delta_backward"  # the kernels' names
 

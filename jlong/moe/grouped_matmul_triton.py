@@ -17,7 +17,7 @@ last real item does nothing.
 
 Executed FLOPs are at most (M + (G - 1) x block_m) x K x N x 2 per product,
 against 2 M K N for the rows themselves: with M = 32,768 routed rows and 128
-experts, 1.25x at block_m = 64, less for longer tiles.
+experts, 1.25x at block_m = 64; with 65,536 rows, 1.25x at 128.
 """
 
 from __future__ import annotations
@@ -35,12 +35,17 @@ from jlong.ops.pallas_calls import kernel_call
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call XLA:GPU runs a Pallas Triton kernel as
 PRODUCT, WEIGHT_GRADIENT = "grouped_matmul", "grouped_matmul_weight_gradient"  # the kernels' names
 ROWS_OPERAND = {PRODUCT: 5, WEIGHT_GRADIENT: 2}  # which operand of each kernel's call is its rows [M, K]
-BLOCK_M = 64  # rows per tile
-BLOCK_N = 128  # output columns per program, at most
+# Tiles, warps and pipeline stages, the products' (forward and input gradient) apart from the weight
+# gradient's, from experiments/kernel_tiles.py on an H200 (2026-11-28; experiments/results/kernel-tiles.json):
+# 128 x 256 with 8 warps ran the products at 241-270 TFLOP/s where 64 x 128 ran 136-202, but its weight
+# gradient needs more shared memory than a Hopper SM has; 64 x 128 with 8 warps and 4 stages ran it best
+# (193). The two not yet raced together.
+BLOCK_M = 128  # rows per tile
+BLOCK_N = 256  # output columns per program, at most
 BLOCK_K = 64  # the contraction's step, at most
-# Measured on an H100 over these tile shapes and 4 or 8 warps (experiments/grouped_matmul_tiles.py):
-# 8 warps at 64 x 128 x 64 was the fastest, 148-166 TFLOP/s for the products of an expert layer.
-NUM_WARPS, NUM_STAGES = 8, 3
+NUM_WARPS, NUM_STAGES = 8, 4
+WGRAD_BLOCK_M, WGRAD_BLOCK_N, WGRAD_BLOCK_K = 64, 128, 64
+WGRAD_NUM_WARPS, WGRAD_NUM_STAGES = 8, 4
 
 
 def _block(size: int, cap: int) -> int:
@@ -142,15 +147,15 @@ def _weight_gradient_kernel(start_ref, end_ref, x_ref, dy_ref, dw_ref, *, block_
 def _weight_gradient(x_MK, dy_MN, group_sizes_G, dtype, *, interpret: bool):
     """[G, K, N]: each group's rows of x, transposed, times its rows of dy."""
     (_, K), (_, N), G = x_MK.shape, dy_MN.shape, group_sizes_G.shape[0]
-    block_n, block_k = _block(N, BLOCK_N), _block(K, BLOCK_K)
+    block_n, block_k = _block(N, WGRAD_BLOCK_N), _block(K, WGRAD_BLOCK_K)
     start, end = _bounds(group_sizes_G)
-    kernel = functools.partial(_weight_gradient_kernel, block_m=BLOCK_M, block_n=block_n, block_k=block_k)
+    kernel = functools.partial(_weight_gradient_kernel, block_m=WGRAD_BLOCK_M, block_n=block_n, block_k=block_k)
     return kernel_call(
         kernel,
         jax.ShapeDtypeStruct((G, K, N), dtype),
         interpret=interpret,
         grid=(G, K // block_k, N // block_n),
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        compiler_params=plgpu.CompilerParams(num_warps=WGRAD_NUM_WARPS, num_stages=WGRAD_NUM_STAGES),
         name=WEIGHT_GRADIENT,
     )(start, end, x_MK, dy_MN)
 
@@ -181,7 +186,8 @@ def _padded_rows(x_MK, rows: int):
 def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, interpret: bool = False):
     """Rows [M, K] by their groups' matrices [G, K, N] (group sizes [G] summing to M), differentiable."""
     M = x_MK.shape[0]
-    rows = -(-M // BLOCK_M) * BLOCK_M  # whole tiles: padding rows belong to no group
+    tile = max(BLOCK_M, WGRAD_BLOCK_M)  # both powers of two: whole tiles of either kernel
+    rows = -(-M // tile) * tile  # padding rows belong to no group
     return _grouped(_padded_rows(x_MK, rows), w_GKN, group_sizes_G, interpret)[:M]
 
 
