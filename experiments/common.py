@@ -191,8 +191,8 @@ def start_cpu_devices(count: int = 8) -> None:
 
 def estimate_assumptions(target_name: str) -> str:
     """The step-cost estimate's assumptions, stated once per result file."""
+    from jlong.planner.pricing import Efficiency
     from jlong.planner.step_cost import ESTIMATE_NOTE
 
     return (f"Every time here is {ESTIMATE_NOTE}. Assumptions: {target_name} data-sheet rates and the default "
-            "efficiencies of `jlong plan` (gemm 0.70, cuDNN attention forward 0.60 / backward 0.53, HBM 0.80, links "
-            "0.80, all-to-all 0.70, 2 us per launch).")
+            f"efficiencies of `jlong plan` ({Efficiency().describe()}; launch_us per kernel launch).")

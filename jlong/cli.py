@@ -52,7 +52,7 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--efficiency", nargs="+", metavar="KEY=VALUE", default=[],
         help="the step-cost estimate's efficiencies: shares of the data-sheet rates (gemm 0.70, grouped_matmul "
-        "0.16, gated_delta 0.018, attention_fwd 0.60, attention_bwd 0.53, hbm 0.80, links 0.80, all_to_all 0.70) and launch_us (2.0) "
+        "0.23, gated_delta 0.046, attention_fwd 0.60, attention_bwd 0.53, hbm 0.80, links 0.80, all_to_all 0.70) and launch_us (2.0) "
         "per kernel. Put it after the config's overrides.",
     )
 

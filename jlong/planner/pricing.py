@@ -27,13 +27,15 @@ class Efficiency:
     """Shares of the data-sheet rates a step reaches; `launch_us` per kernel."""
 
     gemm: float = 0.70
-    # measured: 143-184 TFLOP/s, jlong's Triton grouped matmul (forward, both gradients) at Qwen3.5-35B-A3B's
-    # expert shapes, 65,536 routed rows over 8-128 experts, on an H100 SXM (experiments/results/gpu-truth-follow-ups.md)
-    grouped_matmul: float = 0.16
-    # measured: 17.3 TFLOP/s forward, 19.6 backward, the Triton gated delta rule's two recurrence kernels
-    # (32,768 tokens, 16 heads of 128) on an H200, jax 0.11.2 (experiments/results/kernel-race.md): latency, not
-    # the tensor cores, bounds them (one chunk after another, 32 programs)
-    gated_delta: float = 0.018
+    # measured: 230-240 TFLOP/s forward + backward, jlong's Triton grouped matmul at Qwen3-30B-A3B's 2048 -> 768
+    # over 128 experts, 65,536 routed rows spread evenly and skewed, on an H200, jax 0.11.2, commit b6e22e7
+    # (experiments/results/kernel-race.md; the H200's bf16 peak is the H100's)
+    grouped_matmul: float = 0.23
+    # measured: the Triton gated delta rule's two recurrence kernels (32,768 tokens, 16 heads of 128) on an
+    # H200, jax 0.11.2, commit b6e22e7 (experiments/results/kernel-race.md): 28.6 TFLOP/s forward, 68.5
+    # backward, 45 together (94 GFLOP in 2.08 ms; a training step runs both). Latency, not the tensor cores,
+    # bounds them: one chunk after another.
+    gated_delta: float = 0.046
     attention_fwd: float = 0.60
     attention_bwd: float = 0.53  # measured: 522 TFLOP/s, cuDNN 9.19 causal backward at 32K on an H100 SXM
     hbm: float = 0.80
