@@ -131,3 +131,24 @@ def test_a_qwen3_5_step_compiles_for_h100s_with_the_triton_rule_priced():
     assert hlo.count(f'"{gated_delta_triton.FORWARD}"') > 0 and hlo.count(f'"{gated_delta_triton.BACKWARD}"') > 0
     cost = step_cost(step)
     assert not cost.unpriced_custom_calls and cost.time_by_kind["gated delta"] > 0
+
+
+@needs_gpu_compiler
+@pytest.mark.parametrize("dtype, width", [(jnp.bfloat16, 128), (jnp.float32, 256)], ids=["bf16", "ring-float32"])
+def test_both_kernels_fit_an_h100s_shared_memory_at_qwen3_5s_head_sizes(dtype, width):
+    """XLA:GPU, deviceless (Triton checks each kernel's shared memory against the SM's): forward and
+    backward at dk = 128, with values of 128 in bf16 (training) and of dk + dv = 256 in float32 (the
+    ring's summaries). The tiny models of the other tests use heads far too small to find out."""
+    sharding = jax.sharding.SingleDeviceSharding(H100.devices(1)[0])
+    B, T, H, dk = 1, 256, 2, 128
+    spec = lambda *shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
+    args = (spec(B, T, H, dk), spec(B, T, H, dk), spec(B, T, H, width), spec(B, T, H, dt=jnp.float32),
+            spec(B, T, H, dt=jnp.float32))
+
+    def loss(q, k, v, g, beta):
+        o, final = gated_delta_triton.triton(q, k, v, g, beta)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
+
+    compiled = jax.jit(jax.grad(loss, argnums=range(5))).lower(*args).compile()
+    hlo = compiled.as_text()
+    assert f'"{gated_delta_triton.FORWARD}"' in hlo and f'"{gated_delta_triton.BACKWARD}"' in hlo

@@ -64,6 +64,24 @@ def test_the_triton_grouped_matmul_equals_ragged_dot_with_its_gradients():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-4)
 
 
+@needs_gpu_compiler
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "float32"])
+def test_the_triton_kernels_fit_an_h100s_shared_memory_at_qwen3_moes_expert_shapes(dtype):
+    """XLA:GPU, deviceless (Triton checks each kernel's shared memory against the SM's): the product,
+    its input gradient and the weight gradient at Qwen3-30B-A3B's 2048 -> 768 and 768 -> 2048, in bf16
+    (training) and float32. The small shapes of the other tests never reach the largest tiles."""
+    sharding = jax.sharding.SingleDeviceSharding(H100.devices(1)[0])
+    spec = lambda *shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
+
+    def loss(x, up, down, sizes):
+        h = grouped_matmul_triton.grouped_matmul(x, up, sizes)
+        return jnp.sum(grouped_matmul_triton.grouped_matmul(h, down, sizes).astype(jnp.float32))
+
+    args = (spec(1024, 2048), spec(8, 2048, 768), spec(8, 768, 2048), spec(8, dt=jnp.int32))
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
+    assert f'"{grouped_matmul_triton.PRODUCT}"' in hlo and f'"{grouped_matmul_triton.WEIGHT_GRADIENT}"' in hlo
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("seed", range(3))
 def test_work_items_cover_every_row_once_within_their_bound(seed):

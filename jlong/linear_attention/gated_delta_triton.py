@@ -53,6 +53,9 @@ BLOCK = 32_768
 # 32-33 M tokens/s forward and backward where 64 columns in 1 stage ran 10-12 M.
 BLOCK_V = 16
 NUM_WARPS, NUM_STAGES = 4, 3
+# float32 terms (the ring's summaries) are twice the bytes: at 3 stages they ask more shared memory than a
+# Hopper SM has, so they load a chunk at a time, as every call did before the sweep.
+NUM_STAGES_FLOAT32 = 1
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call XLA:GPU runs a Pallas Triton kernel as
 FORWARD, BACKWARD = "gated_delta_forward", "gated_delta_backward"  # the kernels' names
 
@@ -123,13 +126,14 @@ def _backward_kernel(do_ref, w_ref, a_ref, qr_ref, kw_ref, decay_ref, d_final_re
     plgpu.store(d_state_ref.at[bh, :, columns], jax.lax.fori_loop(0, chunks, one_chunk, d_final))
 
 
-def _call(kernel, name: str, out_shapes, grid, interpret: bool):
+def _call(kernel, name: str, out_shapes, grid, interpret: bool, operand):
+    stages = NUM_STAGES_FLOAT32 if operand == jnp.float32 else NUM_STAGES
     return kernel_call(
         kernel,
         tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in out_shapes),
         interpret=interpret,
         grid=grid,
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=stages),
         name=name,
     )
 
@@ -141,7 +145,7 @@ def _forward(u, w, kw, decay, state, interpret):
     block_v = _block_v(dv)
     kernel = functools.partial(_forward_kernel, chunks=n, block_v=block_v)
     shapes = [(BH, dk, dv), (BH, n, dk, dv), (BH, n, C, dv)]
-    return _call(kernel, FORWARD, shapes, (BH, dv // block_v), interpret)(u, w, kw, decay, state)
+    return _call(kernel, FORWARD, shapes, (BH, dv // block_v), interpret, w.dtype)(u, w, kw, decay, state)
 
 
 def _by_chunk(spec: str, x, y, operand):
@@ -165,7 +169,8 @@ def _backward(do, d_final, w, a, qr, kw, decay, interpret):
     block_v = _block_v(dv)
     kernel = functools.partial(_backward_kernel, chunks=n, block_v=block_v)
     shapes = [(BH, n, C, dv), (BH, n, dk, dv), (BH, dk, dv)]
-    return _call(kernel, BACKWARD, shapes, (BH, dv // block_v), interpret)(do, w, a, qr, kw, decay, d_final)
+    return _call(kernel, BACKWARD, shapes, (BH, dv // block_v), interpret, w.dtype)(do, w, a, qr, kw, decay,
+                                                                                     d_final)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
