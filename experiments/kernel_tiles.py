@@ -44,7 +44,9 @@ WEIGHT_GRADIENT_CANDIDATES = {"WGRAD_BLOCK_M": (64, 128), "WGRAD_BLOCK_N": (128,
                               "WGRAD_NUM_WARPS": (8, 4), "WGRAD_NUM_STAGES": (4, 3)}
 GATED_DELTA_CANDIDATES = {"BLOCK_V": (32, 16, 64), "NUM_WARPS": (4, 2), "NUM_STAGES": (2, 3, 1)}
 REPEATS = 20  # calls of about a millisecond each: fewer left a quarter's spread between equal kernels
-KERNELS = ("grouped_matmul", "grouped_matmul_weight_gradient", "gated_delta")  # a report's sections
+PASSES = {"grouped_matmul": ("up forward", "up dx", "down forward"), "grouped_matmul_weight_gradient": ("up dw",),
+          "gated_delta": ("forward", "backward")}  # a report's sections and the rates each is ranked by
+KERNELS = tuple(PASSES)
 RATES = ("up forward", "up dx", "up dw", "down forward", "forward", "backward")  # a row's rates, not its settings
 
 
@@ -125,6 +127,10 @@ def main(argv=None) -> int:
     if jax.default_backend() != "gpu":
         print(f"kernel_tiles needs a GPU; this backend is {jax.default_backend()}", file=sys.stderr)
         return 2
+    tallest = max(*GROUPED_CANDIDATES["BLOCK_M"], *WEIGHT_GRADIENT_CANDIDATES["WGRAD_BLOCK_M"])
+    if args.rows % tallest:  # the kernels are timed without grouped_matmul's padding to whole tiles
+        print(f"kernel_tiles: --rows must be a multiple of {tallest}, got {args.rows}", file=sys.stderr)
+        return 2
     started = time.monotonic()
     products, weight_gradient, flops = grouped_matmul_passes(args.rows, args.hidden, args.intermediate, args.experts)
     gated, tokens = gated_delta_passes(args.tokens, args.heads)
@@ -160,9 +166,15 @@ def main(argv=None) -> int:
 
 
 def best_settings(report: dict, kernel: str) -> dict:
-    """The module constants of `kernel`'s fastest candidate in a report this script wrote ({} if none ran)."""
-    results = [r for r in report[kernel]["results"] if not r.get("errors")]
-    return {k: v for k, v in results[0].items() if k not in RATES} if results else {}
+    """The module constants of `kernel`'s fastest candidate in a report this script wrote ({} if none
+    ran): ranked and filtered on that kernel's own passes only (a report written before the weight
+    gradient had its own tiles times it among the products' passes)."""
+    own = PASSES[kernel]
+    ran = [r for r in report[kernel]["results"] if all(r.get(p) for p in own)]
+    if not ran:
+        return {}
+    best = max(ran, key=lambda r: sum(r[p] for p in own))
+    return {k: v for k, v in best.items() if k not in RATES and k != "errors"}
 
 
 if __name__ == "__main__":

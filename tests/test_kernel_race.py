@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, load_experiment
 
 SCRIPT = REPO / "experiments" / "kernel_race.py"
 
@@ -43,3 +43,25 @@ def test_the_rehearsal_races_jlongs_kernels_and_marks_the_anchors_not_run(tmp_pa
     anchors = [r for r in rows if r["impl"] in ("fla", "torch")]
     assert anchors and all(r["status"] == "not run" for r in anchors)
     assert "| gated_delta | jlong:triton | fwd+bwd |" in (tmp_path / "kernel-race.md").read_text()
+
+
+@pytest.mark.fast
+def test_a_tile_reports_fastest_candidate_is_ranked_on_each_kernels_own_passes():
+    """`kernel_race --tiles` runs each kernel at its fastest candidate that ran all of its own passes: the
+    products' rows of a report that still timed the weight gradient among them are not dropped for the
+    weight gradient's error, and a report without the weight gradient's section leaves its tiles alone."""
+    best_settings = load_experiment("kernel_tiles").best_settings
+    settings = lambda m, n: {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 64, "NUM_WARPS": 8, "NUM_STAGES": 4}  # noqa: E731
+    products = {"up forward": 1.0, "up dx": 1.0, "down forward": 1.0}
+    report = {"grouped_matmul": {"results": [
+        {**settings(128, 256), "up forward": 270.0, "up dx": 241.0, "up dw": None, "down forward": 254.0,
+         "errors": ["up dw: RESOURCE_EXHAUSTED: Shared memory size limit exceeded"]},
+        {**settings(64, 256), "up forward": 180.0, "up dx": 180.0, "up dw": 163.0, "down forward": 185.0},
+        {**settings(64, 128), **products, "errors": ["down forward: failed"], "down forward": None},
+    ]}, "grouped_matmul_weight_gradient": {"results": [
+        {"WGRAD_BLOCK_M": 64, "up dw": 150.0}, {"WGRAD_BLOCK_M": 128, "up dw": 190.0},
+    ]}}
+    assert best_settings(report, "grouped_matmul") == settings(128, 256)
+    assert best_settings(report, "grouped_matmul_weight_gradient") == {"WGRAD_BLOCK_M": 128}
+    report["grouped_matmul"]["results"] = report["grouped_matmul"]["results"][2:]
+    assert best_settings(report, "grouped_matmul") == {}

@@ -42,8 +42,8 @@ QWEN3_5_MOE = ["model.preset=tiny-qwen3.5-moe", "model.vocab_size=128", "model.h
                "data.eos_id=7", "train.batch_size=2", "train.seq_len=256"]
 
 
-# Groups of every kind: empty ones, one of a single row, one spanning several 64-row tiles, several in one
-# tile; 200 rows, not a whole number of tiles.
+# Groups of every kind: empty ones, one of a single row, ones spanning two tiles (of 64 rows and of 128),
+# several in one tile; 200 rows, not a whole number of tiles.
 GROUP_SIZES = [30, 0, 70, 1, 0, 64, 35, 0]
 
 

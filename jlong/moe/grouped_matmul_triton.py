@@ -3,8 +3,8 @@ anywhere, as the tests do): FLOPs for the rows each group has, never a
 product with every group's matrix.
 
 The rows [M, K], sorted by group, are cut into tiles of `block_m` rows. A
-tile that holds rows of several groups is run once per group, its other
-rows masked out, so the work items are the (tile, group) pairs that
+tile that holds rows of several groups is run once per group, storing only
+that group's rows, so the work items are the (tile, group) pairs that
 overlap: at most M / block_m + G - 1 of them, a static bound. The grid runs
 one program per work item and block of output columns; a program past the
 last real item does nothing.
@@ -23,6 +23,7 @@ experts, 1.25x at block_m = 64; with 65,536 rows, 1.25x at 128.
 from __future__ import annotations
 
 import functools
+import math
 import re
 
 import jax
@@ -194,7 +195,7 @@ def _padded_rows(x_MK, rows: int):
 def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, interpret: bool = False):
     """Rows [M, K] by their groups' matrices [G, K, N] (group sizes [G] summing to M), differentiable."""
     M = x_MK.shape[0]
-    tile = max(BLOCK_M, WGRAD_BLOCK_M)  # both powers of two: whole tiles of either kernel
+    tile = math.lcm(BLOCK_M, WGRAD_BLOCK_M)  # whole tiles of either kernel: no load past the rows
     rows = -(-M // tile) * tile  # padding rows belong to no group
     return _grouped(_padded_rows(x_MK, rows), w_GKN, group_sizes_G, interpret)[:M]
 

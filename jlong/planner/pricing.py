@@ -29,7 +29,8 @@ class Efficiency:
     gemm: float = 0.70
     # measured: 230-240 TFLOP/s forward + backward, jlong's Triton grouped matmul at Qwen3-30B-A3B's 2048 -> 768
     # over 128 experts, 65,536 routed rows spread evenly and skewed, on an H200, jax 0.11.2, commit b6e22e7
-    # (experiments/results/kernel-race.md; the H200's bf16 peak is the H100's)
+    # (experiments/results/kernel-race.md; the H200's bf16 peak is the H100's). That race ran all three kernels
+    # at 64 x 256, 8 warps, 4 stages; the tiles since (the products at 128 x 256) are not yet raced.
     grouped_matmul: float = 0.23
     # measured: the Triton gated delta rule's two recurrence kernels (32,768 tokens, 16 heads of 128) on an
     # H200, jax 0.11.2, commit b6e22e7 (experiments/results/kernel-race.md): 28.6 TFLOP/s forward, 68.5
