@@ -145,13 +145,14 @@ def _one_device_at_256():
     ["mesh.sp=4", "mesh.fsdp=2", "attention.heads_per_stage=4", "kernels.gated_delta=triton"],
     pytest.param(["mesh.sp=4", "mesh.fsdp=2", "attention.heads_per_stage=all", "memory.remat=save_attention"],
                  marks=pytest.mark.slow),  # the long tier's: CI runs Ulysses in stages and the ring
-    ["mesh.ring=2", "mesh.sp=2", "mesh.fsdp=2", "memory.remat=offload_inputs"],
-], ids=["sp4-fsdp2-U4-triton", "sp4-fsdp2-Uall", "ring2-sp2-fsdp2"])
+    ["mesh.ring=2", "mesh.sp=2", "mesh.fsdp=2", "memory.remat=offload_inputs", "kernels.gated_delta=triton"],
+], ids=["sp4-fsdp2-U4-triton", "sp4-fsdp2-Uall", "ring2-sp2-fsdp2-triton"])
 def test_training_on_a_mesh_equals_one_device(layout):
     """Loss and gradients of packed documents (data.eos_id) over 256 tokens
     (the rule's chunks across chunk boundaries: test_the_chunked_rule_...);
-    with the GPU's Triton rule chosen, interpreted on the CPU, against the
-    one device's chunked rule."""
+    with the GPU's Triton rule chosen, interpreted on the CPU (on the ring
+    also in the ring's float32 summaries), against the one device's chunked
+    rule."""
     sharded = loss_and_grads(_tiny("train.seq_len=256", *layout), jax.devices())
     assert_same_result(sharded, _one_device_at_256())
     grads = sharded[1]["layers"]
