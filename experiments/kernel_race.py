@@ -649,7 +649,8 @@ def markdown(report: dict) -> str:
         shape = ", ".join(f"{k}={v}" for k, v in r["shape"].items())
         error = "" if r["max_rel_error"] is None else f"{r['max_rel_error']:.1e}"
         shown = "" if rate is None else (f"{rate:,.0f} {unit}" if unit == "tokens/s" else f"{rate:.1f} {unit}")
-        table.append([r["kernel"], r["impl"], r["pass"], shape, r["status"] + (f" ({r['note']})" if r["note"] else ""), shown, error, versus, versus_dense])
+        status = r["status"] + (f" ({r['note']})" if r["note"] else "")
+        table.append([r["kernel"], r["impl"], r["pass"], shape, status, shown, error, versus, versus_dense])
     device = report["device"]
     head = [
         "# Kernel race" + (" (rehearsal on the CPU: jlong's kernels interpreted, nothing timed means anything)"

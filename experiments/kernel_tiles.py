@@ -113,7 +113,8 @@ def sweep(module, candidates: dict, passes: dict, work: float, unit: float, dead
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=65536, help="grouped matmul: routed rows, tokens x experts per token")
+    parser.add_argument("--rows", type=int, default=65536,
+                        help="grouped matmul: routed rows, tokens x experts per token")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=768)
     parser.add_argument("--experts", type=int, default=128)

@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jlong.linear_attention.chunks import chunk_terms, over_blocks
-from jlong.ops.pallas_calls import kernel_call
+from jlong.ops.pallas_calls import kernel_call, pipeline_stages
 
 CHUNK = 64  # tokens per chunk, as FLA's
 # Tokens whose chunks run at once. Longer sequences run a block at a time under a checkpoint: the chunk
@@ -52,10 +52,7 @@ BLOCK = 32_768
 # device) and 3 stages (the next chunk's terms load while this one's products run) ran the recurrence at
 # 32-33 M tokens/s forward and backward where 64 columns in 1 stage ran 10-12 M.
 BLOCK_V = 16
-NUM_WARPS, NUM_STAGES = 4, 3
-# float32 terms (the ring's summaries) are twice the bytes: at 3 stages they ask more shared memory than a
-# Hopper SM has, so they load a chunk at a time, as every call did before the sweep.
-NUM_STAGES_FLOAT32 = 1
+NUM_WARPS, NUM_STAGES = 4, 3  # float32 terms (the ring's summaries) run one stage: `pipeline_stages`
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call XLA:GPU runs a Pallas Triton kernel as
 FORWARD, BACKWARD = "gated_delta_forward", "gated_delta_backward"  # the kernels' names
 
@@ -127,13 +124,12 @@ def _backward_kernel(do_ref, w_ref, a_ref, qr_ref, kw_ref, decay_ref, d_final_re
 
 
 def _call(kernel, name: str, out_shapes, grid, interpret: bool, operand):
-    stages = NUM_STAGES_FLOAT32 if operand == jnp.float32 else NUM_STAGES
     return kernel_call(
         kernel,
         tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in out_shapes),
         interpret=interpret,
         grid=grid,
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=stages),
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=pipeline_stages(NUM_STAGES, operand)),
         name=name,
     )
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jlong.ops.pallas_calls import kernel_call
+from jlong.ops.pallas_calls import kernel_call, pipeline_stages
 
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call XLA:GPU runs a Pallas Triton kernel as
 PRODUCT, WEIGHT_GRADIENT = "grouped_matmul", "grouped_matmul_weight_gradient"  # the kernels' names
@@ -46,14 +46,7 @@ BLOCK_N = 256  # output columns per program, at most
 BLOCK_K = 64  # the contraction's step, at most
 NUM_WARPS, NUM_STAGES = 8, 4
 WGRAD_BLOCK_M, WGRAD_BLOCK_N, WGRAD_BLOCK_K = 64, 128, 64
-WGRAD_NUM_WARPS, WGRAD_NUM_STAGES = 8, 4
-# Operands wider than bf16 (float32 training) are twice the bytes a stage: they load one tile at a time,
-# within a Hopper SM's shared memory at either tiling.
-NUM_STAGES_WIDE = 1
-
-
-def _stages(stages: int, dtype) -> int:
-    return stages if jnp.dtype(dtype).itemsize <= 2 else NUM_STAGES_WIDE
+WGRAD_NUM_WARPS, WGRAD_NUM_STAGES = 8, 4  # float32 operands run one stage: `pipeline_stages`
 
 
 def _block(size: int, cap: int) -> int:
@@ -127,7 +120,7 @@ def _product(x_MK, w, group_sizes_G, *, transpose_w: bool, interpret: bool):
         jax.ShapeDtypeStruct((M, N), x_MK.dtype),
         interpret=interpret,
         grid=(group.shape[0], N // block_n),
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=_stages(NUM_STAGES, x_MK.dtype)),
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=pipeline_stages(NUM_STAGES, x_MK.dtype)),
         name=PRODUCT,
     )(group, tile, real[None], start, end, x_MK, w)
 
@@ -164,7 +157,7 @@ def _weight_gradient(x_MK, dy_MN, group_sizes_G, dtype, *, interpret: bool):
         interpret=interpret,
         grid=(G, K // block_k, N // block_n),
         compiler_params=plgpu.CompilerParams(num_warps=WGRAD_NUM_WARPS,
-                                             num_stages=_stages(WGRAD_NUM_STAGES, x_MK.dtype)),
+                                             num_stages=pipeline_stages(WGRAD_NUM_STAGES, x_MK.dtype)),
         name=WEIGHT_GRADIENT,
     )(start, end, x_MK, dy_MN)
 

@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+
+def pipeline_stages(stages: int, dtype) -> int:
+    """Triton's pipeline stages for a kernel whose loads are `dtype`: `stages`
+    for 16-bit operands, one for wider ones (float32 tiles are twice the bytes a
+    stage, and at the stages tuned for bf16 ask more shared memory than a
+    Hopper SM has)."""
+    return stages if jnp.dtype(dtype).itemsize <= 2 else 1
 
 
 def kernel_call(kernel, out_shape, *, interpret: bool, **params):
