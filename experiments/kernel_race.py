@@ -69,7 +69,7 @@ GROUPED_SHAPES = [  # (label, M, K, N, G, k)
     ("Qwen3-30B-A3B down", 65_536, 768, 2048, 128, 8),
     ("Qwen3.5-35B-A3B", 65_536, 2048, 512, 256, 8),
 ]
-GROUPED_REHEARSAL = [("tiny", 256, 64, 32, 8, 2)]
+GROUPED_REHEARSAL = [("tiny", 256, 64, 64, 8, 2)]  # the Mosaic GPU kernel: widths of 64
 QUICK_LENGTHS = (8_192, 32_768)  # --quick: two lengths of 16 heads and the first expert shape
 DISTRIBUTIONS = ("uniform", "skewed")
 REPEATS = 10  # calls per median: 5 left a spread of a quarter between runs of millisecond kernels
@@ -169,10 +169,11 @@ def jax_part(rehearse: bool, quick: bool, workdir: Path, tiles: Path | None = No
     import numpy as np
 
     from jlong.linear_attention import gated_delta, gated_delta_triton
-    from jlong.moe import grouped_matmul_triton
+    from jlong.moe import grouped_matmul_mosaic, grouped_matmul_triton
 
     settings = _set_tiles(tiles, {"grouped_matmul": grouped_matmul_triton,
                                   "grouped_matmul_weight_gradient": grouped_matmul_triton,
+                                  "grouped_matmul_mosaic": grouped_matmul_mosaic,
                                   "gated_delta": gated_delta_triton})
 
     on_gpu = jax.default_backend() == "gpu"
@@ -224,9 +225,10 @@ def jax_part(rehearse: bool, quick: bool, workdir: Path, tiles: Path | None = No
             shape = {"M": M, "K": K, "N": N, "G": G, "k": topk, "label": label, "rows": distribution}
             sizes = group_sizes(M, G, distribution)
             reference = _grouped_reference(xb, wb, dyb, sizes)
-            product = lambda x, w, s: grouped_matmul_triton.grouped_matmul(x, w, s, interpret=interpret)  # noqa: E731
-            rows.extend(_matmul_rows("grouped_matmul", "jlong:triton", product, (xb, wb, jnp.asarray(sizes)), dyb,
-                                     shape, 2.0 * M * K * N, reference, median))
+            for impl, module in (("jlong:triton", grouped_matmul_triton), ("jlong:mosaic", grouped_matmul_mosaic)):
+                product = functools.partial(module.grouped_matmul, interpret=interpret)
+                rows.extend(_matmul_rows("grouped_matmul", impl, product, (xb, wb, jnp.asarray(sizes)), dyb,
+                                         shape, 2.0 * M * K * N, reference, median))
         dense_shape = {"M": M, "K": K, "N": N, "label": label}
         rows.extend(_matmul_rows("dense_gemm", "jax", lambda x, w: x @ w, (xb, wb[0]), dyb, dense_shape,
                                  2.0 * M * K * N, None, median))

@@ -1,14 +1,16 @@
-"""Times the Pallas Triton kernels' tile shapes on one GPU.
+"""Times the Pallas kernels' tile shapes on one GPU.
 
-The kernels take their tiles, Triton's warps and its pipeline stages from
-module constants, which this sets candidate by candidate before tracing:
+The kernels take their tiles, Triton's warps and its pipeline stages (or
+Mosaic GPU's steps in flight) from module constants, which this sets
+candidate by candidate before tracing:
 
 - grouped matmul (`jlong.moe.grouped_matmul_triton`): the products' tiles
   on ROWS x HIDDEN -> INTERMEDIATE forward, its input's gradient (the
   transposed product) and the down projection's forward, then the weight
   gradient's own tiles on its weights' gradient; routed rows near-balanced
   over the experts as a trained router leaves them; TFLOP/s of the routed
-  rows;
+  rows; then the Mosaic GPU grouped matmul
+  (`jlong.moe.grouped_matmul_mosaic`) on all four, its tiles shared;
 - gated delta (`jlong.linear_attention.gated_delta_triton`): the state
   recurrence's forward and backward kernels alone, on chunk terms of
   TOKENS x HEADS heads of 128 in bf16; tokens/s.
@@ -35,25 +37,27 @@ import numpy as np
 
 from common import RESULTS, commit, invocation, median_seconds, portable, today
 from jlong.linear_attention import gated_delta_triton
-from jlong.moe import grouped_matmul_triton
+from jlong.moe import grouped_matmul_mosaic, grouped_matmul_triton
 
 # Tried in this order (the last setting varies fastest), the likelier first: a deadline cuts the rest.
 GROUPED_CANDIDATES = {"BLOCK_M": (128, 64), "BLOCK_N": (256, 128), "BLOCK_K": (64,), "NUM_WARPS": (8, 4),
                       "NUM_STAGES": (4, 3)}
 WEIGHT_GRADIENT_CANDIDATES = {"WGRAD_BLOCK_M": (64, 128), "WGRAD_BLOCK_N": (128, 256), "WGRAD_BLOCK_K": (64,),
                               "WGRAD_NUM_WARPS": (8, 4), "WGRAD_NUM_STAGES": (4, 3)}
+MOSAIC_CANDIDATES = {"BLOCK_M": (128, 64), "BLOCK_N": (128, 64), "BLOCK_K": (64,), "WGRAD_BLOCK_M": (64, 128),
+                     "STAGES": (4, 3, 2)}
 GATED_DELTA_CANDIDATES = {"BLOCK_V": (32, 16, 64), "NUM_WARPS": (4, 2), "NUM_STAGES": (2, 3, 1)}
 REPEATS = 20  # calls of about a millisecond each: fewer left a quarter's spread between equal kernels
 PASSES = {"grouped_matmul": ("up forward", "up dx", "down forward"), "grouped_matmul_weight_gradient": ("up dw",),
+          "grouped_matmul_mosaic": ("up forward", "up dx", "down forward", "up dw"),
           "gated_delta": ("forward", "backward")}  # a report's sections and the rates each is ranked by
 KERNELS = tuple(PASSES)
 RATES = ("up forward", "up dx", "up dw", "down forward", "forward", "backward")  # a row's rates, not its settings
 
 
-def grouped_matmul_passes(rows: int, hidden: int, intermediate: int, experts: int):
-    """{pass: (function, operands)} of the products (forward, input gradient) and of the weight gradient,
-    and the FLOPs of one pass."""
-    kernels = grouped_matmul_triton
+def grouped_matmul_passes(rows: int, hidden: int, intermediate: int, experts: int, kernels=grouped_matmul_triton):
+    """{pass: (function, operands)} of `kernels`' products (forward, input gradient) and of its weight
+    gradient, and the FLOPs of one pass."""
     keys = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(keys[0], (rows, hidden), jnp.bfloat16)
     w_up = jax.random.normal(keys[1], (experts, hidden, intermediate), jnp.bfloat16)
@@ -128,12 +132,15 @@ def main(argv=None) -> int:
     if jax.default_backend() != "gpu":
         print(f"kernel_tiles needs a GPU; this backend is {jax.default_backend()}", file=sys.stderr)
         return 2
-    tallest = max(*GROUPED_CANDIDATES["BLOCK_M"], *WEIGHT_GRADIENT_CANDIDATES["WGRAD_BLOCK_M"])
+    tallest = max(*GROUPED_CANDIDATES["BLOCK_M"], *WEIGHT_GRADIENT_CANDIDATES["WGRAD_BLOCK_M"],
+                  *MOSAIC_CANDIDATES["BLOCK_M"], *MOSAIC_CANDIDATES["WGRAD_BLOCK_M"])
     if args.rows % tallest:  # the kernels are timed without grouped_matmul's padding to whole tiles
         print(f"kernel_tiles: --rows must be a multiple of {tallest}, got {args.rows}", file=sys.stderr)
         return 2
     started = time.monotonic()
     products, weight_gradient, flops = grouped_matmul_passes(args.rows, args.hidden, args.intermediate, args.experts)
+    mosaic_products, mosaic_weight_gradient, _ = grouped_matmul_passes(
+        args.rows, args.hidden, args.intermediate, args.experts, grouped_matmul_mosaic)
     gated, tokens = gated_delta_passes(args.tokens, args.heads)
     shape = {"rows": args.rows, "hidden": args.hidden, "intermediate": args.intermediate, "experts": args.experts}
     report = {
@@ -149,7 +156,13 @@ def main(argv=None) -> int:
             "shape": shape,
             "unit": "TFLOP/s",
             "results": sweep(grouped_matmul_triton, WEIGHT_GRADIENT_CANDIDATES, weight_gradient, flops, 1e12,
-                             started + args.deadline_s * 0.55),
+                             started + args.deadline_s * 0.5),
+        },
+        "grouped_matmul_mosaic": {
+            "shape": shape,
+            "unit": "TFLOP/s",
+            "results": sweep(grouped_matmul_mosaic, MOSAIC_CANDIDATES, {**mosaic_products, **mosaic_weight_gradient},
+                             flops, 1e12, started + args.deadline_s * 0.7),
         },
         "gated_delta": {
             "shape": {"tokens": args.tokens, "heads": args.heads, "dk": 128, "dv": 128},

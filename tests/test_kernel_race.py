@@ -1,5 +1,5 @@
 """experiments/kernel_race.py: without a GPU it refuses in one line; its CPU rehearsal runs jlong's side of the
-race (the Triton kernels interpreted) and writes the results in the form the GPU run does."""
+race (the Triton and Mosaic GPU kernels interpreted) and writes the results in the form the GPU run does."""
 
 import json
 import os
@@ -35,7 +35,8 @@ def test_the_rehearsal_races_jlongs_kernels_and_marks_the_anchors_not_run(tmp_pa
     rows = data["rows"]
     ours = [r for r in rows if r["impl"].startswith("jlong:") or r["impl"] == "jax"]
     assert {(r["kernel"], r["impl"]) for r in ours} >= {("gated_delta", "jlong:triton"), ("gated_delta", "jlong:chunked"),
-                                                       ("grouped_matmul", "jlong:triton"), ("dense_gemm", "jax")}
+                                                       ("grouped_matmul", "jlong:triton"), ("grouped_matmul", "jlong:mosaic"),
+                                                       ("dense_gemm", "jax")}
     assert all(r["status"] == "ok" for r in ours) and {r["pass"] for r in ours} == {"fwd", "fwd+bwd"}
     # the numerics against float32 references: bf16 inputs, so within a few bf16 roundings
     errors = [r["max_rel_error"] for r in ours if r["max_rel_error"] is not None]

@@ -318,7 +318,8 @@ class KernelsConfig(_Section):
     (slow)."""
     grouped_matmul: Text = "auto"
     """The experts' grouped matmul: `auto` (the Triton kernel on a GPU, `ragged_dot` elsewhere), or one of
-    `jlong.moe.grouped_matmul.KERNELS`; a GPU kernel chosen on the CPU runs in Pallas' interpreter (slow)."""
+    `jlong.moe.grouped_matmul.KERNELS` (`mosaic`: Pallas Mosaic GPU for Hopper, bf16 or f16); a GPU kernel
+    chosen on the CPU runs in its interpreter (slow)."""
 
 
 class TrainConfig(_Section):

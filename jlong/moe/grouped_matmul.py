@@ -11,7 +11,11 @@ its interpreter):
   reference. XLA:GPU in jax 0.10 lowers it to a product with every group's
   matrix (G times the FLOPs), so GPUs run
 - `triton`: Pallas Triton kernels over tiles of sorted rows
-  (`jlong.moe.grouped_matmul_triton`), FLOPs for the rows each group has.
+  (`jlong.moe.grouped_matmul_triton`), FLOPs for the rows each group has;
+  what `auto` runs on a GPU (the kernel raced: experiments/kernel_race.py);
+- `mosaic`: the same work as Pallas Mosaic GPU kernels for Hopper
+  (`jlong.moe.grouped_matmul_mosaic`; TMA and wgmma, bf16 or f16 operands):
+  the route that stays once jax removes Pallas' Triton backend.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import functools
 
 import jax
 
-from jlong.moe import grouped_matmul_triton
+from jlong.moe import grouped_matmul_mosaic, grouped_matmul_triton
 
 
 def ragged_dot(x_MK, w_GKN, group_sizes_G):
@@ -28,8 +32,9 @@ def ragged_dot(x_MK, w_GKN, group_sizes_G):
     return jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)
 
 
-KERNELS = {"ragged_dot": ragged_dot, "triton": grouped_matmul_triton.grouped_matmul}
-GPU_KERNELS = frozenset({"triton"})  # written for a GPU; `interpret=True` runs them anywhere
+KERNELS = {"ragged_dot": ragged_dot, "triton": grouped_matmul_triton.grouped_matmul,
+           "mosaic": grouped_matmul_mosaic.grouped_matmul}
+GPU_KERNELS = frozenset({"triton", "mosaic"})  # written for a GPU; `interpret=True` runs them anywhere
 
 
 def kernel_for(platform: str) -> str:

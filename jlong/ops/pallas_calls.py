@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jlong.errors import JlongError
+
 
 def pipeline_stages(stages: int, dtype) -> int:
     """Triton's pipeline stages for a kernel whose loads are `dtype`: `stages`
@@ -40,6 +42,34 @@ def kernel_call(kernel, out_shape, *, interpret: bool, **params):
         shapes = _typed_like(out_shape, everyone[0])
         results = jax.vmap(pl.pallas_call(kernel, out_shape=shapes, interpret=True, **params))(*everyone)
         return jax.tree.map(lambda r: r[mine], results)
+
+    return call
+
+
+def mosaic_kernel_call(body, out_type, *, interpret, **params):
+    """`plgpu.kernel(body, out_type=...)` (a Pallas Mosaic GPU kernel) as a
+    function of its operands that works inside `shard_map` too. Mosaic GPU
+    kernels do not check how values vary over a mesh, so their results come
+    out marked the same on every device: they are marked varying over every
+    mesh axis any operand varies over, as they are (each device's own).
+
+    `interpret` (Mosaic GPU's interpreter settings, or None) runs the kernel
+    on the CPU, on one device: inside `shard_map` over several devices the
+    interpreter (jax 0.10) takes the kernel for one over all of them, and its
+    simulated GPUs break or wait for each other, so that is refused in one line."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    kernel = plgpu.kernel(body, out_type=out_type, interpret=interpret, **params)
+
+    def call(*operands):
+        axes = tuple(sorted(frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in operands))))
+        if not axes:
+            return kernel(*operands)
+        if interpret is not None and jax.lax.psum(1, axes) > 1:
+            raise JlongError(f"a Mosaic GPU kernel runs in its interpreter on one device, not inside shard_map "
+                             f"over {jax.lax.psum(1, axes)} (jax {jax.__version__}'s interpreter): interpret it on "
+                             "one device, or pick the Triton kernel to interpret on a mesh")
+        return jax.tree.map(lambda r: _varying(r, axes), kernel(*operands))
 
     return call
 

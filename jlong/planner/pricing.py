@@ -12,14 +12,16 @@ from jlong.attention.kernels import price_custom_call
 from jlong.attention.step import CallCost
 from jlong.errors import JlongError
 from jlong.linear_attention import gated_delta_triton
-from jlong.moe import grouped_matmul_triton
+from jlong.moe import grouped_matmul_mosaic, grouped_matmul_triton
 from jlong.planner.hlo import Computation, HloModule, Instruction
 from jlong.planner.targets import GpuModel
 
 
 # jlong's GPU kernels, each with its FLOPs from its custom call and the kind of kernel it is priced as
 # (the kind's efficiency in `Efficiency`).
-KERNEL_PRICES = ((grouped_matmul_triton.call_flops, "grouped matmul"), (gated_delta_triton.call_flops, "gated delta"))
+KERNEL_PRICES = ((grouped_matmul_triton.call_flops, "grouped matmul"),
+                 (grouped_matmul_mosaic.call_flops, "grouped matmul (mosaic)"),
+                 (gated_delta_triton.call_flops, "gated delta"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +39,10 @@ class Efficiency:
     # backward, 45 together (94 GFLOP in 2.08 ms; a training step runs both). Latency, not the tensor cores,
     # bounds them: one chunk after another.
     gated_delta: float = 0.046
+    # a stated default, not yet measured: the Mosaic GPU grouped matmul has not been raced. The first Triton
+    # kernel's measured rate at Qwen3-30B-A3B's expert shapes on an H100 (132-152 TFLOP/s, gpu-truth.md), as an
+    # untuned kernel's.
+    grouped_matmul_mosaic: float = 0.13
     attention_fwd: float = 0.60
     attention_bwd: float = 0.53  # measured: 522 TFLOP/s, cuDNN 9.19 causal backward at 32K on an H100 SXM
     hbm: float = 0.80
@@ -149,6 +155,7 @@ class Pricer:
         tally.flops["matmul"] += flops.matmul
         tally.flops["other"] += flops.other
         efficiency = {"matmul": self.eff.gemm, "grouped matmul": self.eff.grouped_matmul,
+                      "grouped matmul (mosaic)": self.eff.grouped_matmul_mosaic,
                       "gated delta": self.eff.gated_delta}.get(kind, 1.0)
         rate = self.gpu.peak_bf16_flops * efficiency
         seconds = max(flops.total / rate, hbm / (self.gpu.hbm_bytes_per_s * self.eff.hbm))
