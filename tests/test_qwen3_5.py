@@ -68,6 +68,20 @@ def test_unit_lower_inverse_inverts():
     np.testing.assert_allclose(got @ (np.eye(64) + n), np.broadcast_to(np.eye(64), n.shape), atol=1e-4)
 
 
+@pytest.mark.fast
+def test_unit_lower_inverses_gradient_is_autodiffs_through_the_doublings():
+    """The inverse's own gradient (-X^T dX X^T, strictly lower) against autodiff through its computation."""
+    rng = np.random.default_rng(1)
+    n = jnp.asarray(np.tril(rng.normal(size=(3, 64, 64)), -1).astype(np.float32) * 0.3)
+    cotangent = jnp.asarray(rng.normal(size=(3, 64, 64)).astype(np.float32))
+    with jax.default_matmul_precision("highest"):
+        (got,) = jax.vjp(chunks.unit_lower_inverse, n)[1](cotangent)
+        (want,) = jax.vjp(chunks._doubling_inverse, n)[1](cotangent)
+    want = jnp.tril(want, -1)  # the strictly lower part is all N has
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(jnp.abs(want).max()))
+    assert float(jnp.abs(got).max()) > 0 and float(jnp.abs(jnp.triu(got)).max()) == 0
+
+
 def test_logits_match_transformers_across_chunks_with_yarn(tmp_path):
     """150 tokens (three chunks of the rule), both layer types, value heads
     more than key heads, the output gate, partial RoPE scaled by YaRN."""

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 
 from jlong.ops.tiling import varying_like
 
+DIAGONAL_BLOCK = 16  # `unit_lower_inverse` inverts diagonal blocks of this size on their own first
+
 
 def over_blocks(run_block, tokens, segment_ids, initial_state, segment_before, *, block: int):
     """(o [B, S, H, dv] in v's dtype, the final state [B, H, dk, dv] in
@@ -135,6 +137,7 @@ def chunk_terms(q, k, v, g, beta, seg, prev, *, chunk: int) -> ChunkTerms:
     )
 
 
+@jax.custom_vjp
 def unit_lower_inverse(strictly_lower):
     """(I + N)^-1 for strictly lower-triangular N [..., C, C] (C a power of
     two), by doubling the size of the diagonal blocks already inverted: with
@@ -142,16 +145,56 @@ def unit_lower_inverse(strictly_lower):
     [[A, 0], [M, D]]^-1 = [[A^-1, 0], [-D^-1 M A^-1, D^-1]], that is
     X - X (N on the new off-diagonal blocks) X. Two matmuls per doubling
     (log2 C of them), where a triangular solve would be C dependent steps
-    (and XLA:CPU's solve can stall multi-device programs)."""
+    (and XLA:CPU's solve can stall multi-device programs).
+
+    Its gradient is the inverse's own, -X^T dX X^T on the strictly lower
+    part: two matmuls, where autodiff through the doublings would keep and
+    revisit every step's [..., C, C] products (most of the rule's memory
+    traffic on a GPU)."""
+    return _doubling_inverse(strictly_lower)
+
+
+def _doubling_inverse(strictly_lower):
     C = strictly_lower.shape[-1]
     if C & (C - 1):
         raise ValueError(f"chunk size {C} is not a power of two")
+    # The first doublings only fill diagonal blocks of up to DIAGONAL_BLOCK: run them on those blocks
+    # alone ([..., C / b, b, b], a fraction b / C of the full products' work and memory traffic).
+    b = min(C, DIAGONAL_BLOCK)
+    blocks = C // b
+    tiled = strictly_lower.reshape(*strictly_lower.shape[:-2], blocks, b, blocks, b)
+    diagonal = jnp.diagonal(tiled, axis1=-4, axis2=-2)  # [..., b, b, blocks]
+    inverse = _doublings(jnp.moveaxis(diagonal, -1, -3), 1, b)  # [..., blocks, b, b]
+    eye = jnp.eye(blocks, dtype=bool)[:, None, :, None]
+    inverse = jnp.where(eye, jnp.expand_dims(inverse, -2), 0.0)  # [..., blocks, b, blocks, b]
+    inverse = inverse.reshape(strictly_lower.shape)  # block diagonal
+    return _doublings(strictly_lower, b, C, inverse)
+
+
+def _doublings(strictly_lower, size: int, until: int, inverse=None):
+    """The inverse of (I + N) on diagonal blocks of `until`, from its inverse on blocks of `size`
+    (the identity when `inverse` is None and `size` is 1)."""
+    C = strictly_lower.shape[-1]
     rows = jnp.arange(C)
-    inverse = jnp.broadcast_to(jnp.eye(C, dtype=strictly_lower.dtype), strictly_lower.shape)
-    size = 1
-    while size < C:
+    if inverse is None:
+        inverse = jnp.broadcast_to(jnp.eye(C, dtype=strictly_lower.dtype), strictly_lower.shape)
+    while size < until:
         new_blocks = (rows[:, None] // (2 * size) == rows[None, :] // (2 * size)) & \
                      (rows[:, None] // size != rows[None, :] // size)
         inverse = inverse - inverse @ jnp.where(new_blocks, strictly_lower, 0.0) @ inverse
         size *= 2
     return inverse
+
+
+def _inverse_forward(strictly_lower):
+    inverse = _doubling_inverse(strictly_lower)
+    return inverse, inverse
+
+
+def _inverse_backward(inverse, d_inverse):
+    transposed = jnp.swapaxes(inverse, -1, -2)
+    C = inverse.shape[-1]
+    return (jnp.where(jnp.tri(C, k=-1, dtype=bool), -(transposed @ d_inverse @ transposed), 0.0),)
+
+
+unit_lower_inverse.defvjp(_inverse_forward, _inverse_backward)
