@@ -24,9 +24,11 @@ same kernels on the CPU, as the tests do).
    all chunks, through which autodiff reaches q, k, v, g and beta.
 
 The matrices enter the kernels and the batched products in bf16 when v is
-bf16 (as FLA's do; the state and every accumulation stay float32) and in
-float32 at the highest precision otherwise (the ring's summaries, the
-tests). Same contract as `gated_delta.chunked`.
+bf16 (as FLA's do; the state and every accumulation stay float32), and
+what the kernels leave for the batched products (the states entering the
+chunks, v_new and their gradients) is stored in bf16 too, as those
+products read it; in float32 at the highest precision otherwise (the
+ring's summaries, the tests). Same contract as `gated_delta.chunked`.
 """
 
 from __future__ import annotations
@@ -95,9 +97,9 @@ def _forward_kernel(u_ref, w_ref, kw_ref, decay_ref, state_ref, final_ref, state
 
     def one_chunk(c, S):
         load = lambda ref, *index: plgpu.load(ref.at[bh, c, *index])  # noqa: E731
-        plgpu.store(states_ref.at[bh, c, :, columns], S)
+        plgpu.store(states_ref.at[bh, c, :, columns], S.astype(operand))
         v_new = load(u_ref, slice(None), columns).astype(jnp.float32) - plgpu.dot(load(w_ref), S.astype(operand))
-        plgpu.store(v_new_ref.at[bh, c, :, columns], v_new)
+        plgpu.store(v_new_ref.at[bh, c, :, columns], v_new.astype(operand))
         return S * plgpu.load(decay_ref.at[bh, c]) + plgpu.dot(load(kw_ref), v_new.astype(operand), trans_a=True)
 
     state = plgpu.load(state_ref.at[bh, :, columns])
@@ -112,10 +114,10 @@ def _backward_kernel(do_ref, w_ref, a_ref, qr_ref, kw_ref, decay_ref, d_final_re
     def one_chunk(i, dS):
         c = chunks - 1 - i
         load = lambda ref, *index: plgpu.load(ref.at[bh, c, *index])  # noqa: E731
-        plgpu.store(d_next_ref.at[bh, c, :, columns], dS)  # the gradient of the state the chunk leaves
+        plgpu.store(d_next_ref.at[bh, c, :, columns], dS.astype(operand))  # the gradient of the state it leaves
         do = load(do_ref, slice(None), columns)
         d_v_new = plgpu.dot(load(a_ref), do, trans_a=True) + plgpu.dot(load(kw_ref), dS.astype(operand))
-        plgpu.store(d_v_new_ref.at[bh, c, :, columns], d_v_new)
+        plgpu.store(d_v_new_ref.at[bh, c, :, columns], d_v_new.astype(operand))
         return (plgpu.dot(load(qr_ref), do, trans_a=True) + dS * plgpu.load(decay_ref.at[bh, c])
                 - plgpu.dot(load(w_ref), d_v_new.astype(operand), trans_a=True))
 
@@ -124,9 +126,10 @@ def _backward_kernel(do_ref, w_ref, a_ref, qr_ref, kw_ref, decay_ref, d_final_re
 
 
 def _call(kernel, name: str, out_shapes, grid, interpret: bool, operand):
+    """`out_shapes`: (shape, dtype) of each result."""
     return kernel_call(
         kernel,
-        tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in out_shapes),
+        tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in out_shapes),
         interpret=interpret,
         grid=grid,
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=pipeline_stages(NUM_STAGES, operand)),
@@ -135,12 +138,13 @@ def _call(kernel, name: str, out_shapes, grid, interpret: bool, operand):
 
 
 def _forward(u, w, kw, decay, state, interpret):
-    """The final state [BH, dk, dv], the state entering each chunk
-    [BH, n, dk, dv] and v_new [BH, n, C, dv], all float32."""
+    """The final state [BH, dk, dv] in float32, the state entering each chunk
+    [BH, n, dk, dv] and v_new [BH, n, C, dv] in the terms' dtype (what the
+    batched products after the kernel read them in)."""
     (BH, n, C, dv), dk = u.shape, w.shape[-1]
     block_v = _block_v(dv)
     kernel = functools.partial(_forward_kernel, chunks=n, block_v=block_v)
-    shapes = [(BH, dk, dv), (BH, n, dk, dv), (BH, n, C, dv)]
+    shapes = [((BH, dk, dv), jnp.float32), ((BH, n, dk, dv), w.dtype), ((BH, n, C, dv), w.dtype)]
     return _call(kernel, FORWARD, shapes, (BH, dv // block_v), interpret, w.dtype)(u, w, kw, decay, state)
 
 
@@ -159,12 +163,13 @@ def _outputs(qr, a, states, v_new):
 
 
 def _backward(do, d_final, w, a, qr, kw, decay, interpret):
-    """dv_new [BH, n, C, dv], the gradient of the state each chunk leaves
-    [BH, n, dk, dv] and of the initial state [BH, dk, dv]."""
+    """dv_new [BH, n, C, dv] and the gradient of the state each chunk leaves
+    [BH, n, dk, dv] in the terms' dtype, and of the initial state [BH, dk, dv]
+    in float32."""
     (BH, n, C, dv), dk = do.shape, w.shape[-1]
     block_v = _block_v(dv)
     kernel = functools.partial(_backward_kernel, chunks=n, block_v=block_v)
-    shapes = [(BH, n, C, dv), (BH, n, dk, dv), (BH, dk, dv)]
+    shapes = [((BH, n, C, dv), w.dtype), ((BH, n, dk, dv), w.dtype), ((BH, dk, dv), jnp.float32)]
     return _call(kernel, BACKWARD, shapes, (BH, dv // block_v), interpret, w.dtype)(do, w, a, qr, kw, decay,
                                                                                      d_final)
 
@@ -194,7 +199,7 @@ def _recurrence_backward(interpret, saved, cotangents):
     d_a = _by_chunk("bncv,bnjv->bncj", do, v_new, operand)
     d_qr = _by_chunk("bncv,bnkv->bnck", do, states, operand)
     d_kw = _by_chunk("bncv,bnkv->bnck", v_new, d_next, operand)
-    d_decay = jnp.einsum("bnkv,bnkv->bn", states, d_next)
+    d_decay = jnp.einsum("bnkv,bnkv->bn", states, d_next, preferred_element_type=jnp.float32)
     cast = lambda t, like: t.astype(like.dtype)  # noqa: E731
     return (cast(d_u, w), cast(d_w, w), cast(d_a, a), cast(d_qr, qr), cast(d_kw, kw), d_decay, d_state)
 
