@@ -6,6 +6,8 @@ more value heads than key heads, and the ring's call (float32 values of
 width dk + dv from an identity state). Tolerances: 2e-6 absolute on outputs
 of order one, 1e-5 relative to the largest gradient."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,7 +89,8 @@ def test_the_rings_call_in_float32_with_values_of_width_dk_plus_dv():
 
 @fast
 def test_bfloat16_inputs_stay_near_the_float32_rule():
-    """bf16 matrices into the kernels (the state float32): outputs within 2% of the largest."""
+    """bf16 matrices into the chunk terms' products and the kernels (the state, the inverse and every
+    accumulation float32): outputs and gradients within 2% of the largest."""
     q, k, v, g, beta = _rule_inputs(dv=16)
     bf16 = lambda t: jnp.asarray(t, jnp.bfloat16)  # noqa: E731
     o, final = triton(bf16(q), bf16(k), bf16(v), g, beta, SEGMENTS)
@@ -95,6 +98,17 @@ def test_bfloat16_inputs_stay_near_the_float32_rule():
     assert o.dtype == jnp.bfloat16
     assert np.abs(np.asarray(o, np.float32) - want_o).max() < 0.02 * np.abs(want_o).max()
     assert np.abs(np.asarray(final) - want_final).max() < 0.02 * np.abs(want_final).max()
+    # and the gradients of every input (about 0.5% of the largest here)
+    do = jnp.asarray(np.random.default_rng(5).standard_normal(np.shape(v)), jnp.float32)
+
+    def loss(rule, *inputs):
+        o, final = rule(*inputs, SEGMENTS)
+        return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final)
+
+    got = jax.grad(functools.partial(loss, triton), argnums=range(5))(bf16(q), bf16(k), bf16(v), g, beta)
+    want = jax.grad(functools.partial(loss, gated_delta.recurrent), argnums=range(5))(q, k, v, g, beta)
+    for name, a, b in zip(("q", "k", "v", "g", "beta"), got, want):
+        assert np.abs(np.asarray(a, np.float32) - b).max() < 0.02 * np.abs(b).max(), name
 
 
 @fast

@@ -96,11 +96,17 @@ class ChunkTerms(NamedTuple):
     decay: jax.Array  # [..] the incoming state's decay over the chunk (0 where a document starts inside)
 
 
-def chunk_terms(q, k, v, g, beta, seg, prev, *, chunk: int) -> ChunkTerms:
+def chunk_terms(q, k, v, g, beta, seg, prev, *, chunk: int, operand=jnp.float32) -> ChunkTerms:
     """The `ChunkTerms` of tokens q, k [B, T, Hk, dk], v [B, T, H, dv], g,
     beta [B, T, H] (T a multiple of `chunk`), segment ids `seg` and each
-    token's predecessor's `prev` [B, T]."""
-    q, k, v, g, beta = (t.astype(jnp.float32) for t in (q, k, v, g, beta))
+    token's predecessor's `prev` [B, T].
+
+    The products take their inputs in `operand`: float32 (at the precision
+    in force), or bf16 with float32 accumulation (as FLA's kernels, at half
+    the memory traffic); decays, the triangular inverse and every result
+    stay float32."""
+    q, k, v = (t.astype(operand) for t in (q, k, v))
+    g, beta = (t.astype(jnp.float32) for t in (g, beta))
     B, T, H, dv = v.shape
     group = H // k.shape[2]
     q, k = (jnp.repeat(t, group, axis=2) for t in (q, k))
@@ -123,14 +129,20 @@ def chunk_terms(q, k, v, g, beta, seg, prev, *, chunk: int) -> ChunkTerms:
     writes = seg == last  # tokens of the document that runs out of the chunk write the outgoing state
     carries = (last == before)[..., 0]  # [B, 1, n]: no document starts inside the chunk
 
-    k_beta = k * beta[..., None]
+    def scaled(t, by):  # t x by per token, in `operand`
+        return (t * by[..., None]).astype(operand)
+
+    def product(spec, x, y):
+        return jnp.einsum(spec, x.astype(operand), y.astype(operand), preferred_element_type=jnp.float32)
+
+    k_beta = scaled(k, beta)
     strictly = ~jnp.eye(chunk, dtype=bool)
-    system = jnp.where(strictly, jnp.einsum("...id,...jd->...ij", k_beta, k) * decay, 0.0)
+    system = jnp.where(strictly, product("...id,...jd->...ij", k_beta, k) * decay, 0.0)
     inverse = unit_lower_inverse(system)  # of I + the strictly lower part
     return ChunkTerms(
-        u=inverse @ (v * beta[..., None]),
-        w=inverse @ (k_beta * (jnp.exp(cum) * reads)[..., None]),
-        a=jnp.einsum("...id,...jd->...ij", q, k) * decay,
+        u=product("...ij,...jv->...iv", inverse, scaled(v, beta)),
+        w=product("...ij,...jd->...id", inverse, scaled(k_beta, jnp.exp(cum) * reads)),
+        a=product("...id,...jd->...ij", q, k) * decay,
         qr=q * (jnp.exp(cum) * reads)[..., None],
         kw=k * (jnp.exp(cum[..., -1:] - cum) * writes)[..., None],
         decay=jnp.exp(cum[..., -1]) * carries,

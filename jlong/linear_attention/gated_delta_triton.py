@@ -74,8 +74,8 @@ def _block(state, inputs, *, chunk: int, interpret: bool):
     q, k, v, g, beta, segment_ids, previous = inputs
     B, T, H, dv = v.shape
     dk = k.shape[-1]
-    terms = chunk_terms(q, k, v, g, beta, segment_ids, previous, chunk=chunk)
     operand = jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
+    terms = chunk_terms(q, k, v, g, beta, segment_ids, previous, chunk=chunk, operand=operand)
     heads = lambda t: t.reshape(B * H, *t.shape[2:])  # noqa: E731  [B, H, ...] -> [B H, ...]
     matrices = (heads(t).astype(operand) for t in (terms.u, terms.w, terms.a, terms.qr, terms.kw))
     o, state = _recurrence(*matrices, heads(terms.decay), heads(state), interpret)
