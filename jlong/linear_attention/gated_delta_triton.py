@@ -148,12 +148,13 @@ def _forward(u, w, kw, decay, state, interpret):
     return _call(kernel, FORWARD, shapes, (BH, dv // block_v), interpret, w.dtype)(u, w, kw, decay, state)
 
 
-def _by_chunk(spec: str, x, y, operand):
+def _by_chunk(spec: str, x, y, operand, result=jnp.float32):
     """A product batched over all chunks: in `operand` (bf16 or float32) with
-    float32 accumulation, float32 at the highest precision."""
+    float32 accumulation, float32 at the highest precision; the sums rounded
+    to `result`."""
     precision = jax.lax.Precision.HIGHEST if operand == jnp.float32 else None
     return jnp.einsum(spec, x.astype(operand), y.astype(operand), precision=precision,
-                      preferred_element_type=jnp.float32)
+                      preferred_element_type=result)
 
 
 def _outputs(qr, a, states, v_new):
@@ -193,15 +194,13 @@ def _recurrence_backward(interpret, saved, cotangents):
     operand = w.dtype
     do = do.reshape(BH, n, C, -1).astype(operand)
     d_v_new, d_next, d_state = _backward(do, d_final, w, a, qr, kw, decay, interpret)
-    # The chunk terms' gradients, for all chunks at once.
-    d_u = d_v_new
-    d_w = -_by_chunk("bncv,bnkv->bnck", d_v_new, states, operand)
-    d_a = _by_chunk("bncv,bnjv->bncj", do, v_new, operand)
-    d_qr = _by_chunk("bncv,bnkv->bnck", do, states, operand)
-    d_kw = _by_chunk("bncv,bnkv->bnck", v_new, d_next, operand)
+    # The chunk terms' gradients, for all chunks at once, in the terms' dtype (the sums float32).
+    d_w = -_by_chunk("bncv,bnkv->bnck", d_v_new, states, operand, operand)
+    d_a = _by_chunk("bncv,bnjv->bncj", do, v_new, operand, operand)
+    d_qr = _by_chunk("bncv,bnkv->bnck", do, states, operand, operand)
+    d_kw = _by_chunk("bncv,bnkv->bnck", v_new, d_next, operand, operand)
     d_decay = jnp.einsum("bnkv,bnkv->bn", states, d_next, preferred_element_type=jnp.float32)
-    cast = lambda t, like: t.astype(like.dtype)  # noqa: E731
-    return (cast(d_u, w), cast(d_w, w), cast(d_a, a), cast(d_qr, qr), cast(d_kw, kw), d_decay, d_state)
+    return d_v_new, d_w, d_a, d_qr, d_kw, d_decay, d_state
 
 
 _recurrence.defvjp(_recurrence_forward, _recurrence_backward)
