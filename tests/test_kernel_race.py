@@ -1,14 +1,16 @@
 """experiments/kernel_race.py: without a GPU it refuses in one line; its CPU rehearsal runs jlong's side of the
-race (the Triton and Mosaic GPU kernels interpreted) and writes the results in the form the GPU run does."""
+race (the Triton and Mosaic GPU kernels interpreted) and writes the results in the form the GPU run does.
+experiments/kernel_estimate.py prices the kernels deviceless."""
 
 import json
 import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
-
-from helpers import REPO, load_experiment
+from helpers import H100, REPO, load_experiment, needs_gpu_compiler
 
 SCRIPT = REPO / "experiments" / "kernel_race.py"
 
@@ -66,3 +68,20 @@ def test_a_tile_reports_fastest_candidate_is_ranked_on_each_kernels_own_passes()
     assert best_settings(report, "grouped_matmul_weight_gradient") == {"WGRAD_BLOCK_M": 128}
     report["grouped_matmul"]["results"] = report["grouped_matmul"]["results"][2:]
     assert best_settings(report, "grouped_matmul") == {}
+
+
+@needs_gpu_compiler
+def test_the_deviceless_estimate_prices_the_kernels_and_names_the_heaviest_operations():
+    """experiments/kernel_estimate.py at a small shape: the Triton rule's programs compile for an H100, are
+    priced with their kernels' calls among the costs, and list their heaviest operations by bytes moved."""
+    estimate = load_experiment("kernel_estimate")
+    device = H100.devices(1)[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+    programs = estimate.gated_delta(256, 2, spec)
+    for text in programs.values():
+        cost = estimate.priced(text, 256)
+        assert cost["ms"] > 0 and cost["by_kind"]["gated delta"] > 0 and cost["hbm_gb"] > 0
+        heaviest = estimate.heaviest(text, 5)
+        assert len(heaviest) == 5 and float(heaviest[0][0]) >= float(heaviest[-1][0])
+    assert "gated_delta_backward" in programs["fwd+bwd"] and "gated_delta_backward" not in programs["fwd"]
