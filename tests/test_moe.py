@@ -25,7 +25,7 @@ from jlong.config.identity import changes
 from jlong.model.transformer import ForwardOptions
 from jlong.ops.shards import OneDevice
 from jlong.training import routing_watch
-from jlong.moe import grouped_matmul, grouped_matmul_triton
+from jlong.moe import grouped_matmul, grouped_matmul_triton, row_tiles
 from jlong.planner.memory import compile_train_step, plan_of
 from jlong.planner.pricing import Efficiency
 from jlong.planner.step_cost import step_cost
@@ -90,7 +90,7 @@ def test_work_items_cover_every_row_once_within_their_bound(seed):
     rng = np.random.default_rng(seed)
     sizes = rng.multinomial(1000, rng.dirichlet(np.full(16, 0.3)))
     rows = 1024
-    group, tile, real = map(np.asarray, grouped_matmul_triton.work_items(jnp.asarray(sizes, jnp.int32), rows, 64))
+    group, tile, real = map(np.asarray, row_tiles.work_items(jnp.asarray(sizes, jnp.int32), rows, 64))
     assert len(group) == rows // 64 + 16 - 1 and real <= len(group)
     ends = np.cumsum(sizes)
     covered = np.zeros(rows, int)

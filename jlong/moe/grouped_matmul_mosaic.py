@@ -3,7 +3,7 @@ shared memory, wgmma into a float32 accumulator): the route that stays when
 Pallas' Triton backend is removed. Operands are 16-bit (bf16 or f16), as
 wgmma reads them from shared memory in either orientation.
 
-The work is cut as `jlong.moe.grouped_matmul_triton` cuts it:
+The work is cut as the Triton kernels cut it (`jlong.moe.row_tiles`):
 
 - the products (forward, and the input gradient by the weights transposed):
   one program per (row tile, group) pair that overlaps and block of output
@@ -37,7 +37,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jlong.errors import JlongError
 from jlong.jax_private import private
-from jlong.moe.grouped_matmul_triton import work_items
+from jlong.moe.row_tiles import differentiable, group_bounds, padded_to, work_items
 from jlong.ops.pallas_calls import mosaic_kernel_call
 
 MOSAIC_CALL = "mosaic_gpu_v2"  # the custom call XLA:GPU runs a Mosaic GPU kernel as
@@ -105,8 +105,7 @@ def _product(x_MK, w, group_sizes_G, *, transpose_w: bool, interpret: bool):
     N = w.shape[1] if transpose_w else w.shape[2]
     block_n, block_k = _block(N, BLOCK_N, "output columns"), _block(K, BLOCK_K, "a contraction")
     group, tile, real = work_items(group_sizes_G, M, BLOCK_M)
-    ends = jnp.cumsum(group_sizes_G).astype(jnp.int32)
-    starts = ends - group_sizes_G.astype(jnp.int32)
+    starts, ends = group_bounds(group_sizes_G)
     x_layout = _layout(block_k, x_MK.dtype)
     w_layout = x_layout if transpose_w else _layout(block_n, w.dtype)
     w_block = (block_n, block_k) if transpose_w else (block_k, block_n)
@@ -160,8 +159,7 @@ def _weight_gradient(x_MK, dy_MN, group_sizes_G, dtype, *, interpret: bool):
     block_n, block_k = _block(N, BLOCK_N, "output columns"), _block(K, BLOCK_N, "a contraction")
     rows_transposed = interpret  # the interpreter reads no transposed operand: x^T [K, M] instead
     x_operand = x_MK.T if rows_transposed else x_MK
-    ends = jnp.cumsum(group_sizes_G).astype(jnp.int32)
-    starts = ends - group_sizes_G.astype(jnp.int32)
+    starts, ends = group_bounds(group_sizes_G)
     x_layout = _layout(WGRAD_BLOCK_M if rows_transposed else block_k, x_MK.dtype)
     x_block = (block_k, WGRAD_BLOCK_M) if rows_transposed else (WGRAD_BLOCK_M, block_k)
     row_axis = 1 if rows_transposed else 0
@@ -212,24 +210,7 @@ def _weight_gradient(x_MK, dy_MN, group_sizes_G, dtype, *, interpret: bool):
                    ("group", "k", "column"), interpret)(starts, ends, x_operand, dy_MN)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _grouped(x_MK, w_GKN, group_sizes_G, interpret):
-    return _product(x_MK, w_GKN, group_sizes_G, transpose_w=False, interpret=interpret)
-
-
-def _grouped_forward(x_MK, w_GKN, group_sizes_G, interpret):
-    return _grouped(x_MK, w_GKN, group_sizes_G, interpret), (x_MK, w_GKN, group_sizes_G)
-
-
-def _grouped_backward(interpret, saved, dy_MN):
-    x_MK, w_GKN, group_sizes_G = saved
-    dy_MN = dy_MN.astype(x_MK.dtype)
-    dx = _product(dy_MN, w_GKN, group_sizes_G, transpose_w=True, interpret=interpret)
-    dw = _weight_gradient(x_MK, dy_MN, group_sizes_G, w_GKN.dtype, interpret=interpret)
-    return dx, dw, None
-
-
-_grouped.defvjp(_grouped_forward, _grouped_backward)
+_grouped = differentiable(_product, _weight_gradient)
 
 
 def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, interpret: bool = False):
@@ -238,11 +219,8 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, interpret: bool = False):
     if x_MK.dtype != w_GKN.dtype or not any(x_MK.dtype == d for d in OPERAND_DTYPES):
         raise JlongError(f"the Mosaic GPU grouped matmul takes bf16 or f16 operands of one dtype, got "
                          f"{x_MK.dtype} and {w_GKN.dtype}: compute in bf16 or set kernels.grouped_matmul=triton")
-    M = x_MK.shape[0]
-    tile = math.lcm(BLOCK_M, WGRAD_BLOCK_M)
-    rows = -(-M // tile) * tile  # padding rows belong to no group
-    x_padded = x_MK if rows == M else jnp.pad(x_MK, ((0, rows - M), (0, 0)))
-    return _grouped(x_padded, w_GKN, group_sizes_G, interpret)[:M]
+    tile = math.lcm(BLOCK_M, WGRAD_BLOCK_M)  # whole tiles of either kernel
+    return _grouped(padded_to(x_MK, tile), w_GKN, group_sizes_G, interpret)[:x_MK.shape[0]]
 
 
 def call_flops(target: str, attributes: str, operand_dims: list, result_dims: tuple) -> float | None:

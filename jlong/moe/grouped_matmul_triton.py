@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jlong.moe.row_tiles import differentiable, group_bounds, padded_to, work_items
 from jlong.ops.pallas_calls import kernel_call, pipeline_stages
 
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call XLA:GPU runs a Pallas Triton kernel as
@@ -57,26 +58,6 @@ def _block(size: int, cap: int) -> int:
     if size % block:
         raise ValueError(f"grouped matmul dimensions must be multiples of 16, got {size}")
     return block
-
-
-def work_items(group_sizes_G, rows: int, block_m: int):
-    """(group, tile) of each work item [W] int32, and how many are real: the
-    (tile, group) pairs whose rows overlap, in order; W = rows / block_m + G - 1."""
-    G = group_sizes_G.shape[0]
-    starts, ends = _bounds(group_sizes_G)
-    first_tile = starts // block_m
-    tiles = jnp.where(group_sizes_G > 0, (ends - 1) // block_m - first_tile + 1, 0)
-    item_ends = jnp.cumsum(tiles)
-    W = rows // block_m + G - 1
-    item = jnp.arange(W, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(item_ends, item, side="right"), G - 1).astype(jnp.int32)
-    tile = (first_tile[group] + item - (item_ends[group] - tiles[group])).astype(jnp.int32)
-    return group, tile, item_ends[-1].astype(jnp.int32)
-
-
-def _bounds(group_sizes_G):
-    ends = jnp.cumsum(group_sizes_G).astype(jnp.int32)
-    return ends - group_sizes_G.astype(jnp.int32), ends
 
 
 def _product_kernel(group_ref, tile_ref, real_ref, start_ref, end_ref, x_ref, w_ref, out_ref, *,
@@ -112,7 +93,7 @@ def _product(x_MK, w, group_sizes_G, *, transpose_w: bool, interpret: bool):
     N = w.shape[1] if transpose_w else w.shape[2]
     block_n, block_k = _block(N, BLOCK_N), _block(K, BLOCK_K)
     group, tile, real = work_items(group_sizes_G, M, BLOCK_M)
-    start, end = _bounds(group_sizes_G)
+    start, end = group_bounds(group_sizes_G)
     kernel = functools.partial(_product_kernel, block_m=BLOCK_M, block_n=block_n, block_k=block_k,
                                transpose_w=transpose_w)
     return kernel_call(
@@ -149,7 +130,7 @@ def _weight_gradient(x_MK, dy_MN, group_sizes_G, dtype, *, interpret: bool):
     """[G, K, N]: each group's rows of x, transposed, times its rows of dy."""
     (_, K), (_, N), G = x_MK.shape, dy_MN.shape, group_sizes_G.shape[0]
     block_n, block_k = _block(N, WGRAD_BLOCK_N), _block(K, WGRAD_BLOCK_K)
-    start, end = _bounds(group_sizes_G)
+    start, end = group_bounds(group_sizes_G)
     kernel = functools.partial(_weight_gradient_kernel, block_m=WGRAD_BLOCK_M, block_n=block_n, block_k=block_k)
     return kernel_call(
         kernel,
@@ -162,35 +143,13 @@ def _weight_gradient(x_MK, dy_MN, group_sizes_G, dtype, *, interpret: bool):
     )(start, end, x_MK, dy_MN)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _grouped(x_MK, w_GKN, group_sizes_G, interpret):
-    return _product(x_MK, w_GKN, group_sizes_G, transpose_w=False, interpret=interpret)
-
-
-def _grouped_forward(x_MK, w_GKN, group_sizes_G, interpret):
-    return _grouped(x_MK, w_GKN, group_sizes_G, interpret), (x_MK, w_GKN, group_sizes_G)
-
-
-def _grouped_backward(interpret, saved, dy_MN):
-    x_MK, w_GKN, group_sizes_G = saved
-    dx = _product(dy_MN, w_GKN, group_sizes_G, transpose_w=True, interpret=interpret)
-    dw = _weight_gradient(x_MK, dy_MN, group_sizes_G, w_GKN.dtype, interpret=interpret)
-    return dx, dw, None
-
-
-_grouped.defvjp(_grouped_forward, _grouped_backward)
-
-
-def _padded_rows(x_MK, rows: int):
-    return x_MK if x_MK.shape[0] == rows else jnp.pad(x_MK, ((0, rows - x_MK.shape[0]), (0, 0)))
+_grouped = differentiable(_product, _weight_gradient)
 
 
 def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, interpret: bool = False):
     """Rows [M, K] by their groups' matrices [G, K, N] (group sizes [G] summing to M), differentiable."""
-    M = x_MK.shape[0]
     tile = math.lcm(BLOCK_M, WGRAD_BLOCK_M)  # whole tiles of either kernel: no load past the rows
-    rows = -(-M // tile) * tile  # padding rows belong to no group
-    return _grouped(_padded_rows(x_MK, rows), w_GKN, group_sizes_G, interpret)[:M]
+    return _grouped(padded_to(x_MK, tile), w_GKN, group_sizes_G, interpret)[:x_MK.shape[0]]
 
 
 def call_flops(target: str, attributes: str, operand_dims: list, result_dims: tuple) -> float | None:
