@@ -125,7 +125,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=32768, help="gated delta: tokens of one sequence")
     parser.add_argument("--heads", type=int, default=16, help="gated delta: heads of 128")
     parser.add_argument("--deadline-s", type=float, default=200.0,
-                        help="the two sweeps' time in all, split evenly; candidates not started in time are left out")
+                        help="the four sweeps' time in all (the Triton products, its weight gradient, the Mosaic GPU "
+                        "kernels, the gated delta recurrence); candidates not started in time are left out")
     parser.add_argument("--out", type=Path, default=RESULTS / "kernel-tiles.json",
                         help="the JSON file to write (default: experiments/results/kernel-tiles.json)")
     args = parser.parse_args(argv)

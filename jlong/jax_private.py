@@ -3,7 +3,8 @@
 jlong runs on a range of jax releases (pyproject.toml: `jax>=0.10.2,<0.12`).
 A few things it needs have no public API: cuDNN attention's inner
 primitives, whether the backends have started, the cuDNN version the CUDA
-plugin loads, a compilation-cache setting and the distributed service.
+plugin loads, a compilation-cache setting, the distributed service and the
+settings of Mosaic GPU's interpreter.
 Each is looked up here by its dotted name; a jax without it gives one line
 naming the name and the installed jax version (a `JlongError`: exit status 2
 on the command line), never an ImportError from deep inside a run.

@@ -1,8 +1,8 @@
 """What the chunked forms of the gated delta rule share: the inputs padded
 to whole chunks with each token's predecessor's segment, and each chunk's
 terms (the WY / UT representation of its products of (I - beta k k^T),
-attention inside the chunk, the decays), computed for all chunks at once in
-float32. Only the recurrence from chunk to chunk is left to a kernel
+attention inside the chunk, the decays), computed for all chunks at once
+(float32, or bf16 products with float32 sums: `chunk_terms`). Only the recurrence from chunk to chunk is left to a kernel
 (`gated_delta.chunked`, `gated_delta_triton`)."""
 
 from __future__ import annotations
@@ -103,8 +103,9 @@ def chunk_terms(q, k, v, g, beta, seg, prev, *, chunk: int, operand=jnp.float32)
 
     The products take their inputs in `operand`: float32 (at the precision
     in force), or bf16 with float32 accumulation (as FLA's kernels, at half
-    the memory traffic); decays, the triangular inverse and every result
-    stay float32."""
+    the memory traffic). The decays and the triangular inverse are computed
+    in float32 (the inverse enters u's and w's products in `operand`), and
+    every result is float32."""
     q, k, v = (t.astype(operand) for t in (q, k, v))
     g, beta = (t.astype(jnp.float32) for t in (g, beta))
     B, T, H, dv = v.shape

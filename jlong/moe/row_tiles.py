@@ -48,7 +48,6 @@ def differentiable(product, weight_gradient):
 
     def backward(interpret, saved, dy_MN):
         x_MK, w_GKN, group_sizes_G = saved
-        dy_MN = dy_MN.astype(x_MK.dtype)
         dx = product(dy_MN, w_GKN, group_sizes_G, transpose_w=True, interpret=interpret)
         dw = weight_gradient(x_MK, dy_MN, group_sizes_G, w_GKN.dtype, interpret=interpret)
         return dx, dw, None
