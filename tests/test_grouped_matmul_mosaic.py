@@ -3,6 +3,9 @@
 shared memory, not speed) and priced by the planner from its own calls."""
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -87,3 +90,28 @@ def test_a_qwen3_moe_step_compiles_for_h100_on_the_mosaic_kernels_and_is_priced_
     assert mosaic > 0 and "grouped matmul" not in cost.time_by_kind
     twice = step_cost(step, Efficiency(grouped_matmul_mosaic=2 * Efficiency().grouped_matmul_mosaic))
     assert twice.time_by_kind["grouped matmul (mosaic)"] == pytest.approx(mosaic / 2, rel=0.02)
+
+
+WITHOUT_PALLAS_TRITON = """
+import sys
+sys.modules["jax.experimental.pallas.triton"] = None  # as a jax that has removed the backend
+import jax, jax.numpy as jnp
+from jlong.linear_attention import gated_delta
+from jlong.moe import grouped_matmul
+from jlong.planner import pricing
+assert "triton" not in grouped_matmul.KERNELS and "triton" not in gated_delta.KERNELS
+assert grouped_matmul.kernel_for("gpu") == "mosaic" and gated_delta.kernel_for("gpu") == "chunked"
+assert [kind for _, kind in pricing.KERNEL_PRICES] == ["grouped matmul (mosaic)"]
+x, w = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((2, 64, 64), jnp.bfloat16)
+out = grouped_matmul.matmul("mosaic", interpret=True)(x, w, jnp.asarray([40, 24], jnp.int32))
+assert float(out[0, 0]) == 64.0
+print("ok")
+"""
+
+
+def test_without_pallas_triton_jlong_imports_and_gpus_run_the_mosaic_grouped_matmul():
+    """Once jax removes Pallas' Triton backend (deprecated since 0.11), jlong still imports, lists no Triton
+    kernel, runs the Mosaic GPU grouped matmul on GPUs (`auto`) and the chunked gated delta rule."""
+    result = subprocess.run([sys.executable, "-c", WITHOUT_PALLAS_TRITON], capture_output=True, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]

@@ -20,7 +20,8 @@ Everything is computed in float32.
 
 `triton` (`jlong.linear_attention.gated_delta_triton`) is the same chunked
 form as a GPU runs it fast: the chunks' terms for all chunks at once, the
-recurrence from chunk to chunk in one Pallas Triton kernel per pass.
+recurrence from chunk to chunk in one Pallas Triton kernel per pass (listed
+while jax has Pallas' Triton backend; without it GPUs run `chunked`).
 
 `recurrent` is the rule token by token (a `lax.scan` over tokens): the
 reference tests compare the chunked forms with.
@@ -37,8 +38,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jlong.linear_attention import gated_delta_triton
 from jlong.linear_attention.chunks import chunk_terms, over_blocks, segment_before_first
+from jlong.ops.pallas_calls import has_pallas_triton
 from jlong.ops.tiling import varying_like
 
 CHUNK = 128  # tokens related by one triangular solve
@@ -105,13 +106,19 @@ def recurrent(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_be
     return jnp.moveaxis(o, 0, 1).astype(v.dtype), state
 
 
-KERNELS = {"chunked": chunked, "triton": gated_delta_triton.triton, "recurrent": recurrent}
+KERNELS = {"chunked": chunked, "recurrent": recurrent}
 GPU_KERNELS = frozenset({"triton"})  # written for a GPU; `interpret=True` runs them anywhere
+PRICED_CALLS = ()  # (call_flops, kind) of the GPU kernels' custom calls, for the planner
+if has_pallas_triton():  # a jax without Pallas' Triton backend runs `chunked` on GPUs too
+    from jlong.linear_attention import gated_delta_triton
+
+    KERNELS["triton"] = gated_delta_triton.triton
+    PRICED_CALLS = ((gated_delta_triton.call_flops, "gated delta"),)
 
 
 def kernel_for(platform: str) -> str:
     """The kernel `auto` runs on `platform` ("gpu" or "cpu")."""
-    return "triton" if platform == "gpu" else "chunked"
+    return "triton" if platform == "gpu" and "triton" in KERNELS else "chunked"
 
 
 def rule(name: str, *, interpret: bool = False):

@@ -12,10 +12,12 @@ its interpreter):
   matrix (G times the FLOPs), so GPUs run
 - `triton`: Pallas Triton kernels over tiles of sorted rows
   (`jlong.moe.grouped_matmul_triton`), FLOPs for the rows each group has;
-  what `auto` runs on a GPU (the kernel raced: experiments/kernel_race.py);
+  what `auto` runs on a GPU (the kernel raced: experiments/kernel_race.py)
+  while jax has Pallas' Triton backend (listed only then);
 - `mosaic`: the same work as Pallas Mosaic GPU kernels for Hopper
   (`jlong.moe.grouped_matmul_mosaic`; TMA and wgmma, bf16 or f16 operands):
-  the route that stays once jax removes Pallas' Triton backend.
+  the route that stays once jax removes Pallas' Triton backend, and what
+  `auto` runs on a GPU after.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import functools
 
 import jax
 
-from jlong.moe import grouped_matmul_mosaic, grouped_matmul_triton
+from jlong.moe import grouped_matmul_mosaic
+from jlong.ops.pallas_calls import has_pallas_triton
 
 
 def ragged_dot(x_MK, w_GKN, group_sizes_G):
@@ -32,14 +35,22 @@ def ragged_dot(x_MK, w_GKN, group_sizes_G):
     return jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)
 
 
-KERNELS = {"ragged_dot": ragged_dot, "triton": grouped_matmul_triton.grouped_matmul,
-           "mosaic": grouped_matmul_mosaic.grouped_matmul}
+KERNELS = {"ragged_dot": ragged_dot, "mosaic": grouped_matmul_mosaic.grouped_matmul}
 GPU_KERNELS = frozenset({"triton", "mosaic"})  # written for a GPU; `interpret=True` runs them anywhere
+PRICED_CALLS = ((grouped_matmul_mosaic.call_flops, "grouped matmul (mosaic)"),)  # for the planner
+if has_pallas_triton():  # a jax without Pallas' Triton backend runs the Mosaic GPU kernel
+    from jlong.moe import grouped_matmul_triton
+
+    KERNELS["triton"] = grouped_matmul_triton.grouped_matmul
+    PRICED_CALLS = ((grouped_matmul_triton.call_flops, "grouped matmul"), *PRICED_CALLS)
 
 
 def kernel_for(platform: str) -> str:
-    """The grouped matmul `auto` runs on `platform` ("gpu" or "cpu")."""
-    return "triton" if platform == "gpu" else "ragged_dot"
+    """The grouped matmul `auto` runs on `platform` ("gpu" or "cpu"): the raced Triton kernel while jax
+    has Pallas' Triton backend, the Mosaic GPU one after."""
+    if platform != "gpu":
+        return "ragged_dot"
+    return "triton" if "triton" in KERNELS else "mosaic"
 
 
 def matmul(name: str, *, interpret: bool = False):

@@ -9,6 +9,16 @@ from jax.experimental import pallas as pl
 from jlong.errors import JlongError
 
 
+def has_pallas_triton() -> bool:
+    """Whether this jax has Pallas' Triton backend (deprecated since jax 0.11,
+    to be removed): the kernel registries list their Triton kernels only then."""
+    try:
+        import jax.experimental.pallas.triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def pipeline_stages(stages: int, dtype) -> int:
     """Triton's pipeline stages for a kernel whose loads are `dtype`: `stages`
     for 16-bit operands, one for wider ones (float32 tiles are twice the bytes a

@@ -11,17 +11,15 @@ import math
 from jlong.attention.kernels import price_custom_call
 from jlong.attention.step import CallCost
 from jlong.errors import JlongError
-from jlong.linear_attention import gated_delta_triton
-from jlong.moe import grouped_matmul_mosaic, grouped_matmul_triton
+from jlong.linear_attention import gated_delta
+from jlong.moe import grouped_matmul
 from jlong.planner.hlo import Computation, HloModule, Instruction
 from jlong.planner.targets import GpuModel
 
 
 # jlong's GPU kernels, each with its FLOPs from its custom call and the kind of kernel it is priced as
 # (the kind's efficiency in `Efficiency`).
-KERNEL_PRICES = ((grouped_matmul_triton.call_flops, "grouped matmul"),
-                 (grouped_matmul_mosaic.call_flops, "grouped matmul (mosaic)"),
-                 (gated_delta_triton.call_flops, "gated delta"))
+KERNEL_PRICES = (*grouped_matmul.PRICED_CALLS, *gated_delta.PRICED_CALLS)
 
 
 @dataclasses.dataclass(frozen=True)
