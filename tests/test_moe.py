@@ -64,6 +64,13 @@ def test_the_triton_grouped_matmul_equals_ragged_dot_with_its_gradients():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-4)
 
 
+@pytest.mark.fast
+def test_a_triton_width_not_a_multiple_of_16_is_one_line():
+    sizes = jnp.asarray([3, 5], jnp.int32)
+    with pytest.raises(JlongError, match="the Triton grouped matmul needs a contraction a multiple of 16, got 24"):
+        grouped_matmul_triton.grouped_matmul(jnp.ones((8, 24)), jnp.ones((2, 24, 32)), sizes, interpret=True)
+
+
 @needs_gpu_compiler
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "float32"])
 def test_the_triton_kernels_fit_an_h100s_shared_memory_at_qwen3_moes_expert_shapes(dtype):
@@ -90,7 +97,8 @@ def test_work_items_cover_every_row_once_within_their_bound(seed):
     rng = np.random.default_rng(seed)
     sizes = rng.multinomial(1000, rng.dirichlet(np.full(16, 0.3)))
     rows = 1024
-    group, tile, real = map(np.asarray, row_tiles.work_items(jnp.asarray(sizes, jnp.int32), rows, 64))
+    starts, ends = row_tiles.group_bounds(jnp.asarray(sizes, jnp.int32))
+    group, tile, real = map(np.asarray, row_tiles.work_items(starts, ends, rows, 64))
     assert len(group) == rows // 64 + 16 - 1 and real <= len(group)
     ends = np.cumsum(sizes)
     covered = np.zeros(rows, int)
@@ -187,7 +195,8 @@ def test_training_on_the_mosaic_kernels_equals_ragged_dot():
     operands): within 5% of each gradient's largest entry, where bf16 sums taken in another order differ
     by up to 3% and rows multiplied by a wrong expert by their whole size. Its h100 program on sp 8:
     test_grouped_matmul_mosaic."""
-    bf16 = [*QWEN3_MOE, "model.moe_intermediate_size=64", "train.compute_dtype=bfloat16"]
+    bf16 = [*QWEN3_MOE, "model.moe_intermediate_size=64", "train.compute_dtype=bfloat16", "train.batch_size=1",
+            "model.num_hidden_layers=2"]
     one = jax.devices()[:1]
     (loss, grads), (want_loss, want_grads) = (
         _loss_and_grads(small_config(*bf16, "kernels.grouped_matmul=mosaic"), one),
@@ -198,7 +207,7 @@ def test_training_on_the_mosaic_kernels_equals_ragged_dot():
         np.testing.assert_allclose(leaf, want, rtol=0, atol=5e-2 * np.abs(want).max(), err_msg=jax.tree_util.keystr(path))
     assert np.abs(grads["layers"]["expert_down"]).max() > 0
     with pytest.raises(JlongError, match="not inside shard_map over 8"):
-        _loss_and_grads(small_config(*bf16, "kernels.grouped_matmul=mosaic", *SP), jax.devices())
+        _loss_and_grads(small_config(*bf16, "kernels.grouped_matmul=mosaic", "train.batch_size=2", *SP), jax.devices())
 
 
 @pytest.mark.fast

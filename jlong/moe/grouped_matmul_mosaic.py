@@ -41,7 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jlong.errors import JlongError
 from jlong.jax_private import private
-from jlong.moe.row_tiles import differentiable, group_bounds, padded_to, work_items
+from jlong.moe.row_tiles import differentiable, group_bounds, padded_to, tile_width, work_items
 from jlong.ops.pallas_calls import mosaic_kernel_call
 
 MOSAIC_CALL = "mosaic_gpu_v2"  # the custom call XLA:GPU runs a Mosaic GPU kernel as
@@ -69,14 +69,8 @@ def _layout(block_minor: int, dtype):
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def _block(size: int, cap: int, what: str) -> int:
-    """The largest power of two up to `cap` dividing `size`, at least 64 (wgmma's and TMA's smallest here)."""
-    block = cap
-    while block > 64 and size % block:
-        block //= 2
-    if size % block:
-        raise JlongError(f"the Mosaic GPU grouped matmul needs {what} a multiple of 64, got {size}")
-    return block
+def _width(size: int, cap: int, what: str) -> int:
+    return tile_width(size, cap, 64, what, "Mosaic GPU")  # 64: wgmma's and TMA's smallest here
 
 
 def _kernel(body, name: str, out_type, grid, names, interpret: bool):
@@ -107,9 +101,9 @@ def _product(x_MK, w, group_sizes_G, *, transpose_w: bool, interpret: bool):
     if transpose_w and interpret:  # the interpreter reads no transposed operand: transpose it here
         w, transpose_w = jnp.swapaxes(w, 1, 2), False
     N = w.shape[1] if transpose_w else w.shape[2]
-    block_n, block_k = _block(N, BLOCK_N, "output columns"), _block(K, BLOCK_K, "a contraction")
-    group, tile, real = work_items(group_sizes_G, M, BLOCK_M)
+    block_n, block_k = _width(N, BLOCK_N, "output columns"), _width(K, BLOCK_K, "a contraction")
     starts, ends = group_bounds(group_sizes_G)
+    group, tile, real = work_items(starts, ends, M, BLOCK_M)
     x_layout = _layout(block_k, x_MK.dtype)
     w_layout = x_layout if transpose_w else _layout(block_n, w.dtype)
     w_block = (block_n, block_k) if transpose_w else (block_k, block_n)
@@ -160,7 +154,7 @@ def _with_acc(step, acc_ref, index, *smem):
 def _weight_gradient(x_MK, dy_MN, group_sizes_G, dtype, *, interpret: bool):
     """[G, K, N]: each group's rows of x, transposed, times its rows of dy (M a whole number of tiles)."""
     (M, K), (_, N), G = x_MK.shape, dy_MN.shape, group_sizes_G.shape[0]
-    block_n, block_k = _block(N, BLOCK_N, "output columns"), _block(K, BLOCK_N, "input columns")
+    block_n, block_k = _width(N, BLOCK_N, "output columns"), _width(K, BLOCK_N, "input columns")
     rows_transposed = interpret  # the interpreter reads no transposed operand: x^T [K, M] instead
     x_operand = x_MK.T if rows_transposed else x_MK
     starts, ends = group_bounds(group_sizes_G)

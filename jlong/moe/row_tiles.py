@@ -1,7 +1,7 @@
 """What the GPU grouped matmuls share, whatever their backend: rows sorted
 by group cut into tiles, the (tile, group) work items that overlap, rows
-padded to whole tiles, and the custom gradient that runs a kernel's
-products and weight gradient."""
+padded to whole tiles, tile widths that divide a matrix's, and the custom
+gradient that runs a kernel's products and weight gradient."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jlong.errors import JlongError
+
 
 def group_bounds(group_sizes_G):
     """(starts, ends) [G] int32: each group's first row and the row after its last."""
@@ -17,19 +19,31 @@ def group_bounds(group_sizes_G):
     return ends - group_sizes_G.astype(jnp.int32), ends
 
 
-def work_items(group_sizes_G, rows: int, block_m: int):
+def work_items(starts_G, ends_G, rows: int, block_m: int):
     """(group, tile) of each work item [W] int32, and how many are real: the
-    (tile, group) pairs whose rows overlap, in order; W = rows / block_m + G - 1."""
-    G = group_sizes_G.shape[0]
-    starts, ends = group_bounds(group_sizes_G)
-    first_tile = starts // block_m
-    tiles = jnp.where(group_sizes_G > 0, (ends - 1) // block_m - first_tile + 1, 0)
+    (tile, group) pairs whose rows overlap, in order, for groups of rows
+    [starts, ends) (`group_bounds`); W = rows / block_m + G - 1."""
+    G = starts_G.shape[0]
+    first_tile = starts_G // block_m
+    tiles = jnp.where(ends_G > starts_G, (ends_G - 1) // block_m - first_tile + 1, 0)
     item_ends = jnp.cumsum(tiles)
     W = rows // block_m + G - 1
     item = jnp.arange(W, dtype=jnp.int32)
     group = jnp.minimum(jnp.searchsorted(item_ends, item, side="right"), G - 1).astype(jnp.int32)
     tile = (first_tile[group] + item - (item_ends[group] - tiles[group])).astype(jnp.int32)
     return group, tile, item_ends[-1].astype(jnp.int32)
+
+
+def tile_width(size: int, cap: int, smallest: int, what: str, kernel: str) -> int:
+    """The largest power of two up to `cap` that divides `size`, at least
+    `smallest` (the backend's smallest product tile); a one-line error naming
+    the kernel and `what` the size is where none divides it."""
+    width = cap
+    while width > smallest and size % width:
+        width //= 2
+    if size % width:
+        raise JlongError(f"the {kernel} grouped matmul needs {what} a multiple of {smallest}, got {size}")
+    return width
 
 
 def differentiable(product, weight_gradient):

@@ -41,7 +41,7 @@ def kernel_call(kernel, out_shape, *, interpret: bool, **params):
     results: the same kernel, its work repeated on every device (tests' sizes)."""
 
     def call(*operands):
-        axes = tuple(sorted(frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in operands))))
+        axes = _varying_axes(operands)
         if not axes:
             return pl.pallas_call(kernel, out_shape=out_shape, interpret=interpret, **params)(*operands)
         operands = [_varying(x, axes) for x in operands]
@@ -72,7 +72,7 @@ def mosaic_kernel_call(body, out_type, *, interpret, **params):
     kernel = plgpu.kernel(body, out_type=out_type, interpret=interpret, **params)
 
     def call(*operands):
-        axes = tuple(sorted(frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in operands))))
+        axes = _varying_axes(operands)
         if not axes:
             return kernel(*operands)
         if interpret is not None and jax.lax.psum(1, axes) > 1:
@@ -82,6 +82,11 @@ def mosaic_kernel_call(body, out_type, *, interpret, **params):
         return jax.tree.map(lambda r: _varying(r, axes), kernel(*operands))
 
     return call
+
+
+def _varying_axes(operands) -> tuple[str, ...]:
+    """The mesh axes any of the operands varies over, sorted."""
+    return tuple(sorted(frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in operands))))
 
 
 def _gathered(x, axes: tuple[str, ...], mine):
