@@ -1,6 +1,7 @@
 """experiments/kernel_race.py: without a GPU it refuses in one line; its CPU rehearsal runs jlong's side of the
 race (the Triton and Mosaic GPU kernels interpreted) and writes the results in the form the GPU run does.
-experiments/kernel_estimate.py prices the kernels deviceless."""
+experiments/kernel_estimate.py prices the kernels deviceless; experiments/kernel_profile.py sums a trace's
+kernels by name."""
 
 import json
 import os
@@ -15,13 +16,14 @@ from helpers import H100, REPO, load_experiment, needs_gpu_compiler
 SCRIPT = REPO / "experiments" / "kernel_race.py"
 
 
-def run_script(*args):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=REPO,
+def run_script(*args, script=SCRIPT):
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600)
 
 
-def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
-    result = run_script("--out", str(tmp_path))
+@pytest.mark.parametrize("script", ["kernel_race", "kernel_profile"])
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path, script):
+    result = run_script("--out", str(tmp_path), script=REPO / "experiments" / f"{script}.py")
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "needs a GPU" in lines[0] and "--rehearse" in lines[0], result.stderr
@@ -85,3 +87,45 @@ def test_the_deviceless_estimate_prices_the_kernels_and_names_the_heaviest_opera
         heaviest = estimate.heaviest(text, 5)
         assert len(heaviest) == 5 and float(heaviest[0][0]) >= float(heaviest[-1][0])
     assert "gated_delta_backward" in programs["fwd+bwd"] and "gated_delta_backward" not in programs["fwd"]
+
+
+@pytest.mark.fast
+def test_a_profile_sums_each_kernels_launches_per_call_and_splits_the_time_by_what_the_names_say():
+    profile = load_experiment("kernel_profile")
+    durations = {  # ns per launch, over two calls
+        "gated_delta_forward": [4e6, 4e6], "gated_delta_backward": [6e6, 6e6],
+        "sm90_xmma_gemm_bf16bf16_bf16f32": [1e6] * 4, "loop_multiply_fusion_3": [0.5e6] * 8,
+    }
+    found = profile.summary(durations, calls=2, wall_s=0.02)
+    assert found["kernel_ms"] == pytest.approx(4 + 6 + 2 + 2) and found["launches"] == 1 + 1 + 2 + 4
+    assert found["busy"] == pytest.approx(14 / 20)
+    assert found["categories"] == pytest.approx({"jlong's Pallas kernels": 10, "GEMMs": 2,
+                                                 "fusions and other kernels": 2})
+    assert [t["name"] for t in found["top"][:2]] == ["gated_delta_backward", "gated_delta_forward"]
+    assert sum(t["share"] for t in found["top"]) == pytest.approx(1)
+
+
+@pytest.mark.fast
+def test_a_jax_trace_on_the_cpu_gives_each_xla_operation_once_per_call(tmp_path):
+    profile = load_experiment("kernel_profile")
+    step = jax.jit(lambda x: jnp.sin(x) @ x)
+    x = jnp.ones((64, 64))
+    jax.block_until_ready(step(x))
+    with jax.profiler.trace(str(tmp_path)):
+        for _ in range(3):
+            jax.block_until_ready(step(x))
+    durations = profile.xla_kernel_durations(str(tmp_path))
+    assert durations and all(len(times) == 3 and min(times) > 0 for times in durations.values()), durations
+
+
+@pytest.mark.slow  # an experiment rehearsed end to end: the long tier
+def test_the_profile_rehearsal_lists_each_cases_operations(tmp_path):
+    result = run_script("--rehearse", "--out", str(tmp_path), script=REPO / "experiments" / "kernel_profile.py")
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads((tmp_path / "kernel-profile.json").read_text())
+    assert data["rehearsal"] and data["device"]["platform"] == "cpu"
+    cases = {(c["kernel"], c["impl"]): c for c in data["cases"]}
+    assert set(cases) == {("gated_delta", "jlong:triton"), ("grouped_matmul", "jlong:triton"),
+                          ("grouped_matmul", "jlong:mosaic"), ("dense_gemm", "jax")}
+    assert all(c["status"] == "ok" and c["top"] and c["launches"] > 0 for c in cases.values())
+    assert "## gated_delta, jlong:triton" in (tmp_path / "kernel-profile.md").read_text()
