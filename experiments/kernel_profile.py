@@ -233,14 +233,11 @@ def _failed(kernel, impl, shape, exc) -> dict:
 
 
 def markdown(report: dict) -> str:
-    device = report["device"]
     lines = [
         "# Kernel profile" + (" (rehearsal on the CPU: XLA:CPU's operations, interpreted kernels; no GPU's times)"
                               if report["rehearsal"] else ""),
         "",
-        f"Produced by `{report['command']}` at commit {report['commit'] or 'unknown'} on {report['date']} on "
-        f"{device.get('name') or device.get('kind')} (driver {device.get('driver', 'none')}); versions: "
-        + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + ".",
+        race.produced_by(report),
         "",
         f"Measured: forward + backward. Wall: median of repeated calls, untraced. GPU time and launches: per call, "
         f"summed over {CALLS} traced calls' kernels; busy = GPU time / wall."
@@ -300,6 +297,7 @@ def main(argv=None) -> int:
         print("kernel_profile needs a GPU (nvidia-smi finds none); --rehearse profiles the CPU's run",
               file=sys.stderr)
         return 2
+    started = time.time()
     with tempfile.TemporaryDirectory() as workdir:
         found = _run_child("jax", args.rehearse, Path(workdir))
         torch_found = {"cases": [], "versions": {}} if args.rehearse else _run_child("torch", False, Path(workdir))
@@ -311,6 +309,7 @@ def main(argv=None) -> int:
         "date": today(),
         "command": " ".join(["python", "experiments/kernel_profile.py",
                              *(portable(a) for a in (sys.argv[1:] if argv is None else argv))]),
+        "seconds": round(time.time() - started, 1),
         "cases": found["cases"] + torch_found["cases"],
     }
     args.out.mkdir(parents=True, exist_ok=True)

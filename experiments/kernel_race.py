@@ -627,6 +627,15 @@ def main(argv=None) -> int:
     return 0
 
 
+def produced_by(report: dict) -> str:
+    """A GPU experiment's provenance line: its command, commit, date, seconds, device, driver and versions."""
+    device = report["device"]
+    return (f"Produced by `{report['command']}` at commit {report['commit'] or 'unknown'} on "
+            f"{report.get('date') or '?'} in {report['seconds']} s on {device.get('name') or device.get('kind')} "
+            f"(driver {device.get('driver', 'none')}); versions: "
+            + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + ".")
+
+
 def _key(r) -> tuple:
     shape = {k: v for k, v in r["shape"].items()}
     return r["kernel"], r["pass"], json.dumps(shape, sort_keys=True)
@@ -653,15 +662,11 @@ def markdown(report: dict) -> str:
         shown = "" if rate is None else (f"{rate:,.0f} {unit}" if unit == "tokens/s" else f"{rate:.1f} {unit}")
         status = r["status"] + (f" ({r['note']})" if r["note"] else "")
         table.append([r["kernel"], r["impl"], r["pass"], shape, status, shown, error, versus, versus_dense])
-    device = report["device"]
     head = [
         "# Kernel race" + (" (rehearsal on the CPU: jlong's kernels interpreted, nothing timed means anything)"
                            if report["rehearsal"] else ""),
         "",
-        f"Produced by `{report['command']}` at commit {report['commit'] or 'unknown'} on {report.get('date') or '?'} "
-        f"in {report['seconds']} s on "
-        f"{device.get('name') or device.get('kind')} (driver {device.get('driver', 'none')}); versions: "
-        + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + ".",
+        produced_by(report),
         "",
         "Measured: medians of repeated calls after warm-up. `vs anchor` is the rate over FLA's (gated delta) or "
         "torch._grouped_mm's (grouped matmul) at the same shape and pass in this run; `vs dense` the grouped "
