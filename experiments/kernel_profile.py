@@ -12,8 +12,8 @@ Cases (bf16, the race's inputs): the gated delta rule at 32,768 tokens of
 16 heads of 128 (jlong's Triton rule, FLA's), the grouped matmul at
 Qwen3-30B-A3B's gate/up shape with rows spread evenly (jlong's Triton and
 Mosaic GPU kernels, `torch._grouped_mm`) and jax's dense GEMM of equal
-FLOPs. Each is compiled and run twice, then traced over `CALLS` calls; its
-wall time is timed apart from the trace (medians, as the race does). The
+FLOPs. Each is timed as the race times it (medians of calls each waited
+for, after warm-up and FLA's autotuning), then traced over `CALLS` calls. The
 profilers read CUPTI, which a gVisor machine may refuse: a case without
 kernel events says so. For one kernel's counters (occupancy, throughput),
 `ncu --clock-control none -k regex:NAME` on a Firecracker machine.
@@ -44,6 +44,7 @@ import kernel_race as race  # noqa: E402  (its inputs, shapes, references and GP
 from common import RESULTS, commit, markdown_table, median_seconds, portable, today  # noqa: E402
 
 CALLS = 3  # traced calls per case
+PART_LIMIT_S = 240  # each framework's part, compiles and autotuning included (a minute expected)
 TOP = 12  # kernels listed per case
 GATED_DELTA = ("16 heads", 1, 32_768, 16, 16, 128)
 GROUPED = race.GROUPED_SHAPES[0]
@@ -81,22 +82,22 @@ def summary(durations_ns: dict[str, list[float]], calls: int, wall_s: float) -> 
     }
 
 
-def xla_kernel_durations(trace_dir: str) -> dict[str, list[float]]:
-    """{kernel name: [ns, ...]} of a jax trace: the GPU's stream events where a GPU was traced, else (the CPU)
-    the host's XLA operations (events that name their HLO operation)."""
+def xla_kernel_durations(trace_dir: str, on_gpu: bool) -> dict[str, list[float]]:
+    """{kernel name: [ns, ...]} of a jax trace: on a GPU its streams' kernels (none where CUPTI recorded
+    none), on the CPU the host's XLA operations (the events that name their HLO operation)."""
     import jax
 
     [path] = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     profile = jax.profiler.ProfileData.from_file(path)  # held: its planes are views into it
-    planes = list(profile.planes)
-    gpus = [p for p in planes if p.name.startswith("/device:GPU")]
     durations = collections.defaultdict(list)
-    for plane in gpus or [p for p in planes if p.name == "/host:CPU"]:
+    for plane in profile.planes:
+        if not (plane.name.startswith("/device:GPU") if on_gpu else plane.name == "/host:CPU"):
+            continue
         for line in plane.lines:
-            if gpus and not line.name.startswith("Stream"):
+            if on_gpu and not line.name.startswith("Stream"):
                 continue  # the GPU's derived lines (modules, operations) repeat its streams' kernels
             for event in line.events:
-                if gpus or any(key == "hlo_op" for key, _ in event.stats):
+                if on_gpu or any(key == "hlo_op" for key, _ in event.stats):
                     durations[event.name].append(event.duration_ns)
     return durations
 
@@ -108,7 +109,12 @@ def jax_cases(rehearse: bool) -> list[dict]:
     from jlong.linear_attention import gated_delta_triton
     from jlong.moe import grouped_matmul_mosaic, grouped_matmul_triton
 
-    interpret = jax.default_backend() != "gpu"
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and not rehearse:  # a GPU without jax's CUDA plugin: the shapes would run interpreted
+        print(f"kernel_profile: jax runs on {jax.default_backend()}, not the GPU: install its CUDA plugin",
+              file=sys.stderr)
+        raise SystemExit(2)
+    interpret = not on_gpu
     label, B, T, Hk, H, D = race.GATED_DELTA_REHEARSAL[0] if rehearse else GATED_DELTA
     q, k, v, g, beta, do = race.gated_delta_inputs(B, T, Hk, H, D)
     inputs = [jnp.asarray(t, jnp.bfloat16) for t in (q, k, v)] + [jnp.asarray(g), jnp.asarray(beta)]
@@ -135,7 +141,7 @@ def jax_cases(rehearse: bool) -> list[dict]:
                 with jax.profiler.trace(trace_dir):
                     for _ in range(CALLS):
                         jax.block_until_ready(fn(*args))
-                durations = xla_kernel_durations(trace_dir)
+                durations = xla_kernel_durations(trace_dir, on_gpu)
             results.append(_case(kernel, impl, shape, durations, wall))
         except Exception as exc:  # noqa: BLE001 (a failing case is a row; the others go on)
             results.append(_failed(kernel, impl, shape, exc))
@@ -153,72 +159,74 @@ def _with_gradients(product):
     return outputs
 
 
-def torch_cases() -> list[dict]:
+def torch_cases() -> tuple[list[dict], dict]:
+    """The PyTorch cases, and the versions they ran on."""
     import numpy as np
     import torch
 
+    versions = {"torch": torch.__version__}
     cuda = torch.device("cuda")
     cases = []
     label, B, T, Hk, H, D = GATED_DELTA
     shape = {"B": B, "T": T, "H": H, "Hk": Hk, "D": D, "label": label}
     try:
+        import fla
+        import triton
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        race._allow_flas_backward_on_this_triton()
+        versions |= {"triton": triton.__version__, "fla": getattr(fla, "__version__", "unknown")}
+        note = race._allow_flas_backward_on_this_triton()
         q, k, v, g, beta, do = race.gated_delta_inputs(B, T, Hk, H, D)
         q, k, v = (torch.tensor(t, device=cuda).to(torch.bfloat16).requires_grad_() for t in (q, k, v))
         g, beta = (torch.tensor(t, device=cuda).requires_grad_() for t in (g, beta))
         do = torch.tensor(do, device=cuda).to(torch.bfloat16)
 
-        def fla():
+        def fla_rule():
             o = chunk_gated_delta_rule(q, k, v, g, beta, scale=1.0, use_qk_l2norm_in_kernel=False)[0]
             return torch.autograd.grad(o, (q, k, v, g, beta), do)
 
-        cases.append(("gated_delta", "fla", shape, fla))
-    except ImportError as exc:
-        cases.append(("gated_delta", "fla", shape, exc))
+        cases.append(("gated_delta", "fla", shape, fla_rule, note))
+    except Exception as exc:  # noqa: BLE001 (FLA missing, or its inputs failed: a row, the others go on)
+        cases.append(("gated_delta", "fla", shape, exc, None))
     label, M, K, N, G, _ = GROUPED
-    x, w, dy = race.grouped_inputs(M, K, N, G)
-    xb = torch.tensor(x, device=cuda).to(torch.bfloat16).requires_grad_()
-    wb = torch.tensor(w, device=cuda).to(torch.bfloat16).transpose(-2, -1).contiguous().transpose(-2, -1)
-    wb.requires_grad_()
-    dyb = torch.tensor(dy, device=cuda).to(torch.bfloat16)
-    offsets = torch.tensor(np.cumsum(race.group_sizes(M, G, "uniform")), device=cuda, dtype=torch.int32)
+    shape = {"M": M, "K": K, "N": N, "G": G, "label": label, "rows": "uniform"}
+    try:
+        x, w, dy = race.grouped_inputs(M, K, N, G)
+        xb = torch.tensor(x, device=cuda).to(torch.bfloat16).requires_grad_()
+        wb = torch.tensor(w, device=cuda).to(torch.bfloat16).transpose(-2, -1).contiguous().transpose(-2, -1)
+        wb.requires_grad_()
+        dyb = torch.tensor(dy, device=cuda).to(torch.bfloat16)
+        offsets = torch.tensor(np.cumsum(race.group_sizes(M, G, "uniform")), device=cuda, dtype=torch.int32)
 
-    def grouped():
-        y = torch._grouped_mm(xb, wb, offs=offsets)
-        return torch.autograd.grad(y, (xb, wb), dyb)
+        def grouped():
+            y = torch._grouped_mm(xb, wb, offs=offsets)
+            return torch.autograd.grad(y, (xb, wb), dyb)
 
-    cases.append(("grouped_matmul", "torch", {"M": M, "K": K, "N": N, "G": G, "label": label, "rows": "uniform"},
-                  grouped))
+        cases.append(("grouped_matmul", "torch", shape, grouped, None))
+    except Exception as exc:  # noqa: BLE001
+        cases.append(("grouped_matmul", "torch", shape, exc, None))
 
     results = []
-    for kernel, impl, shape, fn in cases:
+    for kernel, impl, shape, fn, note in cases:
         if isinstance(fn, Exception):
-            results.append({**_failed(kernel, impl, shape, fn), "status": "not run"})
+            results.append({**_failed(kernel, impl, shape, fn),
+                            "status": "not run" if isinstance(fn, ImportError) else "failed"})
             continue
         print(f"kernel_profile: {kernel} {impl} at {shape}", flush=True)
         try:
-            for _ in range(3):  # FLA's autotuning happens in the first calls
-                fn()
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            for _ in range(race.REPEATS):
-                fn()
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - started) / race.REPEATS
+            wall = race.torch_median_seconds(fn)  # after FLA's autotuning in the warm-up calls
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
                 for _ in range(CALLS):
                     fn()
                 torch.cuda.synchronize()
             durations = collections.defaultdict(list)
             for event in profiler.events():
-                if event.device_type == torch.autograd.DeviceType.CUDA:
+                if event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation:
                     durations[event.name].append(event.time_range.elapsed_us() * 1e3)
-            results.append(_case(kernel, impl, shape, durations, wall))
+            results.append({**_case(kernel, impl, shape, durations, wall), **({"note": note} if note else {})})
         except Exception as exc:  # noqa: BLE001
             results.append(_failed(kernel, impl, shape, exc))
-    return results
+    return results, versions
 
 
 def _case(kernel, impl, shape, durations, wall_s) -> dict:
@@ -261,26 +269,29 @@ def markdown(report: dict) -> str:
 
 
 def _child(part: str, rehearse: bool, workdir: Path) -> None:
-    import jax
-
     if part == "jax":
+        import jax
+
         found = {"cases": jax_cases(rehearse), "versions": race._jax_versions(jax.default_backend() == "gpu"),
                  "device": race._jax_device()}
     else:
-        import torch
-
-        found = {"cases": torch_cases(), "versions": {"torch": torch.__version__}}
+        cases, versions = torch_cases()
+        found = {"cases": cases, "versions": versions}
     (workdir / f"{part}.json").write_text(json.dumps(found))
 
 
 def _run_child(part: str, rehearse: bool, workdir: Path) -> dict:
     command = [sys.executable, str(HERE), "--part", part, "--workdir", str(workdir)] + ["--rehearse"] * rehearse
-    returncode = subprocess.run(command, env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}).returncode
+    try:
+        returncode = subprocess.run(command, env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+                                    timeout=PART_LIMIT_S).returncode
+    except subprocess.TimeoutExpired:
+        returncode = f"stopped after {PART_LIMIT_S} s"
     out = workdir / f"{part}.json"
     if returncode == 0 and out.is_file():
         return json.loads(out.read_text())
     return {"cases": [{"kernel": part, "impl": part, "shape": {}, "status": "failed",
-                       "note": f"the {part} part exited {returncode}"}], "versions": {}, "device": {}}
+                       "note": f"the {part} part did not finish ({returncode})"}], "versions": {}, "device": {}}
 
 
 def main(argv=None) -> int:

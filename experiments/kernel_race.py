@@ -390,20 +390,7 @@ def torch_part(quick: bool, workdir: Path) -> dict:
         chunk_gated_delta_rule, fla_missing = None, str(exc)
     _known_early(workdir / "torch", {"versions": versions})
     cuda = torch.device("cuda")
-
-    def median(fn, warmups=3):
-        for _ in range(warmups):  # FLA's autotuning happens in the first calls
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(REPEATS):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
+    median = torch_median_seconds
 
     for index, (label, B, T, Hk, H, D) in enumerate(gated_delta_shapes(quick)):
         shape = {"B": B, "T": T, "H": H, "Hk": Hk, "D": D, "label": label}
@@ -462,6 +449,25 @@ def torch_part(quick: bool, workdir: Path) -> dict:
         del xb, wb, dyb
         torch.cuda.empty_cache()
     return {"rows": rows, "versions": versions}
+
+
+def torch_median_seconds(fn, warmups: int = 3) -> float:
+    """Median seconds of fn() on the GPU over REPEATS calls (CUDA events, each call waited for), after
+    `warmups` calls (FLA's autotuning happens in the first ones)."""
+    import torch
+
+    for _ in range(warmups):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPEATS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
 
 
 def _allow_flas_backward_on_this_triton() -> str | None:

@@ -60,7 +60,7 @@ def test_a_float32_operand_or_a_width_not_a_multiple_of_64_is_one_line():
     sizes = jnp.asarray([3, 5], jnp.int32)
     with pytest.raises(JlongError, match="bf16 or f16 operands"):
         grouped_matmul_mosaic.grouped_matmul(jnp.ones((8, 64)), jnp.ones((2, 64, 64)), sizes, interpret=True)
-    with pytest.raises(JlongError, match="output columns a multiple of 64"):
+    with pytest.raises(JlongError, match="matrix widths that are multiples of 64, got 32"):
         grouped_matmul_mosaic.grouped_matmul(jnp.ones((8, 64), jnp.bfloat16), jnp.ones((2, 64, 32), jnp.bfloat16),
                                              sizes, interpret=True)
 

@@ -114,7 +114,7 @@ def test_a_jax_trace_on_the_cpu_gives_each_xla_operation_once_per_call(tmp_path)
     with jax.profiler.trace(str(tmp_path)):
         for _ in range(3):
             jax.block_until_ready(step(x))
-    durations = profile.xla_kernel_durations(str(tmp_path))
+    durations = profile.xla_kernel_durations(str(tmp_path), on_gpu=False)
     assert durations and all(len(times) == 3 and min(times) > 0 for times in durations.values()), durations
 
 

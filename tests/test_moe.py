@@ -67,7 +67,7 @@ def test_the_triton_grouped_matmul_equals_ragged_dot_with_its_gradients():
 @pytest.mark.fast
 def test_a_triton_width_not_a_multiple_of_16_is_one_line():
     sizes = jnp.asarray([3, 5], jnp.int32)
-    with pytest.raises(JlongError, match="the Triton grouped matmul needs a contraction a multiple of 16, got 24"):
+    with pytest.raises(JlongError, match="the Triton grouped matmul needs matrix widths that are multiples of 16, got 24"):
         grouped_matmul_triton.grouped_matmul(jnp.ones((8, 24)), jnp.ones((2, 24, 32)), sizes, interpret=True)
 
 
@@ -191,10 +191,10 @@ def test_training_on_a_mesh_equals_one_device(model, layout):
 
 def test_training_on_the_mosaic_kernels_equals_ragged_dot():
     """The Mosaic GPU grouped matmul (interpreted, one device: jax 0.10's interpreter runs no kernel inside
-    shard_map over several) trains as ragged_dot does, loss and gradients in bf16 (the kernels take 16-bit
-    operands): within 5% of each gradient's largest entry, where bf16 sums taken in another order differ
-    by up to 3% and rows multiplied by a wrong expert by their whole size. Its h100 program on sp 8:
-    test_grouped_matmul_mosaic."""
+    shard_map over several) trains as ragged_dot does (one sequence, one expert layer), loss and gradients in
+    bf16 (the kernels take 16-bit operands): within 5% of each gradient's largest entry, where bf16 sums
+    taken in another order differ by up to 3% and rows multiplied by a wrong expert by their whole size. Its
+    h100 program on sp 8: test_grouped_matmul_mosaic."""
     bf16 = [*QWEN3_MOE, "model.moe_intermediate_size=64", "train.compute_dtype=bfloat16", "train.batch_size=1",
             "model.num_hidden_layers=2"]
     one = jax.devices()[:1]

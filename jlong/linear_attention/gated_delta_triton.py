@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jlong.errors import JlongError
 from jlong.linear_attention.chunks import chunk_terms, over_blocks
 from jlong.ops.pallas_calls import kernel_call, pipeline_stages
 
@@ -86,7 +87,7 @@ def _block(state, inputs, *, chunk: int, interpret: bool):
 def _block_v(dv: int) -> int:
     block = min(BLOCK_V, dv)
     if dv % block or block < 16 or block & (block - 1):
-        raise ValueError(f"the Triton gated delta rule needs value widths that are multiples of 16, got {dv}")
+        raise JlongError(f"the Triton gated delta rule needs value widths that are multiples of 16, got {dv}")
     return block
 
 

@@ -69,8 +69,8 @@ def _layout(block_minor: int, dtype):
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def _width(size: int, cap: int, what: str) -> int:
-    return tile_width(size, cap, 64, what, "Mosaic GPU")  # 64: wgmma's and TMA's smallest here
+def _width(size: int, cap: int) -> int:
+    return tile_width(size, cap, 64, "Mosaic GPU")  # 64: wgmma's and TMA's smallest here
 
 
 def _kernel(body, name: str, out_type, grid, names, interpret: bool):
@@ -101,7 +101,7 @@ def _product(x_MK, w, group_sizes_G, *, transpose_w: bool, interpret: bool):
     if transpose_w and interpret:  # the interpreter reads no transposed operand: transpose it here
         w, transpose_w = jnp.swapaxes(w, 1, 2), False
     N = w.shape[1] if transpose_w else w.shape[2]
-    block_n, block_k = _width(N, BLOCK_N, "output columns"), _width(K, BLOCK_K, "a contraction")
+    block_n, block_k = _width(N, BLOCK_N), _width(K, BLOCK_K)
     starts, ends = group_bounds(group_sizes_G)
     group, tile, real = work_items(starts, ends, M, BLOCK_M)
     x_layout = _layout(block_k, x_MK.dtype)
@@ -154,7 +154,7 @@ def _with_acc(step, acc_ref, index, *smem):
 def _weight_gradient(x_MK, dy_MN, group_sizes_G, dtype, *, interpret: bool):
     """[G, K, N]: each group's rows of x, transposed, times its rows of dy (M a whole number of tiles)."""
     (M, K), (_, N), G = x_MK.shape, dy_MN.shape, group_sizes_G.shape[0]
-    block_n, block_k = _width(N, BLOCK_N, "output columns"), _width(K, BLOCK_N, "input columns")
+    block_n, block_k = _width(N, BLOCK_N), _width(K, BLOCK_N)
     rows_transposed = interpret  # the interpreter reads no transposed operand: x^T [K, M] instead
     x_operand = x_MK.T if rows_transposed else x_MK
     starts, ends = group_bounds(group_sizes_G)

@@ -50,8 +50,8 @@ WGRAD_BLOCK_M, WGRAD_BLOCK_N, WGRAD_BLOCK_K = 64, 128, 64
 WGRAD_NUM_WARPS, WGRAD_NUM_STAGES = 8, 4  # float32 operands run one stage: `pipeline_stages`
 
 
-def _width(size: int, cap: int, what: str) -> int:
-    return tile_width(size, cap, 16, what, "Triton")  # 16: Triton's smallest dot
+def _width(size: int, cap: int) -> int:
+    return tile_width(size, cap, 16, "Triton")  # 16: Triton's smallest dot
 
 
 def _product_kernel(group_ref, tile_ref, real_ref, start_ref, end_ref, x_ref, w_ref, out_ref, *,
@@ -85,7 +85,7 @@ def _product_kernel(group_ref, tile_ref, real_ref, start_ref, end_ref, x_ref, w_
 def _product(x_MK, w, group_sizes_G, *, transpose_w: bool, interpret: bool):
     M, K = x_MK.shape
     N = w.shape[1] if transpose_w else w.shape[2]
-    block_n, block_k = _width(N, BLOCK_N, "output columns"), _width(K, BLOCK_K, "a contraction")
+    block_n, block_k = _width(N, BLOCK_N), _width(K, BLOCK_K)
     start, end = group_bounds(group_sizes_G)
     group, tile, real = work_items(start, end, M, BLOCK_M)
     kernel = functools.partial(_product_kernel, block_m=BLOCK_M, block_n=block_n, block_k=block_k,
@@ -123,7 +123,7 @@ def _weight_gradient_kernel(start_ref, end_ref, x_ref, dy_ref, dw_ref, *, block_
 def _weight_gradient(x_MK, dy_MN, group_sizes_G, dtype, *, interpret: bool):
     """[G, K, N]: each group's rows of x, transposed, times its rows of dy."""
     (_, K), (_, N), G = x_MK.shape, dy_MN.shape, group_sizes_G.shape[0]
-    block_n, block_k = _width(N, WGRAD_BLOCK_N, "output columns"), _width(K, WGRAD_BLOCK_K, "input columns")
+    block_n, block_k = _width(N, WGRAD_BLOCK_N), _width(K, WGRAD_BLOCK_K)
     start, end = group_bounds(group_sizes_G)
     kernel = functools.partial(_weight_gradient_kernel, block_m=WGRAD_BLOCK_M, block_n=block_n, block_k=block_k)
     return kernel_call(

@@ -34,15 +34,16 @@ def work_items(starts_G, ends_G, rows: int, block_m: int):
     return group, tile, item_ends[-1].astype(jnp.int32)
 
 
-def tile_width(size: int, cap: int, smallest: int, what: str, kernel: str) -> int:
+def tile_width(size: int, cap: int, smallest: int, kernel: str) -> int:
     """The largest power of two up to `cap` that divides `size`, at least
     `smallest` (the backend's smallest product tile); a one-line error naming
-    the kernel and `what` the size is where none divides it."""
+    the kernel where none divides it."""
     width = cap
     while width > smallest and size % width:
         width //= 2
     if size % width:
-        raise JlongError(f"the {kernel} grouped matmul needs {what} a multiple of {smallest}, got {size}")
+        raise JlongError(f"the {kernel} grouped matmul needs matrix widths that are multiples of {smallest}, "
+                         f"got {size}")
     return width
 
 
