@@ -9,7 +9,7 @@ cuBLAS runs around them, or everything else (fusions, copies, launches).
     python experiments/kernel_profile.py --rehearse --out DIR  # the CPU: tiny shapes, XLA:CPU's operations
 
 Cases (bf16, the race's inputs): the gated delta rule at 32,768 tokens of
-16 heads of 128 (jlong's Triton rule, FLA's), the grouped matmul at
+16 heads of 128 (jlong's Triton and Mosaic GPU rules, FLA's), the grouped matmul at
 Qwen3-30B-A3B's gate/up shape with rows spread evenly (jlong's Triton and
 Mosaic GPU kernels, `torch._grouped_mm`) and jax's dense GEMM of equal
 FLOPs. Each is timed as the race times it (medians of calls each waited
@@ -106,7 +106,7 @@ def jax_cases(rehearse: bool) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from jlong.linear_attention import gated_delta_triton
+    from jlong.linear_attention import gated_delta_mosaic, gated_delta_triton
     from jlong.moe import grouped_matmul_mosaic, grouped_matmul_triton
 
     on_gpu = jax.default_backend() == "gpu"
@@ -118,10 +118,12 @@ def jax_cases(rehearse: bool) -> list[dict]:
     label, B, T, Hk, H, D = race.GATED_DELTA_REHEARSAL[0] if rehearse else GATED_DELTA
     q, k, v, g, beta, do = race.gated_delta_inputs(B, T, Hk, H, D)
     inputs = [jnp.asarray(t, jnp.bfloat16) for t in (q, k, v)] + [jnp.asarray(g), jnp.asarray(beta)]
-    rule = functools.partial(gated_delta_triton.triton, interpret=interpret)
-    cases = [("gated_delta", "jlong:triton", {"B": B, "T": T, "H": H, "Hk": Hk, "D": D, "label": label},
-              jax.jit(lambda *a: race._gated_delta_outputs(rule, a[:5], a[5])[1:]),
-              (*inputs, jnp.asarray(do, jnp.bfloat16)))]
+    shape = {"B": B, "T": T, "H": H, "Hk": Hk, "D": D, "label": label}
+    cases = []
+    for impl, module_rule in (("jlong:triton", gated_delta_triton.triton), ("jlong:mosaic", gated_delta_mosaic.mosaic)):
+        rule = functools.partial(module_rule, interpret=interpret)
+        cases.append(("gated_delta", impl, shape, jax.jit(lambda *a, rule=rule: race._gated_delta_outputs(
+            rule, a[:5], a[5])[1:]), (*inputs, jnp.asarray(do, jnp.bfloat16))))
     label, M, K, N, G, _ = race.GROUPED_REHEARSAL[0] if rehearse else GROUPED
     x, w, dy = (jnp.asarray(t, jnp.bfloat16) for t in race.grouped_inputs(M, K, N, G))
     sizes = jnp.asarray(race.group_sizes(M, G, "uniform"))

@@ -63,7 +63,7 @@ GATED_DELTA_SHAPES = [  # (label, B, T, Hk, H, D)
     ("16 heads", 1, 131_072, 16, 16, 128),
     ("Qwen3.5-27B, sp=8", 1, 131_072, 2, 6, 128),
 ]
-GATED_DELTA_REHEARSAL = [("tiny", 1, 96, 2, 4, 16), ("tiny", 1, 192, 2, 4, 16)]
+GATED_DELTA_REHEARSAL = [("tiny", 1, 96, 2, 4, 64), ("tiny", 1, 192, 2, 4, 64)]  # the Mosaic GPU rule: widths of 64
 GROUPED_SHAPES = [  # (label, M, K, N, G, k)
     ("Qwen3-30B-A3B gate/up", 65_536, 2048, 768, 128, 8),
     ("Qwen3-30B-A3B down", 65_536, 768, 2048, 128, 8),
@@ -168,7 +168,7 @@ def jax_part(rehearse: bool, quick: bool, workdir: Path, tiles: Path | None = No
     import jax.numpy as jnp
     import numpy as np
 
-    from jlong.linear_attention import gated_delta, gated_delta_triton
+    from jlong.linear_attention import gated_delta, gated_delta_mosaic, gated_delta_triton
     from jlong.moe import grouped_matmul_mosaic, grouped_matmul_triton
 
     settings = _set_tiles(tiles, {"grouped_matmul": grouped_matmul_triton,
@@ -187,6 +187,7 @@ def jax_part(rehearse: bool, quick: bool, workdir: Path, tiles: Path | None = No
     median = functools.partial(median_seconds, repeats=repeats)
     rows, rates = [], []
     kernels = {"jlong:triton": lambda *a, **kw: gated_delta_triton.triton(*a, interpret=interpret, **kw),
+               "jlong:mosaic": lambda *a, **kw: gated_delta_mosaic.mosaic(*a, interpret=interpret, **kw),
                "jlong:chunked": gated_delta.chunked}
     for index, (label, B, T, Hk, H, D) in enumerate(GATED_DELTA_REHEARSAL if rehearse else gated_delta_shapes(quick)):
         shape = {"B": B, "T": T, "H": H, "Hk": Hk, "D": D, "label": label}

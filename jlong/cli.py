@@ -52,8 +52,9 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--efficiency", nargs="+", metavar="KEY=VALUE", default=[],
         help="the step-cost estimate's efficiencies: shares of the data-sheet rates (gemm 0.70, grouped_matmul "
-        "0.23, gated_delta 0.046, attention_fwd 0.60, attention_bwd 0.53, hbm 0.80, links 0.80, all_to_all 0.70) and launch_us (2.0) "
-        "per kernel. Put it after the config's overrides.",
+        "0.23, grouped_matmul_mosaic 0.13, gated_delta 0.046, gated_delta_mosaic 0.023, attention_fwd 0.60, "
+        "attention_bwd 0.53, hbm 0.80, links 0.80, all_to_all 0.70) and launch_us (2.0) per kernel. Put it after "
+        "the config's overrides.",
     )
 
 

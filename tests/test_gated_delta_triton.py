@@ -67,6 +67,10 @@ def test_gradients_of_every_input_equal_the_rule_token_by_token(rule):
 
 
 def test_the_rings_call_in_float32_with_values_of_width_dk_plus_dv():
+    assert_the_rings_call_is_the_rules(triton)
+
+
+def assert_the_rings_call_is_the_rules(rule):
     """`ring_rule`'s summary: an identity state beside zeros, values [0 | v],
     differentiated through the state and with a cotangent on it."""
     q, k, v, g, beta = _rule_inputs(B=1, S=96, dv=16)
@@ -79,10 +83,10 @@ def test_the_rings_call_in_float32_with_values_of_width_dk_plus_dv():
     def summary(rule):
         return lambda values, start: rule(q, k, values, g, beta, segments, start, np.array([0]))[1]
 
-    _close(summary(triton)(values, start), summary(gated_delta.recurrent)(values, start), atol=1e-5)
+    _close(summary(rule)(values, start), summary(gated_delta.recurrent)(values, start), atol=1e-5)
     cotangent = np.random.default_rng(2).normal(size=start.shape).astype(np.float32)
     pullback = lambda rule: jax.vjp(summary(rule), values, start)[1](cotangent)  # noqa: E731
-    got, want = pullback(triton), pullback(gated_delta.recurrent)
+    got, want = pullback(rule), pullback(gated_delta.recurrent)
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5 * np.abs(b).max())
 

@@ -100,8 +100,8 @@ from jlong.linear_attention import gated_delta
 from jlong.moe import grouped_matmul
 from jlong.planner import pricing
 assert "triton" not in grouped_matmul.KERNELS and "triton" not in gated_delta.KERNELS
-assert grouped_matmul.kernel_for("gpu") == "mosaic" and gated_delta.kernel_for("gpu") == "chunked"
-assert [kind for _, kind in pricing.KERNEL_PRICES] == ["grouped matmul (mosaic)"]
+assert grouped_matmul.kernel_for("gpu") == "mosaic" and gated_delta.kernel_for("gpu") == "mosaic"
+assert [kind for _, kind in pricing.KERNEL_PRICES] == ["grouped matmul (mosaic)", "gated delta (mosaic)"]
 x, w = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((2, 64, 64), jnp.bfloat16)
 out = grouped_matmul.matmul("mosaic", interpret=True)(x, w, jnp.asarray([40, 24], jnp.int32))
 assert float(out[0, 0]) == 64.0

@@ -38,7 +38,8 @@ def test_the_rehearsal_races_jlongs_kernels_and_marks_the_anchors_not_run(tmp_pa
     assert data["rehearsal"] and data["device"]["platform"] == "cpu" and data["versions"]["jax"]
     rows = data["rows"]
     ours = [r for r in rows if r["impl"].startswith("jlong:") or r["impl"] == "jax"]
-    assert {(r["kernel"], r["impl"]) for r in ours} >= {("gated_delta", "jlong:triton"), ("gated_delta", "jlong:chunked"),
+    assert {(r["kernel"], r["impl"]) for r in ours} >= {("gated_delta", "jlong:triton"), ("gated_delta", "jlong:mosaic"),
+                                                       ("gated_delta", "jlong:chunked"),
                                                        ("grouped_matmul", "jlong:triton"), ("grouped_matmul", "jlong:mosaic"),
                                                        ("dense_gemm", "jax")}
     assert all(r["status"] == "ok" for r in ours) and {r["pass"] for r in ours} == {"fwd", "fwd+bwd"}
@@ -125,7 +126,7 @@ def test_the_profile_rehearsal_lists_each_cases_operations(tmp_path):
     data = json.loads((tmp_path / "kernel-profile.json").read_text())
     assert data["rehearsal"] and data["device"]["platform"] == "cpu"
     cases = {(c["kernel"], c["impl"]): c for c in data["cases"]}
-    assert set(cases) == {("gated_delta", "jlong:triton"), ("grouped_matmul", "jlong:triton"),
-                          ("grouped_matmul", "jlong:mosaic"), ("dense_gemm", "jax")}
+    assert set(cases) == {("gated_delta", "jlong:triton"), ("gated_delta", "jlong:mosaic"),
+                          ("grouped_matmul", "jlong:triton"), ("grouped_matmul", "jlong:mosaic"), ("dense_gemm", "jax")}
     assert all(c["status"] == "ok" and c["top"] and c["launches"] > 0 for c in cases.values())
     assert "## gated_delta, jlong:triton" in (tmp_path / "kernel-profile.md").read_text()

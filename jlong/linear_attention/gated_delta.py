@@ -19,9 +19,12 @@ recomputes a block at a time: memory is bounded by a block, not the sequence.
 Everything is computed in float32.
 
 `triton` (`jlong.linear_attention.gated_delta_triton`) is the same chunked
-form as a GPU runs it fast: the chunks' terms for all chunks at once, the
-recurrence from chunk to chunk in one Pallas Triton kernel per pass (listed
-while jax has Pallas' Triton backend; without it GPUs run `chunked`).
+form as a GPU runs it fast (`jlong.linear_attention.chunk_recurrence`): the
+chunks' terms for all chunks at once, the recurrence from chunk to chunk in
+one Pallas Triton kernel per pass (listed while jax has Pallas' Triton
+backend). `mosaic` (`gated_delta_mosaic`) runs that recurrence in Pallas
+Mosaic GPU kernels for Hopper (TMA and wgmma; bf16 terms, key and value
+widths multiples of 64): what GPUs run once the Triton backend is gone.
 
 `recurrent` is the rule token by token (a `lax.scan` over tokens): the
 reference tests compare the chunked forms with.
@@ -38,6 +41,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jlong.linear_attention import gated_delta_mosaic
 from jlong.linear_attention.chunks import chunk_terms, over_blocks, segment_before_first
 from jlong.ops.pallas_calls import has_pallas_triton
 from jlong.ops.tiling import varying_like
@@ -106,19 +110,26 @@ def recurrent(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_be
     return jnp.moveaxis(o, 0, 1).astype(v.dtype), state
 
 
-KERNELS = {"chunked": chunked, "recurrent": recurrent}
-GPU_KERNELS = frozenset({"triton"})  # written for a GPU; `interpret=True` runs them anywhere
-PRICED_CALLS = ()  # (call_flops, kind) of the GPU kernels' custom calls, for the planner
-if has_pallas_triton():  # a jax without Pallas' Triton backend runs `chunked` on GPUs too
+KERNELS = {"chunked": chunked, "recurrent": recurrent, "mosaic": gated_delta_mosaic.mosaic}
+GPU_KERNELS = frozenset({"triton", "mosaic"})  # written for a GPU; `interpret=True` runs them anywhere
+# GPU kernels a model runs on GPUs only: jax's Mosaic GPU interpreter calls back to the host, which the
+# model's checkpoints refuse (the rule alone, outside a checkpoint, runs interpreted anywhere).
+GPU_ONLY_IN_MODELS = frozenset({"mosaic"})
+# (call_flops, kind) of the GPU kernels' custom calls, for the planner
+PRICED_CALLS = ((gated_delta_mosaic.call_flops, "gated delta (mosaic)"),)
+if has_pallas_triton():  # a jax without Pallas' Triton backend runs the Mosaic GPU rule
     from jlong.linear_attention import gated_delta_triton
 
     KERNELS["triton"] = gated_delta_triton.triton
-    PRICED_CALLS = ((gated_delta_triton.call_flops, "gated delta"),)
+    PRICED_CALLS = ((gated_delta_triton.call_flops, "gated delta"), *PRICED_CALLS)
 
 
 def kernel_for(platform: str) -> str:
-    """The kernel `auto` runs on `platform` ("gpu" or "cpu")."""
-    return "triton" if platform == "gpu" and "triton" in KERNELS else "chunked"
+    """The kernel `auto` runs on `platform` ("gpu" or "cpu"): the raced Triton rule while jax has Pallas'
+    Triton backend, the Mosaic GPU one after."""
+    if platform != "gpu":
+        return "chunked"
+    return "triton" if "triton" in KERNELS else "mosaic"
 
 
 def rule(name: str, *, interpret: bool = False):

@@ -1,34 +1,22 @@
-"""The gated delta rule as FLA structures it on a GPU: the chunk-local work
-for all chunks at once, and only the chunk-to-chunk state recurrence in
-sequence, inside one Pallas Triton kernel per pass (`interpret=True` runs the
-same kernels on the CPU, as the tests do).
+"""The gated delta rule's chunk-to-chunk recurrence as Pallas Triton
+kernels, one per pass (`jlong.linear_attention.chunk_recurrence` runs the
+chunk-local work around them as FLA structures it): a program per
+(sequence x head, block of value columns) walks the chunks with the state
+[dk, block_v] on chip in float32, forward
 
-1. `gated_delta.chunk_terms`: every chunk's WY / UT terms, intra-chunk
-   attention and decays, as batched XLA operations over all chunks (large
-   kernels, a fixed number of them whatever the length);
-2. the forward kernel walks the chunks of one (sequence, head) and block of
-   value columns, the state [dk, block_v] kept on chip in float32, and does
-   only what the next chunk waits for:
+    v_new = u - w S,   S <- decay S + kw^T v_new
 
-       v_new = u - w S,   S <- decay S + kw^T v_new
+and backward, the chunks in reverse with the state's gradient dS on chip,
 
-   writing the state entering each chunk and v_new; the outputs
-   o = qr S + a v_new are then batched products over all chunks (as FLA
-   splits its forward into the state pass and the output pass);
-3. the backward kernel walks the chunks in reverse with the state's
-   gradient dS on chip:
+    dv_new = a^T do + kw dS,   dS <- qr^T do + decay dS - w^T dv_new.
 
-       dv_new = a^T do + kw dS,   dS <- qr^T do + decay dS - w^T dv_new
-
-   and the gradients of the chunk terms are again batched XLA products over
-   all chunks, through which autodiff reaches q, k, v, g and beta.
-
-The matrices enter the kernels and the batched products in bf16 when v is
-bf16 (as FLA's do; the state and every accumulation stay float32), and
-what the kernels leave for the batched products (the states entering the
-chunks, v_new and their gradients) is stored in bf16 too, as those
-products read it; in float32 at the highest precision otherwise (the
-ring's summaries, the tests). Same contract as `gated_delta.chunked`.
+The matrices enter the kernels in bf16 when v is bf16 (as FLA's do; the
+state and every accumulation stay float32), and what the kernels leave for
+the batched products (the states entering the chunks, v_new and their
+gradients) is stored in bf16 too, as those products read it; in float32 at
+the highest precision otherwise (the ring's summaries, the tests).
+`interpret=True` runs the same kernels on the CPU. Same contract as
+`gated_delta.chunked`.
 """
 
 from __future__ import annotations
@@ -42,14 +30,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jlong.errors import JlongError
-from jlong.linear_attention.chunks import chunk_terms, over_blocks
+from jlong.linear_attention.chunk_recurrence import BLOCK, CHUNK, rule  # noqa: F401  (the rule's sizes, named here too)
 from jlong.ops.pallas_calls import kernel_call, pipeline_stages
 
-CHUNK = 64  # tokens per chunk, as FLA's
-# Tokens whose chunks run at once. Longer sequences run a block at a time under a checkpoint: the chunk
-# terms and the states entering each chunk (what the backward kernel reads) are O(block), and a block's
-# forward runs twice in training. 32,768 tokens of 6 heads of 128 hold about 0.8 GB of them in float32.
-BLOCK = 32_768
 # Value columns per program, warps and pipeline stages, from experiments/kernel_tiles.py on an H200
 # (2026-11-28; experiments/results/kernel-tiles.json): 16 columns (more programs for the few heads of one
 # device) and 3 stages (the next chunk's terms load while this one's products run) ran the recurrence at
@@ -58,30 +41,6 @@ BLOCK_V = 16
 NUM_WARPS, NUM_STAGES = 4, 3  # float32 terms (the ring's summaries) run one stage: `pipeline_stages`
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call XLA:GPU runs a Pallas Triton kernel as
 FORWARD, BACKWARD = "gated_delta_forward", "gated_delta_backward"  # the kernels' names
-
-
-def triton(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_before=None, *, interpret: bool = False,
-           chunk: int = CHUNK, block: int = BLOCK):
-    """o [B, S, H, dv] in v's dtype and the final state [B, H, dk, dv] in
-    float32, as `gated_delta.chunked` computes them: `block` tokens at a
-    time (fewer when the sequence is shorter), each block's chunks at once."""
-    block = min(block, -(-v.shape[1] // chunk) * chunk)
-    run_block = functools.partial(_block, chunk=chunk, interpret=interpret)
-    return over_blocks(run_block, (q, k, v, g, beta), segment_ids, initial_state, segment_before, block=block)
-
-
-def _block(state, inputs, *, chunk: int, interpret: bool):
-    """One block: (state in, (q, k, v, g, beta, segments, previous segments)) -> (state out, o)."""
-    q, k, v, g, beta, segment_ids, previous = inputs
-    B, T, H, dv = v.shape
-    dk = k.shape[-1]
-    operand = jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
-    terms = chunk_terms(q, k, v, g, beta, segment_ids, previous, chunk=chunk, operand=operand)
-    heads = lambda t: t.reshape(B * H, *t.shape[2:])  # noqa: E731  [B, H, ...] -> [B H, ...]
-    matrices = (heads(t).astype(operand) for t in (terms.u, terms.w, terms.a, terms.qr, terms.kw))
-    o, state = _recurrence(*matrices, heads(terms.decay), heads(state), interpret)
-    o = jnp.moveaxis(o.reshape(B, H, T, dv), 1, 2)
-    return state.reshape(B, H, dk, dv), o.astype(v.dtype)
 
 
 def _block_v(dv: int) -> int:
@@ -149,21 +108,6 @@ def _forward(u, w, kw, decay, state, interpret):
     return _call(kernel, FORWARD, shapes, (BH, dv // block_v), interpret, w.dtype)(u, w, kw, decay, state)
 
 
-def _by_chunk(spec: str, x, y, operand, result=jnp.float32):
-    """A product batched over all chunks: in `operand` (bf16 or float32) with
-    float32 accumulation, float32 at the highest precision; the sums rounded
-    to `result`."""
-    precision = jax.lax.Precision.HIGHEST if operand == jnp.float32 else None
-    return jnp.einsum(spec, x.astype(operand), y.astype(operand), precision=precision,
-                      preferred_element_type=result)
-
-
-def _outputs(qr, a, states, v_new):
-    """o = qr S + a v_new [BH, n, C, dv] for every chunk at once."""
-    operand = qr.dtype
-    return _by_chunk("bnck,bnkv->bncv", qr, states, operand) + _by_chunk("bncj,bnjv->bncv", a, v_new, operand)
-
-
 def _backward(do, d_final, w, a, qr, kw, decay, interpret):
     """dv_new [BH, n, C, dv] and the gradient of the state each chunk leaves
     [BH, n, dk, dv] in the terms' dtype, and of the initial state [BH, dk, dv]
@@ -176,35 +120,7 @@ def _backward(do, d_final, w, a, qr, kw, decay, interpret):
                                                                                      d_final)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _recurrence(u, w, a, qr, kw, decay, state, interpret):
-    """(o [BH, T, dv], final state) of the chunks' terms [BH, n, ...] from `state` [BH, dk, dv]."""
-    return _recurrence_forward(u, w, a, qr, kw, decay, state, interpret)[0]
-
-
-def _recurrence_forward(u, w, a, qr, kw, decay, state, interpret):
-    final, states, v_new = _forward(u, w, kw, decay, state, interpret)
-    o = _outputs(qr, a, states, v_new)
-    return (o.reshape(o.shape[0], -1, o.shape[-1]), final), (w, a, qr, kw, decay, states, v_new)
-
-
-def _recurrence_backward(interpret, saved, cotangents):
-    w, a, qr, kw, decay, states, v_new = saved
-    do, d_final = cotangents
-    BH, n, C, dk = w.shape
-    operand = w.dtype
-    do = do.reshape(BH, n, C, -1).astype(operand)
-    d_v_new, d_next, d_state = _backward(do, d_final, w, a, qr, kw, decay, interpret)
-    # The chunk terms' gradients, for all chunks at once, in the terms' dtype (the sums float32).
-    d_w = -_by_chunk("bncv,bnkv->bnck", d_v_new, states, operand, operand)
-    d_a = _by_chunk("bncv,bnjv->bncj", do, v_new, operand, operand)
-    d_qr = _by_chunk("bncv,bnkv->bnck", do, states, operand, operand)
-    d_kw = _by_chunk("bncv,bnkv->bnck", v_new, d_next, operand, operand)
-    d_decay = jnp.einsum("bnkv,bnkv->bn", states, d_next, preferred_element_type=jnp.float32)
-    return d_v_new, d_w, d_a, d_qr, d_kw, d_decay, d_state
-
-
-_recurrence.defvjp(_recurrence_forward, _recurrence_backward)
+triton = rule(_forward, _backward)
 
 
 def call_flops(target: str, attributes: str, operand_dims: list, result_dims: tuple) -> float | None:

@@ -106,6 +106,10 @@ def _chosen_kernel(setting: str, name: str, registry, platform: str) -> str:
         return registry.kernel_for(platform)
     if name not in registry.KERNELS:
         raise JlongError(f"kernels.{setting} must be auto or one of {', '.join(registry.KERNELS)}, got {name!r}")
+    if platform == "cpu" and name in registry.GPU_ONLY_IN_MODELS:
+        others = ", ".join(k for k in registry.KERNELS if k not in registry.GPU_ONLY_IN_MODELS)
+        raise JlongError(f"kernels.{setting}={name} runs in a model on GPUs only (jax's interpreter of it calls "
+                         f"back to the host, which the model's checkpoints refuse): on the CPU pick one of {others}")
     return name
 
 

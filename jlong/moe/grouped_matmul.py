@@ -37,6 +37,7 @@ def ragged_dot(x_MK, w_GKN, group_sizes_G):
 
 KERNELS = {"ragged_dot": ragged_dot, "mosaic": grouped_matmul_mosaic.grouped_matmul}
 GPU_KERNELS = frozenset({"triton", "mosaic"})  # written for a GPU; `interpret=True` runs them anywhere
+GPU_ONLY_IN_MODELS = frozenset()  # every kernel here also runs interpreted in a model (one device)
 PRICED_CALLS = ((grouped_matmul_mosaic.call_flops, "grouped matmul (mosaic)"),)  # for the planner
 if has_pallas_triton():  # a jax without Pallas' Triton backend runs the Mosaic GPU kernel
     from jlong.moe import grouped_matmul_triton

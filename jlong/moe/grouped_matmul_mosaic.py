@@ -40,9 +40,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jlong.errors import JlongError
-from jlong.jax_private import private
 from jlong.moe.row_tiles import differentiable, group_bounds, padded_to, tile_width, work_items
-from jlong.ops.pallas_calls import mosaic_kernel_call
+from jlong.ops.pallas_calls import mosaic_kernel_call, mosaic_smem_layout
 
 MOSAIC_CALL = "mosaic_gpu_v2"  # the custom call XLA:GPU runs a Mosaic GPU kernel as
 # The kernels' names, which XLA keeps in each call's op_name (a Mosaic GPU call's backend config is the
@@ -56,19 +55,6 @@ WGRAD_BLOCK_M = 64  # rows a step of the weight gradient's contraction
 OPERAND_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def _interpret_params(interpret: bool):
-    """What `plgpu.kernel` takes as `interpret`: Mosaic GPU's interpreter settings, or None (the GPU)."""
-    if not interpret:
-        return None
-    return private("jax._src.pallas.mosaic_gpu.interpret.params", "InterpretGPUParams")()
-
-
-def _layout(block_minor: int, dtype):
-    """Shared-memory tiling and swizzle for tiles whose minor dimension is `block_minor` elements."""
-    swizzle = plgpu.find_swizzle(block_minor * jnp.dtype(dtype).itemsize * 8)
-    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
-
-
 def _width(size: int, cap: int) -> int:
     return tile_width(size, cap, 64, "Mosaic GPU")  # 64: wgmma's and TMA's smallest here
 
@@ -76,7 +62,7 @@ def _width(size: int, cap: int) -> int:
 def _kernel(body, name: str, out_type, grid, names, interpret: bool):
     body.__name__ = name  # what the call's op_name says
     return mosaic_kernel_call(
-        body, out_type, interpret=_interpret_params(interpret), grid=grid, grid_names=names,
+        body, out_type, interpret=interpret, grid=grid, grid_names=names,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
 
 
@@ -104,8 +90,8 @@ def _product(x_MK, w, group_sizes_G, *, transpose_w: bool, interpret: bool):
     block_n, block_k = _width(N, BLOCK_N), _width(K, BLOCK_K)
     starts, ends = group_bounds(group_sizes_G)
     group, tile, real = work_items(starts, ends, M, BLOCK_M)
-    x_layout = _layout(block_k, x_MK.dtype)
-    w_layout = x_layout if transpose_w else _layout(block_n, w.dtype)
+    x_layout = mosaic_smem_layout(block_k, x_MK.dtype)
+    w_layout = x_layout if transpose_w else mosaic_smem_layout(block_n, w.dtype)
     w_block = (block_n, block_k) if transpose_w else (block_k, block_n)
 
     def body(group_ref, tile_ref, real_ref, start_ref, end_ref, x_gmem, w_gmem, o_gmem):
@@ -158,7 +144,7 @@ def _weight_gradient(x_MK, dy_MN, group_sizes_G, dtype, *, interpret: bool):
     rows_transposed = interpret  # the interpreter reads no transposed operand: x^T [K, M] instead
     x_operand = x_MK.T if rows_transposed else x_MK
     starts, ends = group_bounds(group_sizes_G)
-    x_layout = _layout(WGRAD_BLOCK_M if rows_transposed else block_k, x_MK.dtype)
+    x_layout = mosaic_smem_layout(WGRAD_BLOCK_M if rows_transposed else block_k, x_MK.dtype)
     x_block = (block_k, WGRAD_BLOCK_M) if rows_transposed else (WGRAD_BLOCK_M, block_k)
     row_axis = 1 if rows_transposed else 0
 
@@ -187,7 +173,7 @@ def _weight_gradient(x_MK, dy_MN, group_sizes_G, dtype, *, interpret: bool):
                 in_specs=[
                     plgpu.BlockSpec(x_block, x_index, transforms=x_layout, delay_release=1),
                     plgpu.BlockSpec((WGRAD_BLOCK_M, block_n), lambda i: (first_tile + i, column),
-                                    transforms=_layout(block_n, dy_MN.dtype), delay_release=1),
+                                    transforms=mosaic_smem_layout(block_n, dy_MN.dtype), delay_release=1),
                 ],
                 max_concurrent_steps=STAGES,
             )(x_gmem, dy_gmem)

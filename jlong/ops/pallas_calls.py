@@ -56,32 +56,47 @@ def kernel_call(kernel, out_shape, *, interpret: bool, **params):
     return call
 
 
-def mosaic_kernel_call(body, out_type, *, interpret, **params):
+def mosaic_kernel_call(body, out_type, *, interpret: bool, **params):
     """`plgpu.kernel(body, out_type=...)` (a Pallas Mosaic GPU kernel) as a
     function of its operands that works inside `shard_map` too. Mosaic GPU
     kernels do not check how values vary over a mesh, so their results come
     out marked the same on every device: they are marked varying over every
     mesh axis any operand varies over, as they are (each device's own).
 
-    `interpret` (Mosaic GPU's interpreter settings, or None) runs the kernel
-    on the CPU, on one device: inside `shard_map` over several devices the
-    interpreter (jax 0.10) takes the kernel for one over all of them, and its
-    simulated GPUs break or wait for each other, so that is refused in one line."""
+    `interpret=True` runs the kernel in Mosaic GPU's interpreter (its
+    `InterpretGPUParams`, private in jax 0.10) on the CPU, on one device:
+    inside `shard_map` over several devices the interpreter (jax 0.10) takes
+    the kernel for one over all of them, and its simulated GPUs break or wait
+    for each other, so that is refused in one line."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    kernel = plgpu.kernel(body, out_type=out_type, interpret=interpret, **params)
+    from jlong.jax_private import private
+
+    settings = private("jax._src.pallas.mosaic_gpu.interpret.params", "InterpretGPUParams")() if interpret else None
+    kernel = plgpu.kernel(body, out_type=out_type, interpret=settings, **params)
 
     def call(*operands):
         axes = _varying_axes(operands)
         if not axes:
             return kernel(*operands)
-        if interpret is not None and jax.lax.psum(1, axes) > 1:
+        if interpret and jax.lax.psum(1, axes) > 1:
             raise JlongError(f"a Mosaic GPU kernel runs in its interpreter on one device, not inside shard_map "
                              f"over {jax.lax.psum(1, axes)} (jax {jax.__version__}'s interpreter): interpret it on "
                              "one device, or pick the Triton kernel to interpret on a mesh")
         return jax.tree.map(lambda r: _varying(r, axes), kernel(*operands))
 
     return call
+
+
+def mosaic_smem_layout(block_minor: int, dtype) -> tuple:
+    """Mosaic GPU's shared-memory tiling and swizzle for tiles whose minor
+    dimension is `block_minor` elements: the widest swizzle that row fills,
+    as wgmma and TMA read them."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(block_minor * itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
 def _varying_axes(operands) -> tuple[str, ...]:

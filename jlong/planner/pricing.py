@@ -41,6 +41,10 @@ class Efficiency:
     # kernel's measured rate at Qwen3-30B-A3B's expert shapes on an H100 (132-152 TFLOP/s, gpu-truth.md), as an
     # untuned kernel's.
     grouped_matmul_mosaic: float = 0.13
+    # a stated default, not yet measured: the Mosaic GPU gated delta rule has not been raced. Half the Triton
+    # rule's recurrence kernels' measured rate above, as a first port's (their 64 value columns a program give
+    # a quarter of the Triton kernels' 16-column programs).
+    gated_delta_mosaic: float = 0.023
     attention_fwd: float = 0.60
     attention_bwd: float = 0.53  # measured: 522 TFLOP/s, cuDNN 9.19 causal backward at 32K on an H100 SXM
     hbm: float = 0.80
@@ -154,7 +158,8 @@ class Pricer:
         tally.flops["other"] += flops.other
         efficiency = {"matmul": self.eff.gemm, "grouped matmul": self.eff.grouped_matmul,
                       "grouped matmul (mosaic)": self.eff.grouped_matmul_mosaic,
-                      "gated delta": self.eff.gated_delta}.get(kind, 1.0)
+                      "gated delta": self.eff.gated_delta,
+                      "gated delta (mosaic)": self.eff.gated_delta_mosaic}.get(kind, 1.0)
         rate = self.gpu.peak_bf16_flops * efficiency
         seconds = max(flops.total / rate, hbm / (self.gpu.hbm_bytes_per_s * self.eff.hbm))
         tally.busy_s[kind] += seconds

@@ -1,0 +1,113 @@
+"""The gated delta rule as FLA structures it on a GPU, whatever the backend
+of its two kernels: the chunk-local work for all chunks at once, and only
+the chunk-to-chunk state recurrence in sequence, one kernel launch per pass.
+
+1. `chunks.chunk_terms`: every chunk's WY / UT terms, intra-chunk attention
+   and decays, as batched XLA operations over all chunks;
+2. the forward kernel walks the chunks of one (sequence, head) and block of
+   value columns with the state on chip, doing only what the next chunk
+   waits for (v_new = u - w S, S <- decay S + kw^T v_new) and writing the
+   state entering each chunk and v_new; the outputs o = qr S + a v_new are
+   then batched products over all chunks;
+3. the backward kernel walks the chunks in reverse with the state's
+   gradient on chip (dv_new = a^T do + kw dS, dS <- qr^T do + decay dS -
+   w^T dv_new); the chunk terms' gradients are again batched products, through
+   which autodiff reaches q, k, v, g and beta.
+
+A backend gives the two kernels (`rule(forward, backward)`):
+`forward(u, w, kw, decay, state, interpret)` -> (final state float32,
+states entering the chunks, v_new) and `backward(do, d_final, w, a, qr, kw,
+decay, interpret)` -> (dv_new, gradients of the states the chunks leave,
+of the initial state float32), the chunk terms [BH, n, C, ...] in their
+operand dtype (bf16 when v is bf16, as FLA's; float32 otherwise)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jlong.linear_attention.chunks import chunk_terms, over_blocks
+
+CHUNK = 64  # tokens per chunk, as FLA's
+# Tokens whose chunks run at once. Longer sequences run a block at a time under a checkpoint: the chunk
+# terms and the states entering each chunk (what the backward kernel reads) are O(block), and a block's
+# forward runs twice in training. 32,768 tokens of 6 heads of 128 hold about 0.8 GB of them in float32.
+BLOCK = 32_768
+
+
+def rule(forward, backward):
+    """The gated delta rule on a backend's two kernels, with `gated_delta.chunked`'s contract: o [B, S, H,
+    dv] in v's dtype and the final state [B, H, dk, dv] in float32, `block` tokens at a time (fewer when
+    the sequence is shorter), each block's chunks at once."""
+    recurrence = _recurrence(forward, backward)
+
+    def run(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_before=None, *, interpret: bool = False,
+            chunk: int = CHUNK, block: int = BLOCK):
+        block = min(block, -(-v.shape[1] // chunk) * chunk)
+        run_block = functools.partial(_block, recurrence=recurrence, chunk=chunk, interpret=interpret)
+        return over_blocks(run_block, (q, k, v, g, beta), segment_ids, initial_state, segment_before, block=block)
+
+    return run
+
+
+def _block(state, inputs, *, recurrence, chunk: int, interpret: bool):
+    """One block: (state in, (q, k, v, g, beta, segments, previous segments)) -> (state out, o)."""
+    q, k, v, g, beta, segment_ids, previous = inputs
+    B, T, H, dv = v.shape
+    dk = k.shape[-1]
+    operand = jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
+    terms = chunk_terms(q, k, v, g, beta, segment_ids, previous, chunk=chunk, operand=operand)
+    heads = lambda t: t.reshape(B * H, *t.shape[2:])  # noqa: E731  [B, H, ...] -> [B H, ...]
+    matrices = (heads(t).astype(operand) for t in (terms.u, terms.w, terms.a, terms.qr, terms.kw))
+    o, state = recurrence(*matrices, heads(terms.decay), heads(state), interpret)
+    o = jnp.moveaxis(o.reshape(B, H, T, dv), 1, 2)
+    return state.reshape(B, H, dk, dv), o.astype(v.dtype)
+
+
+def _by_chunk(spec: str, x, y, operand, result=jnp.float32):
+    """A product batched over all chunks: in `operand` (bf16 or float32) with
+    float32 accumulation, float32 at the highest precision; the sums rounded
+    to `result`."""
+    precision = jax.lax.Precision.HIGHEST if operand == jnp.float32 else None
+    return jnp.einsum(spec, x.astype(operand), y.astype(operand), precision=precision,
+                      preferred_element_type=result)
+
+
+def _outputs(qr, a, states, v_new):
+    """o = qr S + a v_new [BH, n, C, dv] for every chunk at once."""
+    operand = qr.dtype
+    return _by_chunk("bnck,bnkv->bncv", qr, states, operand) + _by_chunk("bncj,bnjv->bncv", a, v_new, operand)
+
+
+def _recurrence(forward, backward):
+    """(u, w, a, qr, kw, decay, state, interpret) -> (o [BH, T, dv], final state) of the chunks' terms
+    [BH, n, ...] from `state` [BH, dk, dv], differentiable through the backend's backward kernel."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+    def recurrence(u, w, a, qr, kw, decay, state, interpret):
+        return recurrence_forward(u, w, a, qr, kw, decay, state, interpret)[0]
+
+    def recurrence_forward(u, w, a, qr, kw, decay, state, interpret):
+        final, states, v_new = forward(u, w, kw, decay, state, interpret)
+        o = _outputs(qr, a, states, v_new)
+        return (o.reshape(o.shape[0], -1, o.shape[-1]), final), (w, a, qr, kw, decay, states, v_new)
+
+    def recurrence_backward(interpret, saved, cotangents):
+        w, a, qr, kw, decay, states, v_new = saved
+        do, d_final = cotangents
+        BH, n, C, dk = w.shape
+        operand = w.dtype
+        do = do.reshape(BH, n, C, -1).astype(operand)
+        d_v_new, d_next, d_state = backward(do, d_final, w, a, qr, kw, decay, interpret)
+        # The chunk terms' gradients, for all chunks at once, in the terms' dtype (the sums float32).
+        d_w = -_by_chunk("bncv,bnkv->bnck", d_v_new, states, operand, operand)
+        d_a = _by_chunk("bncv,bnjv->bncj", do, v_new, operand, operand)
+        d_qr = _by_chunk("bncv,bnkv->bnck", do, states, operand, operand)
+        d_kw = _by_chunk("bncv,bnkv->bnck", v_new, d_next, operand, operand)
+        d_decay = jnp.einsum("bnkv,bnkv->bn", states, d_next, preferred_element_type=jnp.float32)
+        return d_v_new, d_w, d_a, d_qr, d_kw, d_decay, d_state
+
+    recurrence.defvjp(recurrence_forward, recurrence_backward)
+    return recurrence
