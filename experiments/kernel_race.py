@@ -263,11 +263,12 @@ def _gated_delta_outputs(rule, inputs, cotangent):
 
 
 def _recurrence_rates(bf16, f32, cotangent, shape, median) -> list[dict]:
-    """The Triton rule's two recurrence kernels alone: their TFLOP/s (the planner prices them at it)."""
+    """The Triton and Mosaic GPU rules' two recurrence kernels alone: their TFLOP/s (the planner prices
+    them at it)."""
     import jax
     import jax.numpy as jnp
 
-    from jlong.linear_attention import chunks, gated_delta_triton as gdt
+    from jlong.linear_attention import chunks, gated_delta_mosaic as gdm, gated_delta_triton as gdt
 
     q, k, v = bf16
     g, beta = f32
@@ -279,18 +280,31 @@ def _recurrence_rates(bf16, f32, cotangent, shape, median) -> list[dict]:
     mats = [heads(t).astype(jnp.bfloat16) for t in (terms.u, terms.w, terms.a, terms.qr, terms.kw)]
     decay, state = heads(terms.decay), heads(state)
     u, w, a, qr, kw = mats
-    forward = jax.jit(lambda *t: gdt._forward(*t, False))
-    _, states, _ = forward(u, w, kw, decay, state)
     do = jnp.moveaxis(cotangent.reshape(B, T, H, dv), 2, 1).reshape(B * H, -1, gdt.CHUNK, dv)
-    backward = jax.jit(lambda *t: gdt._backward(*t, False))
     dims = [list(m.shape) for m in mats]
+    rows = [[B * H * T, dv], [B * H * T, w.shape[-1]]]  # the Mosaic calls' operands: a row per token
+    flops = {  # the planner's formulas, from each kernel's call as a compiled program shows it
+        gdt.FORWARD: gdt.call_flops(gdt.TRITON_CALL, f'name = "{gdt.FORWARD}", num_stages', dims, ()),
+        gdt.BACKWARD: gdt.call_flops(gdt.TRITON_CALL, f'name = "{gdt.BACKWARD}", num_stages', dims, ()),
+        gdm.FORWARD: gdm.call_flops(gdm.MOSAIC_CALL, f'op_name="x/{gdm.FORWARD}/y"', rows, ()),
+        gdm.BACKWARD: gdm.call_flops(gdm.MOSAIC_CALL, f'op_name="x/{gdm.BACKWARD}/y"', rows, ()),
+    }
     result = []
-    for name, kernel, fn, args in (("forward", gdt.FORWARD, forward, (u, w, kw, decay, state)),
-                                   ("backward", gdt.BACKWARD, backward, (do, states[:, 0], w, a, qr, kw, decay))):
-        flops = gdt.call_flops(gdt.TRITON_CALL, f'name = "{kernel}", num_stages', dims, ())
-        seconds = median(fn, *args)
-        result.append({"name": f"gated_delta recurrence {name}", "shape": shape, "seconds": seconds,
-                       "tflops": flops / seconds / 1e12, "share_of_bf16_peak": flops / seconds / PEAK_BF16})
+    for impl, module, passes in (("triton", gdt, (gdt._forward, gdt._backward)),
+                                 ("mosaic", gdm, (gdm.forward, gdm.backward))):
+        try:
+            forward, backward = (jax.jit(functools.partial(kernels, interpret=False)) for kernels in passes)
+            _, states, _ = forward(u, w, kw, decay, state)
+            for name, kernel, fn, args in (("forward", module.FORWARD, forward, (u, w, kw, decay, state)),
+                                           ("backward", module.BACKWARD, backward,
+                                            (do, states[:, 0], w, a, qr, kw, decay))):
+                seconds = median(fn, *args)
+                result.append({"name": f"gated_delta recurrence {name} ({impl})", "shape": shape,
+                               "seconds": seconds, "tflops": flops[kernel] / seconds / 1e12,
+                               "share_of_bf16_peak": flops[kernel] / seconds / PEAK_BF16})
+        except Exception as exc:  # noqa: BLE001 (a kernel that fails leaves the other's rates)
+            print(f"kernel_race: the {impl} recurrence kernels failed: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
     return result
 
 
@@ -691,7 +705,7 @@ def markdown(report: dict) -> str:
             f"{kernel} " + ", ".join(f"{k}={v}" for k, v in settings.items()) for kernel, settings in
             report["tiles"].items()) + "."]
     if report["rates"]:
-        head += ["", "The Triton gated delta rule's recurrence kernels alone (what the planner prices them at):", "",
+        head += ["", "The gated delta rules' recurrence kernels alone (what the planner prices them at):", "",
                  markdown_table(["kernel", "seconds", "TFLOP/s", "share of bf16 peak"],
                                 [[r["name"], f"{r['seconds']:.2e}", f"{r['tflops']:.1f}",
                                   f"{r['share_of_bf16_peak']:.4f}"] for r in report["rates"]])]

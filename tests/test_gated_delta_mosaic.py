@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import H100, needs_gpu_compiler, small_config
+from helpers import H100, assert_same_result, loss_and_grads, needs_gpu_compiler, small_config
 from test_gated_delta_triton import SEGMENTS, _state, assert_the_rings_call_is_the_rules
 from test_qwen3_5 import _rule_inputs, _tiny
 
@@ -25,16 +25,15 @@ from jlong.planner.step_cost import step_cost
 from jlong.program.train_program import TrainProgram
 
 mosaic = jax.jit(lambda *a: gated_delta_mosaic.mosaic(*a, interpret=True))
-WIDTH = 64  # the kernels' smallest key and value width
-
-
 def _bf16(t):
     return jnp.asarray(t, jnp.bfloat16)
 
 
-def test_bfloat16_outputs_and_gradients_stay_near_the_float32_rule():
-    q, k, v, g, beta = _rule_inputs(dk=WIDTH, dv=WIDTH)
-    state = _state(2, 4, WIDTH, WIDTH)
+@pytest.mark.parametrize("width", [64, 128])
+def test_bfloat16_outputs_and_gradients_stay_near_the_float32_rule(width):
+    """Widths of 64 (one key tile, one program of value columns) and 128 (two of each: Qwen3.5's heads)."""
+    q, k, v, g, beta = _rule_inputs(dk=width, dv=width)
+    state = _state(2, 4, width, width)
     assert "gated_delta_mosaic_forward" in str(jax.make_jaxpr(mosaic)(_bf16(q), _bf16(k), _bf16(v), g, beta))
     do = np.random.default_rng(5).standard_normal(np.shape(v)).astype(np.float32)
 
@@ -64,15 +63,22 @@ def test_a_model_on_the_cpu_refuses_it_in_one_line():
     the rule on GPUs only (its step compiles for H100s below; the rule itself is tested above)."""
     config = _tiny("train.compute_dtype=bfloat16", "model.linear_key_head_dim=64", "model.linear_value_head_dim=64",
                    "kernels.gated_delta=mosaic")
-    with pytest.raises(JlongError, match="kernels.gated_delta=mosaic runs in a model on GPUs only") as raised:
+    with pytest.raises(JlongError, match="kernels.gated_delta=mosaic runs in a bf16 model on GPUs only") as raised:
         TrainProgram(config, make_mesh(config.mesh, jax.devices()[:1]))
     assert "\n" not in str(raised.value) and "chunked" in str(raised.value)
+
+
+def test_a_float32_model_on_the_cpu_runs_its_scans_as_the_chunked_rule_does():
+    """In float32 no kernel runs (the two passes are scans in XLA), so a CPU model may choose it."""
+    one = jax.devices()[:1]
+    got = loss_and_grads(_tiny("train.seq_len=128", "kernels.gated_delta=mosaic"), one)
+    assert_same_result(got, loss_and_grads(_tiny("train.seq_len=128", "kernels.gated_delta=chunked"), one))
 
 
 @pytest.mark.fast
 def test_widths_the_kernels_cannot_take_are_one_line():
     q, k, v, g, beta = _rule_inputs(B=1, S=64, dk=16, dv=16)
-    with pytest.raises(JlongError, match="multiples of 64, got chunks of 64, widths 16 and 16"):
+    with pytest.raises(JlongError, match="multiples of 64, got chunks of 64, widths 16 and 16: set kernels"):
         mosaic(_bf16(q), _bf16(k), _bf16(v), g, beta)
 
 

@@ -113,7 +113,8 @@ def recurrent(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_be
 KERNELS = {"chunked": chunked, "recurrent": recurrent, "mosaic": gated_delta_mosaic.mosaic}
 GPU_KERNELS = frozenset({"triton", "mosaic"})  # written for a GPU; `interpret=True` runs them anywhere
 # GPU kernels a model runs on GPUs only: jax's Mosaic GPU interpreter calls back to the host, which the
-# model's checkpoints refuse (the rule alone, outside a checkpoint, runs interpreted anywhere).
+# model's checkpoints refuse. The rule alone runs interpreted anywhere up to `chunk_recurrence.BLOCK` tokens
+# (longer sequences run block by block under a checkpoint); in float32 it runs no kernel at all.
 GPU_ONLY_IN_MODELS = frozenset({"mosaic"})
 # (call_flops, kind) of the GPU kernels' custom calls, for the planner
 PRICED_CALLS = ((gated_delta_mosaic.call_flops, "gated delta (mosaic)"),)

@@ -13,8 +13,8 @@ float32, each chunk's products summed in fresh wgmma accumulators; what a
 product reads of them, the state entering a chunk and v_new (their
 gradients backward), is written in bf16 to shared-memory blocks that TMA
 then stores: the rows the batched XLA products after the kernels read.
-Terms are 16-bit (bf16 when v is); key and value widths multiples of 64,
-chunks of 64. Float32 terms (the ring's summaries) run the same two passes
+Terms are 16-bit (bf16 when v is); key widths of 64 or 128, value widths
+multiples of 64, chunks of 64. Float32 terms (the ring's summaries) run the same two passes
 as scans over the chunks in XLA.
 
 `interpret=True` runs the kernels in Mosaic GPU's interpreter on the CPU.
@@ -51,9 +51,12 @@ STAGES = 2  # chunks whose terms are in flight
 
 
 def _check(C: int, dk: int, dv: int) -> None:
-    if C != 64 or dk % 64 or dv % BLOCK_V:
-        raise JlongError(f"the Mosaic GPU gated delta rule needs chunks of 64 and key and value widths that are "
-                         f"multiples of 64, got chunks of {C}, widths {dk} and {dv}")
+    """Chunks of 64, a key width of 64 or 128 (the backward's blocks fill an H100's shared memory at 128),
+    value widths in blocks of 64."""
+    if C != 64 or dk not in (64, 128) or dv % BLOCK_V:
+        raise JlongError(f"the Mosaic GPU gated delta rule needs chunks of 64, key widths of 64 or 128 and value "
+                         f"widths that are multiples of 64, got chunks of {C}, widths {dk} and {dv}: set "
+                         "kernels.gated_delta=chunked")
 
 
 def _kernel(body, name: str, out_type, grid, interpret: bool):
@@ -80,7 +83,9 @@ def _load_state(state_gmem, bh, columns, shape):
     def load(smem, barrier):
         plgpu.copy_gmem_to_smem(state_gmem.at[bh, :, columns], smem, barrier)
         plgpu.barrier_wait(barrier)
-        return smem[...]
+        state = smem[...]
+        plgpu.commit_smem()  # its barrier: every warp has read smem before the pipeline's copies reuse it
+        return state
 
     return pl.run_scoped(load, plgpu.SMEM(shape, jnp.float32), plgpu.Barrier())
 

@@ -94,22 +94,25 @@ class ForwardOptions:
             mlp_tile=config.memory.mlp_tile,
             loss_tile=config.memory.loss_tile,
             grouped_matmul=_chosen_kernel("grouped_matmul", config.kernels.grouped_matmul, grouped_matmul, platform),
-            gated_delta=_chosen_kernel("gated_delta", config.kernels.gated_delta, gated_delta, platform),
+            gated_delta=_chosen_kernel("gated_delta", config.kernels.gated_delta, gated_delta, platform,
+                                       interpreted=platform == "cpu" and config.train.compute_dtype == "bfloat16"),
             interpret_kernels=platform == "cpu",
             router_aux_loss=config.train.router_aux_loss,
         )
 
 
-def _chosen_kernel(setting: str, name: str, registry, platform: str) -> str:
-    """`kernels.<setting>` resolved on `platform`: `auto` the registry's pick, else a name it holds."""
+def _chosen_kernel(setting: str, name: str, registry, platform: str, interpreted: bool = False) -> str:
+    """`kernels.<setting>` resolved on `platform`: `auto` the registry's pick, else a name it holds (not one
+    a model runs on GPUs only where its kernels would be `interpreted`)."""
     if name == "auto":
         return registry.kernel_for(platform)
     if name not in registry.KERNELS:
         raise JlongError(f"kernels.{setting} must be auto or one of {', '.join(registry.KERNELS)}, got {name!r}")
-    if platform == "cpu" and name in registry.GPU_ONLY_IN_MODELS:
+    if interpreted and name in registry.GPU_ONLY_IN_MODELS:
         others = ", ".join(k for k in registry.KERNELS if k not in registry.GPU_ONLY_IN_MODELS)
-        raise JlongError(f"kernels.{setting}={name} runs in a model on GPUs only (jax's interpreter of it calls "
-                         f"back to the host, which the model's checkpoints refuse): on the CPU pick one of {others}")
+        raise JlongError(f"kernels.{setting}={name} runs in a bf16 model on GPUs only (jax's interpreter of it calls "
+                         f"back to the host, which the model's checkpoints refuse): on the CPU pick one of {others}, "
+                         "or plan for a GPU (--target h100)")
     return name
 
 
