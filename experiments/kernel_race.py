@@ -211,7 +211,7 @@ def jax_part(rehearse: bool, quick: bool, workdir: Path, tiles: Path | None = No
                     seconds = median(fn, *args)
                     error = None
                     if reference is not None:
-                        got = fn(*args)
+                        got = jax.block_until_ready(fn(*args))  # nothing queued behind it
                         error = pass_error(pass_, got, reference[0], reference[1:])
                     rows.append(row("gated_delta", impl, pass_, shape, tokens_per_s=B * T / seconds, error=error,
                                     seconds=seconds))
@@ -351,7 +351,7 @@ def _matmul_rows(kernel, impl, product, args, dy, shape, flops, reference, media
             seconds = median(fn, *args)
             error = None
             if reference is not None:
-                got = fn(*args)
+                got = jax.block_until_ready(fn(*args))  # nothing queued behind it (pallas_calls)
                 error = pass_error(pass_, got, reference[0], reference)
             rows.append(row(kernel, impl, pass_, shape, tflops=count * flops / seconds / 1e12, error=error,
                             seconds=seconds))

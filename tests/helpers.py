@@ -228,3 +228,11 @@ def tensorboard_scalars(directory):
             at += 12 + length + 4
             found += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
     return found
+
+
+def interpreted(f):
+    """f (which runs Mosaic GPU kernels in their interpreter) as one program, waited for before anything else
+    is dispatched. The interpreter's host callbacks run jax computations of their own, and jax 0.10's CPU
+    client makes them wait for any computation dispatched after the kernel's: about 30 of those (an eager
+    loss around the kernel is enough) leave no room for them, and the test hangs."""
+    return lambda *args: jax.block_until_ready(jax.jit(f)(*args))

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import H100, assert_same_result, loss_and_grads, needs_gpu_compiler, small_config
+from helpers import H100, assert_same_result, interpreted, loss_and_grads, needs_gpu_compiler, small_config
 from test_gated_delta_triton import SEGMENTS, _state, assert_the_rings_call_is_the_rules
 from test_qwen3_5 import _rule_inputs, _tiny
 
@@ -25,6 +25,7 @@ from jlong.planner.step_cost import step_cost
 from jlong.program.train_program import TrainProgram
 
 mosaic = jax.jit(lambda *a: gated_delta_mosaic.mosaic(*a, interpret=True))
+
 def _bf16(t):
     return jnp.asarray(t, jnp.bfloat16)
 
@@ -41,8 +42,8 @@ def test_bfloat16_outputs_and_gradients_stay_near_the_float32_rule(width):
         o, final = rule(q, k, v, g, beta, SEGMENTS, state)
         return jnp.sum(o.astype(jnp.float32) * do) + 0.3 * jnp.sum(final), (o, final)
 
-    (_, (o, final)), got = jax.value_and_grad(functools.partial(loss, mosaic), argnums=range(6), has_aux=True)(
-        _bf16(q), _bf16(k), _bf16(v), g, beta, state)
+    (_, (o, final)), got = interpreted(jax.value_and_grad(functools.partial(loss, mosaic), argnums=range(6),
+                                                          has_aux=True))(_bf16(q), _bf16(k), _bf16(v), g, beta, state)
     (_, (want_o, want_final)), want = jax.value_and_grad(
         functools.partial(loss, gated_delta.recurrent), argnums=range(6), has_aux=True)(q, k, v, g, beta, state)
     assert o.dtype == jnp.bfloat16

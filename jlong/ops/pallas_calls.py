@@ -67,7 +67,11 @@ def mosaic_kernel_call(body, out_type, *, interpret: bool, **params):
     `InterpretGPUParams`, private in jax 0.10) on the CPU, on one device:
     inside `shard_map` over several devices the interpreter (jax 0.10) takes
     the kernel for one over all of them, and its simulated GPUs break or wait
-    for each other, so that is refused in one line."""
+    for each other, so that is refused in one line. Interpreted, run it in
+    one jitted program and wait for its results before dispatching more: the
+    interpreter's host callbacks run jax computations of their own, which
+    jax 0.10's CPU client queues behind work dispatched after the kernel, and
+    about 30 of those (an eager loss around the kernel) hang it."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from jlong.jax_private import private
