@@ -163,7 +163,6 @@ def _with_gradients(product):
 
 def torch_cases() -> tuple[list[dict], dict]:
     """The PyTorch cases, and the versions they ran on."""
-    import numpy as np
     import torch
 
     versions = {"torch": torch.__version__}
@@ -178,10 +177,7 @@ def torch_cases() -> tuple[list[dict], dict]:
 
         versions |= {"triton": triton.__version__, "fla": getattr(fla, "__version__", "unknown")}
         note = race._allow_flas_backward_on_this_triton()
-        q, k, v, g, beta, do = race.gated_delta_inputs(B, T, Hk, H, D)
-        q, k, v = (torch.tensor(t, device=cuda).to(torch.bfloat16).requires_grad_() for t in (q, k, v))
-        g, beta = (torch.tensor(t, device=cuda).requires_grad_() for t in (g, beta))
-        do = torch.tensor(do, device=cuda).to(torch.bfloat16)
+        q, k, v, g, beta, do = race.torch_gated_delta_inputs(B, T, Hk, H, D, cuda)
 
         def fla_rule():
             o = chunk_gated_delta_rule(q, k, v, g, beta, scale=1.0, use_qk_l2norm_in_kernel=False)[0]
@@ -193,12 +189,8 @@ def torch_cases() -> tuple[list[dict], dict]:
     label, M, K, N, G, _ = GROUPED
     shape = {"M": M, "K": K, "N": N, "G": G, "label": label, "rows": "uniform"}
     try:
-        x, w, dy = race.grouped_inputs(M, K, N, G)
-        xb = torch.tensor(x, device=cuda).to(torch.bfloat16).requires_grad_()
-        wb = torch.tensor(w, device=cuda).to(torch.bfloat16).transpose(-2, -1).contiguous().transpose(-2, -1)
-        wb.requires_grad_()
-        dyb = torch.tensor(dy, device=cuda).to(torch.bfloat16)
-        offsets = torch.tensor(np.cumsum(race.group_sizes(M, G, "uniform")), device=cuda, dtype=torch.int32)
+        xb, wb, dyb = race.torch_grouped_inputs(M, K, N, G, cuda)
+        offsets = race.torch_offsets(race.group_sizes(M, G, "uniform"), cuda)
 
         def grouped():
             y = torch._grouped_mm(xb, wb, offs=offsets)

@@ -413,10 +413,7 @@ def torch_part(quick: bool, workdir: Path) -> dict:
             rows += [row("gated_delta", "fla", p, shape, status="not run", note=fla_missing) for p in ("fwd", "fwd+bwd")]
             continue
         print(f"kernel_race: FLA at {shape}", flush=True)
-        q, k, v, g, beta, do = gated_delta_inputs(B, T, Hk, H, D)
-        q, k, v = (torch.tensor(t, device=cuda).to(torch.bfloat16).requires_grad_() for t in (q, k, v))
-        g, beta = (torch.tensor(t, device=cuda).requires_grad_() for t in (g, beta))
-        do = torch.tensor(do, device=cuda).to(torch.bfloat16)
+        q, k, v, g, beta, do = torch_gated_delta_inputs(B, T, Hk, H, D, cuda)
         reference = np.load(workdir / "gated_delta_reference.npz") if index == 0 else None
 
         def forward():
@@ -444,16 +441,11 @@ def torch_part(quick: bool, workdir: Path) -> dict:
         torch.cuda.empty_cache()
 
     for label, M, K, N, G, topk in grouped_shapes(quick):
-        x, w, dy = grouped_inputs(M, K, N, G)
-        xb = torch.tensor(x, device=cuda).to(torch.bfloat16).requires_grad_()
-        # [G, N, K] stored, handed over transposed: the layout torchtitan gives torch._grouped_mm
-        wb = torch.tensor(w, device=cuda).to(torch.bfloat16).transpose(-2, -1).contiguous().transpose(-2, -1)
-        wb.requires_grad_()
-        dyb = torch.tensor(dy, device=cuda).to(torch.bfloat16)
+        xb, wb, dyb = torch_grouped_inputs(M, K, N, G, cuda)
         for distribution in DISTRIBUTIONS:
             shape = {"M": M, "K": K, "N": N, "G": G, "k": topk, "label": label, "rows": distribution}
             sizes = group_sizes(M, G, distribution)
-            offsets = torch.tensor(np.cumsum(sizes), device=cuda, dtype=torch.int32)
+            offsets = torch_offsets(sizes, cuda)
             reference = _torch_grouped_reference(xb, wb, dyb, sizes)
             product = lambda: torch._grouped_mm(xb, wb, offs=offsets)  # noqa: E731
             rows += _torch_matmul_rows("grouped_matmul", product, (xb, wb), dyb, shape, 2.0 * M * K * N, reference,
@@ -464,6 +456,36 @@ def torch_part(quick: bool, workdir: Path) -> dict:
         del xb, wb, dyb
         torch.cuda.empty_cache()
     return {"rows": rows, "versions": versions}
+
+
+def torch_gated_delta_inputs(B: int, T: int, Hk: int, H: int, D: int, device) -> tuple:
+    """`gated_delta_inputs` as PyTorch tensors on `device`: q, k, v and the cotangent bf16, g and beta float32,
+    every input differentiable (FLA's dtypes)."""
+    import torch
+
+    q, k, v, g, beta, do = gated_delta_inputs(B, T, Hk, H, D)
+    q, k, v = (torch.tensor(t, device=device).to(torch.bfloat16).requires_grad_() for t in (q, k, v))
+    g, beta = (torch.tensor(t, device=device).requires_grad_() for t in (g, beta))
+    return q, k, v, g, beta, torch.tensor(do, device=device).to(torch.bfloat16)
+
+
+def torch_grouped_inputs(M: int, K: int, N: int, G: int, device) -> tuple:
+    """`grouped_inputs` as bf16 PyTorch tensors on `device`: x and w differentiable, w [G, K, N] stored as
+    [G, N, K] and handed over transposed (the layout torchtitan gives torch._grouped_mm), and dy."""
+    import torch
+
+    x, w, dy = grouped_inputs(M, K, N, G)
+    xb = torch.tensor(x, device=device).to(torch.bfloat16).requires_grad_()
+    wb = torch.tensor(w, device=device).to(torch.bfloat16).transpose(-2, -1).contiguous().transpose(-2, -1)
+    return xb, wb.requires_grad_(), torch.tensor(dy, device=device).to(torch.bfloat16)
+
+
+def torch_offsets(sizes, device):
+    """torch._grouped_mm's `offs`: where each group's rows end, int32."""
+    import numpy as np
+    import torch
+
+    return torch.tensor(np.cumsum(sizes), device=device, dtype=torch.int32)
 
 
 def torch_median_seconds(fn, warmups: int = 3) -> float:

@@ -73,6 +73,30 @@ def test_a_tile_reports_fastest_candidate_is_ranked_on_each_kernels_own_passes()
     assert best_settings(report, "grouped_matmul") == {}
 
 
+@pytest.mark.fast
+def test_pytorchs_inputs_are_the_races_inputs_in_flas_and_grouped_mms_dtypes_and_layouts():
+    """What the race and the profile hand FLA and torch._grouped_mm (on the CPU here, the GPU there): the
+    inputs jax gets, rounded alike; differentiable where gradients are timed; w stored [G, N, K]."""
+    import numpy as np
+    import torch
+
+    race = load_experiment("kernel_race")
+    q, k, v, g, beta, do = race.torch_gated_delta_inputs(1, 64, 2, 4, 16, "cpu")
+    bf16, f32 = (torch.bfloat16, jnp.bfloat16), (torch.float32, jnp.float32)
+    for got, wanted, (dtype, rounded) in zip((q, k, v, g, beta, do), race.gated_delta_inputs(1, 64, 2, 4, 16),
+                                             [bf16] * 3 + [f32] * 2 + [bf16]):
+        assert got.dtype == dtype and tuple(got.shape) == wanted.shape
+        np.testing.assert_array_equal(got.detach().float().numpy(), np.asarray(jnp.asarray(wanted, rounded)))
+    assert all(t.requires_grad for t in (q, k, v, g, beta)) and not do.requires_grad
+    x, w, dy = race.torch_grouped_inputs(96, 32, 16, 4, "cpu")
+    assert (x.dtype, w.dtype, dy.dtype) == (torch.bfloat16,) * 3 and x.requires_grad and w.requires_grad
+    assert tuple(w.shape) == (4, 32, 16) and w.stride() == (32 * 16, 1, 32)  # [G, N, K] in memory
+    np.testing.assert_array_equal(w.detach().float().numpy(),
+                                  np.asarray(jnp.asarray(race.grouped_inputs(96, 32, 16, 4)[1], jnp.bfloat16)))
+    sizes = race.group_sizes(96, 4, "skewed")
+    assert race.torch_offsets(sizes, "cpu").tolist() == list(np.cumsum(sizes)) and sum(sizes) == 96
+
+
 @needs_gpu_compiler
 def test_the_deviceless_estimate_prices_the_kernels_and_names_the_heaviest_operations():
     """experiments/kernel_estimate.py at a small shape: the Triton rule's programs compile for an H100, are
