@@ -15,7 +15,8 @@ import pytest
 from helpers import H100, needs_gpu_compiler, small_config
 from test_qwen3_5 import _rule_inputs
 
-from jlong.linear_attention import gated_delta, gated_delta_triton
+from jlong.errors import JlongError
+from jlong.linear_attention import chunk_inverse_triton, chunks, gated_delta, gated_delta_triton
 from jlong.planner import pricing
 from jlong.planner.memory import compile_train_step
 from jlong.planner.step_cost import step_cost
@@ -116,6 +117,32 @@ def test_bfloat16_inputs_stay_near_the_float32_rule():
 
 
 @fast
+@pytest.mark.parametrize("chunk", [16, 32, 64])
+def test_the_chunk_inverse_kernel_equals_the_doublings_with_their_gradient(chunk):
+    """(I + N)^-1 by the kernel (one diagonal block of 16, two, four) against XLA's doublings in float32,
+    and the gradient through it (the inverse's own, from the kernel's inverse)."""
+    rng = np.random.default_rng(chunk)
+    n = jnp.asarray(np.tril(rng.normal(size=(2, 3, chunk, chunk)), -1).astype(np.float32) * 0.3)
+    cotangent = jnp.asarray(rng.normal(size=n.shape).astype(np.float32))
+    with jax.default_matmul_precision("highest"):
+        got, pullback = jax.vjp(functools.partial(chunk_inverse_triton.inverse, interpret=True), n)
+        want, want_pullback = jax.vjp(chunks.unit_lower_inverse, n)
+        (d_got,), (d_want,) = pullback(cotangent), want_pullback(cotangent)
+    assert got.shape == n.shape and float(jnp.abs(jnp.triu(got, 1)).max()) == 0
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+    np.testing.assert_allclose(np.asarray(got) @ (np.eye(chunk) + np.asarray(n)),
+                               np.broadcast_to(np.eye(chunk), n.shape), atol=1e-4)
+    np.testing.assert_allclose(d_got, d_want, rtol=0, atol=1e-5 * float(jnp.abs(d_want).max()))
+
+
+@fast
+def test_the_chunk_inverse_takes_chunks_of_whole_blocks_only():
+    with pytest.raises(JlongError, match="chunks of a multiple of 16 tokens, got 8") as raised:
+        chunk_inverse_triton.inverse(jnp.zeros((2, 8, 8)), interpret=True)
+    assert "\n" not in str(raised.value)
+
+
+@fast
 def test_the_registry_runs_it_interpreted_where_asked_and_auto_picks_it_on_gpus():
     assert gated_delta.kernel_for("gpu") == "triton" and gated_delta.kernel_for("cpu") == "chunked"
     q, k, v, g, beta = _rule_inputs(B=1, S=64, dv=16)
@@ -125,7 +152,8 @@ def test_the_registry_runs_it_interpreted_where_asked_and_auto_picks_it_on_gpus(
 
 @fast
 def test_the_kernels_calls_are_priced_at_their_recurrences_flops():
-    """Per chunk, head and value column: the forward's two products 4 C dk, the backward's four 2 C (3 dk + C)."""
+    """Per chunk, head and value column: the forward's two products 4 C dk, the backward's four 2 C (3 dk + C);
+    the chunk inverse's products per chunk."""
     BH, n, C, dv, dk = 48, 2048, 64, 128, 128
     dims = [[BH, n, C, dv], [BH, n, C, dk], [BH, n, C, C]]
     for name, per_column in ((gated_delta_triton.FORWARD, 4 * C * dk),
@@ -136,6 +164,12 @@ def test_the_kernels_calls_are_priced_at_their_recurrences_flops():
         assert pricing.kernel_flops(gated_delta_triton.TRITON_CALL, attributes, dims, (BH, n, C, dv)) == \
             (flops, "gated delta")
         assert gated_delta_triton.call_flops("other", attributes, dims, ()) is None
+    # The chunk inverse: per chunk of 64, four blocks' four doublings of two products, and the substitution's
+    # ten products of sums and six of the diagonal blocks' inverses: 48 products of 16 x 16 blocks.
+    attributes = f'name = "{chunk_inverse_triton.NAME}", num_stages = 1'
+    flops = gated_delta_triton.call_flops(gated_delta_triton.TRITON_CALL, attributes, [[BH * n, C, C]], (BH * n, C, C))
+    assert flops == BH * n * 48 * 2 * 16**3 and pricing.kernel_flops(
+        gated_delta_triton.TRITON_CALL, attributes, [[BH * n, C, C]], (BH * n, C, C)) == (flops, "gated delta")
 
 
 @needs_gpu_compiler
@@ -147,6 +181,7 @@ def test_a_qwen3_5_step_compiles_for_h100s_with_the_triton_rule_priced():
     step = compile_train_step(config, H100)
     hlo = step.compiled.as_text()
     assert hlo.count(f'"{gated_delta_triton.FORWARD}"') > 0 and hlo.count(f'"{gated_delta_triton.BACKWARD}"') > 0
+    assert hlo.count(f'"{chunk_inverse_triton.NAME}"') > 0
     cost = step_cost(step)
     assert not cost.unpriced_custom_calls and cost.time_by_kind["gated delta"] > 0
 
@@ -170,3 +205,4 @@ def test_both_kernels_fit_an_h100s_shared_memory_at_qwen3_5s_head_sizes(dtype, w
     compiled = jax.jit(jax.grad(loss, argnums=range(5))).lower(*args).compile()
     hlo = compiled.as_text()
     assert f'"{gated_delta_triton.FORWARD}"' in hlo and f'"{gated_delta_triton.BACKWARD}"' in hlo
+    assert f'"{chunk_inverse_triton.NAME}"' in hlo

@@ -37,28 +37,31 @@ CHUNK = 64  # tokens per chunk, as FLA's
 BLOCK = 32_768
 
 
-def rule(forward, backward):
+def rule(forward, backward, inverse=None):
     """The gated delta rule on a backend's two kernels, with `gated_delta.chunked`'s contract: o [B, S, H,
     dv] in v's dtype and the final state [B, H, dk, dv] in float32, `block` tokens at a time (fewer when
-    the sequence is shorter), each block's chunks at once."""
+    the sequence is shorter), each block's chunks at once. `inverse(strictly_lower, interpret)`: the
+    backend's kernel for the chunks' (I + N)^-1, if it has one (`chunks.unit_lower_inverse` otherwise)."""
     recurrence = _recurrence(forward, backward)
 
     def run(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_before=None, *, interpret: bool = False,
             chunk: int = CHUNK, block: int = BLOCK):
         block = min(block, -(-v.shape[1] // chunk) * chunk)
-        run_block = functools.partial(_block, recurrence=recurrence, chunk=chunk, interpret=interpret)
+        chunk_inverse = functools.partial(inverse, interpret=interpret) if inverse else None
+        run_block = functools.partial(_block, recurrence=recurrence, chunk=chunk, interpret=interpret,
+                                      inverse=chunk_inverse)
         return over_blocks(run_block, (q, k, v, g, beta), segment_ids, initial_state, segment_before, block=block)
 
     return run
 
 
-def _block(state, inputs, *, recurrence, chunk: int, interpret: bool):
+def _block(state, inputs, *, recurrence, chunk: int, interpret: bool, inverse):
     """One block: (state in, (q, k, v, g, beta, segments, previous segments)) -> (state out, o)."""
     q, k, v, g, beta, segment_ids, previous = inputs
     B, T, H, dv = v.shape
     dk = k.shape[-1]
     operand = jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
-    terms = chunk_terms(q, k, v, g, beta, segment_ids, previous, chunk=chunk, operand=operand)
+    terms = chunk_terms(q, k, v, g, beta, segment_ids, previous, chunk=chunk, operand=operand, inverse=inverse)
     heads = lambda t: t.reshape(B * H, *t.shape[2:])  # noqa: E731  [B, H, ...] -> [B H, ...]
     matrices = (heads(t).astype(operand) for t in (terms.u, terms.w, terms.a, terms.qr, terms.kw))
     o, state = recurrence(*matrices, heads(terms.decay), heads(state), interpret)

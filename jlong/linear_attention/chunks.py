@@ -96,7 +96,8 @@ class ChunkTerms(NamedTuple):
     decay: jax.Array  # [..] the incoming state's decay over the chunk (0 where a document starts inside)
 
 
-def chunk_terms(q, k, v, g, beta, seg, prev, *, chunk: int, operand=jnp.float32) -> ChunkTerms:
+def chunk_terms(q, k, v, g, beta, seg, prev, *, chunk: int, operand=jnp.float32,
+                inverse=None) -> ChunkTerms:
     """The `ChunkTerms` of tokens q, k [B, T, Hk, dk], v [B, T, H, dv], g,
     beta [B, T, H] (T a multiple of `chunk`), segment ids `seg` and each
     token's predecessor's `prev` [B, T].
@@ -105,7 +106,8 @@ def chunk_terms(q, k, v, g, beta, seg, prev, *, chunk: int, operand=jnp.float32)
     in force), or bf16 with float32 accumulation (as FLA's kernels, at half
     the memory traffic). The decays and the triangular inverse are computed
     in float32 (the inverse enters u's and w's products in `operand`), and
-    every result is float32."""
+    every result is float32. `inverse`: how (I + N)^-1 is computed
+    (`unit_lower_inverse` unless a backend has a kernel for it)."""
     q, k, v = (t.astype(operand) for t in (q, k, v))
     g, beta = (t.astype(jnp.float32) for t in (g, beta))
     B, T, H, dv = v.shape
@@ -139,7 +141,7 @@ def chunk_terms(q, k, v, g, beta, seg, prev, *, chunk: int, operand=jnp.float32)
     k_beta = scaled(k, beta)
     strictly = ~jnp.eye(chunk, dtype=bool)
     system = jnp.where(strictly, product("...id,...jd->...ij", k_beta, k) * decay, 0.0)
-    inverse = unit_lower_inverse(system)  # of I + the strictly lower part
+    inverse = (inverse or unit_lower_inverse)(system)  # of I + the strictly lower part
     return ChunkTerms(
         u=product("...ij,...jv->...iv", inverse, scaled(v, beta)),
         w=product("...ij,...jd->...id", inverse, scaled(k_beta, jnp.exp(cum) * reads)),
@@ -150,24 +152,32 @@ def chunk_terms(q, k, v, g, beta, seg, prev, *, chunk: int, operand=jnp.float32)
     )
 
 
-@jax.custom_vjp
-def unit_lower_inverse(strictly_lower):
-    """(I + N)^-1 for strictly lower-triangular N [..., C, C] (C a power of
-    two), by doubling the size of the diagonal blocks already inverted: with
-    X the inverse of the blocks of size b, the blocks of size 2b are
-    [[A, 0], [M, D]]^-1 = [[A^-1, 0], [-D^-1 M A^-1, D^-1]], that is
-    X - X (N on the new off-diagonal blocks) X. Two matmuls per doubling
-    (log2 C of them), where a triangular solve would be C dependent steps
-    (and XLA:CPU's solve can stall multi-device programs).
+def inverse_with_its_gradient(invert):
+    """(I + N)^-1 for strictly lower-triangular N [..., C, C], computed by
+    `invert`, differentiable: its gradient is the inverse's own, -X^T dX X^T
+    on the strictly lower part, two matmuls, where autodiff through the
+    computation would keep and revisit every step's [..., C, C] products
+    (most of the rule's memory traffic on a GPU)."""
 
-    Its gradient is the inverse's own, -X^T dX X^T on the strictly lower
-    part: two matmuls, where autodiff through the doublings would keep and
-    revisit every step's [..., C, C] products (most of the rule's memory
-    traffic on a GPU)."""
-    return _doubling_inverse(strictly_lower)
+    @jax.custom_vjp
+    def inverse(strictly_lower):
+        return invert(strictly_lower)
+
+    def forward(strictly_lower):
+        X = invert(strictly_lower)
+        return X, X
+
+    inverse.defvjp(forward, _inverse_backward)
+    return inverse
 
 
 def _doubling_inverse(strictly_lower):
+    """(I + N)^-1 (C a power of two) by doubling the size of the diagonal
+    blocks already inverted: with X the inverse of the blocks of size b, the
+    blocks of size 2b are [[A, 0], [M, D]]^-1 = [[A^-1, 0], [-D^-1 M A^-1,
+    D^-1]], that is X - X (N on the new off-diagonal blocks) X. Two matmuls
+    per doubling (log2 C of them), where a triangular solve would be C
+    dependent steps (and XLA:CPU's solve can stall multi-device programs)."""
     C = strictly_lower.shape[-1]
     if C & (C - 1):
         raise ValueError(f"chunk size {C} is not a power of two")
@@ -199,15 +209,10 @@ def _doublings(strictly_lower, size: int, until: int, inverse=None):
     return inverse
 
 
-def _inverse_forward(strictly_lower):
-    inverse = _doubling_inverse(strictly_lower)
-    return inverse, inverse
-
-
 def _inverse_backward(inverse, d_inverse):
     transposed = jnp.swapaxes(inverse, -1, -2)
     C = inverse.shape[-1]
     return (jnp.where(jnp.tri(C, k=-1, dtype=bool), -(transposed @ d_inverse @ transposed), 0.0),)
 
 
-unit_lower_inverse.defvjp(_inverse_forward, _inverse_backward)
+unit_lower_inverse = inverse_with_its_gradient(_doubling_inverse)  # in XLA, on any backend
