@@ -80,8 +80,9 @@ def gated_delta(tokens: int, heads: int, spec) -> dict:
     def forward(q, k, v, g, beta, do):
         return gated_delta_triton.triton(q, k, v, g, beta)[0]
 
-    def both(q, k, v, g, beta, do):  # the gradients, as the race times them
-        return jax.vjp(lambda *a: gated_delta_triton.triton(*a)[0], q, k, v, g, beta)[1](do)
+    def both(q, k, v, g, beta, do):  # o and the gradients, as the race times them
+        o, pullback = jax.vjp(lambda *a: gated_delta_triton.triton(*a)[0], q, k, v, g, beta)
+        return o, *pullback(do)
 
     return {pass_: compiled_text(fn, *shapes, cotangent) for pass_, fn in (("fwd", forward), ("fwd+bwd", both))}
 

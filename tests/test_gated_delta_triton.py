@@ -153,7 +153,7 @@ def test_the_registry_runs_it_interpreted_where_asked_and_auto_picks_it_on_gpus(
 @fast
 def test_the_kernels_calls_are_priced_at_their_recurrences_flops():
     """Per chunk, head and value column: the forward's two products 4 C dk, the backward's four 2 C (3 dk + C);
-    the chunk inverse's products per chunk."""
+    the chunk inverse's products per chunk; the outputs' per chunk and value column."""
     BH, n, C, dv, dk = 48, 2048, 64, 128, 128
     dims = [[BH, n, C, dv], [BH, n, C, dk], [BH, n, C, C]]
     for name, per_column in ((gated_delta_triton.FORWARD, 4 * C * dk),
@@ -170,6 +170,13 @@ def test_the_kernels_calls_are_priced_at_their_recurrences_flops():
     flops = gated_delta_triton.call_flops(gated_delta_triton.TRITON_CALL, attributes, [[BH * n, C, C]], (BH * n, C, C))
     assert flops == BH * n * 48 * 2 * 16**3 and pricing.kernel_flops(
         gated_delta_triton.TRITON_CALL, attributes, [[BH * n, C, C]], (BH * n, C, C)) == (flops, "gated delta")
+    # The outputs' kernel, o = qr S + a v_new: 2 C (dk + C) per chunk and value column, priced as the GEMMs
+    # XLA ran those products as.
+    attributes = f'name = "{gated_delta_triton.OUTPUTS}", num_stages = 3'
+    dims = [[BH, n, C, dk], [BH, n, C, C], [BH, n, dk, dv], [BH, n, C, dv]]
+    assert pricing.kernel_flops(gated_delta_triton.TRITON_CALL, attributes, dims, (BH, n, C, dv)) == (
+        BH * n * dv * 2 * C * (dk + C), "matmul")
+    assert gated_delta_triton.call_flops(gated_delta_triton.TRITON_CALL, attributes, dims, ()) is None
 
 
 @needs_gpu_compiler
@@ -181,17 +188,18 @@ def test_a_qwen3_5_step_compiles_for_h100s_with_the_triton_rule_priced():
     step = compile_train_step(config, H100)
     hlo = step.compiled.as_text()
     assert hlo.count(f'"{gated_delta_triton.FORWARD}"') > 0 and hlo.count(f'"{gated_delta_triton.BACKWARD}"') > 0
-    assert hlo.count(f'"{chunk_inverse_triton.NAME}"') > 0
+    assert hlo.count(f'"{chunk_inverse_triton.NAME}"') > 0 and hlo.count(f'"{gated_delta_triton.OUTPUTS}"') > 0
     cost = step_cost(step)
     assert not cost.unpriced_custom_calls and cost.time_by_kind["gated delta"] > 0
 
 
 @needs_gpu_compiler
 @pytest.mark.parametrize("dtype, width", [(jnp.bfloat16, 128), (jnp.float32, 256)], ids=["bf16", "ring-float32"])
-def test_both_kernels_fit_an_h100s_shared_memory_at_qwen3_5s_head_sizes(dtype, width):
-    """XLA:GPU, deviceless (Triton checks each kernel's shared memory against the SM's): forward and
-    backward at dk = 128, with values of 128 in bf16 (training) and of dk + dv = 256 in float32 (the
-    ring's summaries). The tiny models of the other tests use heads far too small to find out."""
+def test_its_kernels_fit_an_h100s_shared_memory_at_qwen3_5s_head_sizes(dtype, width):
+    """XLA:GPU, deviceless (Triton checks each kernel's shared memory against the SM's): the recurrence's
+    forward and backward, the chunk inverse and the outputs at dk = 128, with values of 128 in bf16
+    (training) and of dk + dv = 256 in float32 (the ring's summaries). The tiny models of the other tests
+    use heads far too small to find out."""
     sharding = jax.sharding.SingleDeviceSharding(H100.devices(1)[0])
     B, T, H, dk = 1, 256, 2, 128
     spec = lambda *shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
@@ -202,7 +210,7 @@ def test_both_kernels_fit_an_h100s_shared_memory_at_qwen3_5s_head_sizes(dtype, w
         o, final = gated_delta_triton.triton(q, k, v, g, beta)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
 
-    compiled = jax.jit(jax.grad(loss, argnums=range(5))).lower(*args).compile()
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=range(5))).lower(*args).compile()  # the loss reads o
     hlo = compiled.as_text()
     assert f'"{gated_delta_triton.FORWARD}"' in hlo and f'"{gated_delta_triton.BACKWARD}"' in hlo
-    assert f'"{chunk_inverse_triton.NAME}"' in hlo
+    assert f'"{chunk_inverse_triton.NAME}"' in hlo and f'"{gated_delta_triton.OUTPUTS}"' in hlo

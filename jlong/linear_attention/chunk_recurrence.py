@@ -37,12 +37,13 @@ CHUNK = 64  # tokens per chunk, as FLA's
 BLOCK = 32_768
 
 
-def rule(forward, backward, inverse=None):
+def rule(forward, backward, inverse=None, outputs=None):
     """The gated delta rule on a backend's two kernels, with `gated_delta.chunked`'s contract: o [B, S, H,
     dv] in v's dtype and the final state [B, H, dk, dv] in float32, `block` tokens at a time (fewer when
-    the sequence is shorter), each block's chunks at once. `inverse(strictly_lower, interpret)`: the
-    backend's kernel for the chunks' (I + N)^-1, if it has one (`chunks.unit_lower_inverse` otherwise)."""
-    recurrence = _recurrence(forward, backward)
+    the sequence is shorter), each block's chunks at once. A backend may have kernels for two of the
+    batched steps too (XLA's otherwise): `inverse(strictly_lower, interpret)` the chunks' (I + N)^-1
+    (`chunks.unit_lower_inverse`), `outputs(qr, a, states, v_new, interpret)` o = qr S + a v_new."""
+    recurrence = _recurrence(forward, backward, outputs or _outputs)
 
     def run(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_before=None, *, interpret: bool = False,
             chunk: int = CHUNK, block: int = BLOCK):
@@ -78,13 +79,13 @@ def _by_chunk(spec: str, x, y, operand, result=jnp.float32):
                       preferred_element_type=result)
 
 
-def _outputs(qr, a, states, v_new):
-    """o = qr S + a v_new [BH, n, C, dv] for every chunk at once."""
+def _outputs(qr, a, states, v_new, interpret):
+    """o = qr S + a v_new [BH, n, C, dv] for every chunk at once, in float32."""
     operand = qr.dtype
     return _by_chunk("bnck,bnkv->bncv", qr, states, operand) + _by_chunk("bncj,bnjv->bncv", a, v_new, operand)
 
 
-def _recurrence(forward, backward):
+def _recurrence(forward, backward, outputs):
     """(u, w, a, qr, kw, decay, state, interpret) -> (o [BH, T, dv], final state) of the chunks' terms
     [BH, n, ...] from `state` [BH, dk, dv], differentiable through the backend's backward kernel."""
 
@@ -94,7 +95,7 @@ def _recurrence(forward, backward):
 
     def recurrence_forward(u, w, a, qr, kw, decay, state, interpret):
         final, states, v_new = forward(u, w, kw, decay, state, interpret)
-        o = _outputs(qr, a, states, v_new)
+        o = outputs(qr, a, states, v_new, interpret)
         return (o.reshape(o.shape[0], -1, o.shape[-1]), final), (w, a, qr, kw, decay, states, v_new)
 
     def recurrence_backward(interpret, saved, cotangents):

@@ -122,7 +122,8 @@ if has_pallas_triton():  # a jax without Pallas' Triton backend runs the Mosaic 
     from jlong.linear_attention import gated_delta_triton
 
     KERNELS["triton"] = gated_delta_triton.triton
-    PRICED_CALLS = ((gated_delta_triton.call_flops, "gated delta"), *PRICED_CALLS)
+    PRICED_CALLS = ((gated_delta_triton.call_flops, "gated delta"), (gated_delta_triton.outputs_call_flops, "matmul"),
+                    *PRICED_CALLS)
 
 
 def kernel_for(platform: str) -> str:

@@ -42,7 +42,8 @@ from jlong.ops.pallas_calls import kernel_call, pipeline_stages
 BLOCK_V = 16
 NUM_WARPS, NUM_STAGES = 4, 3  # float32 terms (the ring's summaries) run one stage: `pipeline_stages`
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call XLA:GPU runs a Pallas Triton kernel as
-FORWARD, BACKWARD = "gated_delta_forward", "gated_delta_backward"  # the kernels' names
+FORWARD, BACKWARD, OUTPUTS = "gated_delta_forward", "gated_delta_backward", "gated_delta_outputs"  # kernels' names
+OUTPUT_BLOCK_V = 64  # value columns per program of the outputs' kernel (a chunk's products are independent)
 
 
 def _block_v(dv: int) -> int:
@@ -87,6 +88,16 @@ def _backward_kernel(do_ref, w_ref, a_ref, qr_ref, kw_ref, decay_ref, d_final_re
     plgpu.store(d_state_ref.at[bh, :, columns], jax.lax.fori_loop(0, chunks, one_chunk, d_final))
 
 
+def _outputs_kernel(qr_ref, a_ref, states_ref, v_new_ref, o_ref, *, block_v: int):
+    bh, c, columns = pl.program_id(0), pl.program_id(1), pl.ds(pl.program_id(2) * block_v, block_v)
+    precision = jax.lax.Precision.HIGHEST if qr_ref.dtype == jnp.float32 else None
+    dot = functools.partial(plgpu.dot, precision=precision)
+    load = lambda ref, *index: plgpu.load(ref.at[bh, c, *index])  # noqa: E731
+    o = dot(load(qr_ref), load(states_ref, slice(None), columns)) + dot(load(a_ref), load(v_new_ref, slice(None),
+                                                                                                  columns))
+    plgpu.store(o_ref.at[bh, c, :, columns], o.astype(o_ref.dtype))
+
+
 def _call(kernel, name: str, out_shapes, grid, interpret: bool, operand):
     """`out_shapes`: (shape, dtype) of each result."""
     return kernel_call(
@@ -122,7 +133,18 @@ def _backward(do, d_final, w, a, qr, kw, decay, interpret):
                                                                                      d_final)
 
 
-triton = rule(_forward, _backward, chunk_inverse_triton.inverse)
+def _outputs(qr, a, states, v_new, interpret):
+    """o = qr S + a v_new [BH, n, C, dv] in the terms' dtype: a program per chunk and block of value
+    columns, its two products summed in float32 on chip (where XLA wrote each in float32 and read both
+    back to add and round them)."""
+    (BH, n, C, dk), dv = qr.shape, v_new.shape[-1]
+    block_v = min(OUTPUT_BLOCK_V, _block_v(dv))
+    kernel = functools.partial(_outputs_kernel, block_v=block_v)
+    return _call(kernel, OUTPUTS, [((BH, n, C, dv), qr.dtype)], (BH, n, dv // block_v), interpret,
+                 qr.dtype)(qr, a, states, v_new)[0]
+
+
+triton = rule(_forward, _backward, chunk_inverse_triton.inverse, _outputs)
 
 
 def call_flops(target: str, attributes: str, operand_dims: list, result_dims: tuple) -> float | None:
@@ -130,13 +152,28 @@ def call_flops(target: str, attributes: str, operand_dims: list, result_dims: tu
     planner: per chunk and value column, the forward's two products
     (w S, kw^T v_new) 4 C dk, the backward's four 2 C (3 dk + C); the chunk
     inverse's products per chunk; None for any other call."""
-    names = re.findall(r'name = "([^"]+)", num_stages', attributes or "")
-    if target != TRITON_CALL or not names or names[-1] not in (FORWARD, BACKWARD, chunk_inverse_triton.NAME):
+    name = _kernel_name(target, attributes)
+    if name not in (FORWARD, BACKWARD, chunk_inverse_triton.NAME):
         return None
-    if names[-1] == chunk_inverse_triton.NAME:
+    if name == chunk_inverse_triton.NAME:
         chunks, C, _ = operand_dims[0]  # the systems [chunks, C, C]
         return chunks * chunk_inverse_triton.products_flops(C)
     BH, n, C, dv = operand_dims[0]
     dk = operand_dims[1][-1]  # w [BH, n, C, dk], the second operand of both
-    per_column = 4 * C * dk if names[-1] == FORWARD else 2 * C * (3 * dk + C)
+    per_column = 4 * C * dk if name == FORWARD else 2 * C * (3 * dk + C)
     return float(BH * n * dv * per_column)
+
+
+def outputs_call_flops(target: str, attributes: str, operand_dims: list, result_dims: tuple) -> float | None:
+    """The outputs' kernel's FLOPs, its two products 2 C (dk + C) per chunk and value column, for the
+    planner to price as the GEMMs XLA ran them as before (not yet raced); None for any other call."""
+    if _kernel_name(target, attributes) != OUTPUTS:
+        return None
+    (BH, n, C, dk), dv = operand_dims[0], operand_dims[3][-1]  # qr [BH, n, C, dk], v_new [BH, n, C, dv]
+    return float(BH * n * dv * 2 * C * (dk + C))
+
+
+def _kernel_name(target: str, attributes: str) -> str | None:
+    """The name of the Pallas Triton kernel a custom call runs, if it runs one."""
+    names = re.findall(r'name = "([^"]+)", num_stages', attributes or "")
+    return names[-1] if target == TRITON_CALL and names else None
