@@ -270,6 +270,7 @@ def _recurrence_rates(bf16, f32, cotangent, shape, median) -> list[dict]:
     import jax.numpy as jnp
 
     from jlong.linear_attention import chunks, gated_delta_mosaic as gdm, gated_delta_triton as gdt
+    from jlong.ops.pallas_calls import TRITON_CALL
 
     q, k, v = bf16
     g, beta = f32
@@ -285,8 +286,8 @@ def _recurrence_rates(bf16, f32, cotangent, shape, median) -> list[dict]:
     dims = [list(m.shape) for m in mats]
     rows = [[B * H * T, dv], [B * H * T, w.shape[-1]]]  # the Mosaic calls' operands: a row per token
     flops = {  # the planner's formulas, from each kernel's call as a compiled program shows it
-        gdt.FORWARD: gdt.call_flops(gdt.TRITON_CALL, f'name = "{gdt.FORWARD}", num_stages', dims, ()),
-        gdt.BACKWARD: gdt.call_flops(gdt.TRITON_CALL, f'name = "{gdt.BACKWARD}", num_stages', dims, ()),
+        gdt.FORWARD: gdt.call_flops(TRITON_CALL, f'name = "{gdt.FORWARD}", num_stages', dims, ()),
+        gdt.BACKWARD: gdt.call_flops(TRITON_CALL, f'name = "{gdt.BACKWARD}", num_stages', dims, ()),
         gdm.FORWARD: gdm.call_flops(gdm.MOSAIC_CALL, f'op_name="x/{gdm.FORWARD}/y"', rows, ()),
         gdm.BACKWARD: gdm.call_flops(gdm.MOSAIC_CALL, f'op_name="x/{gdm.BACKWARD}/y"', rows, ()),
     }

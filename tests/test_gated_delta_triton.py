@@ -17,6 +17,7 @@ from test_qwen3_5 import _rule_inputs
 
 from jlong.errors import JlongError
 from jlong.linear_attention import chunk_inverse_triton, chunks, gated_delta, gated_delta_triton
+from jlong.ops.pallas_calls import TRITON_CALL
 from jlong.planner import pricing
 from jlong.planner.memory import compile_train_step
 from jlong.planner.step_cost import step_cost
@@ -136,6 +137,15 @@ def test_the_chunk_inverse_kernel_equals_the_doublings_with_their_gradient(chunk
 
 
 @fast
+def test_the_outputs_kernel_takes_64_value_columns_a_program_where_the_width_allows():
+    """Qwen3.5's 128 and the ring's 256 in blocks of 64; the tiny models' narrower widths whole."""
+    widths = (16, 32, 48, 64, 128, 256)
+    assert [gated_delta_triton._outputs_block_v(dv) for dv in widths] == [16, 32, 16, 64, 64, 64]
+    with pytest.raises(JlongError, match="multiples of 16, got 40"):
+        gated_delta_triton._outputs_block_v(40)
+
+
+@fast
 def test_the_chunk_inverse_takes_chunks_of_whole_blocks_only():
     with pytest.raises(JlongError, match="chunks of a multiple of 16 tokens, got 8") as raised:
         chunk_inverse_triton.inverse(jnp.zeros((2, 8, 8)), interpret=True)
@@ -159,24 +169,24 @@ def test_the_kernels_calls_are_priced_at_their_recurrences_flops():
     for name, per_column in ((gated_delta_triton.FORWARD, 4 * C * dk),
                              (gated_delta_triton.BACKWARD, 2 * C * (3 * dk + C))):
         attributes = f'name = "{name}", num_stages = 1'
-        flops = gated_delta_triton.call_flops(gated_delta_triton.TRITON_CALL, attributes, dims, (BH, n, C, dv))
+        flops = gated_delta_triton.call_flops(TRITON_CALL, attributes, dims, (BH, n, C, dv))
         assert flops == BH * n * dv * per_column
-        assert pricing.kernel_flops(gated_delta_triton.TRITON_CALL, attributes, dims, (BH, n, C, dv)) == \
+        assert pricing.kernel_flops(TRITON_CALL, attributes, dims, (BH, n, C, dv)) == \
             (flops, "gated delta")
         assert gated_delta_triton.call_flops("other", attributes, dims, ()) is None
     # The chunk inverse: per chunk of 64, four blocks' four doublings of two products, and the substitution's
     # ten products of sums and six of the diagonal blocks' inverses: 48 products of 16 x 16 blocks.
     attributes = f'name = "{chunk_inverse_triton.NAME}", num_stages = 1'
-    flops = gated_delta_triton.call_flops(gated_delta_triton.TRITON_CALL, attributes, [[BH * n, C, C]], (BH * n, C, C))
+    flops = gated_delta_triton.call_flops(TRITON_CALL, attributes, [[BH * n, C, C]], (BH * n, C, C))
     assert flops == BH * n * 48 * 2 * 16**3 and pricing.kernel_flops(
-        gated_delta_triton.TRITON_CALL, attributes, [[BH * n, C, C]], (BH * n, C, C)) == (flops, "gated delta")
+        TRITON_CALL, attributes, [[BH * n, C, C]], (BH * n, C, C)) == (flops, "gated delta")
     # The outputs' kernel, o = qr S + a v_new: 2 C (dk + C) per chunk and value column, priced as the GEMMs
     # XLA ran those products as.
     attributes = f'name = "{gated_delta_triton.OUTPUTS}", num_stages = 3'
     dims = [[BH, n, C, dk], [BH, n, C, C], [BH, n, dk, dv], [BH, n, C, dv]]
-    assert pricing.kernel_flops(gated_delta_triton.TRITON_CALL, attributes, dims, (BH, n, C, dv)) == (
+    assert pricing.kernel_flops(TRITON_CALL, attributes, dims, (BH, n, C, dv)) == (
         BH * n * dv * 2 * C * (dk + C), "matmul")
-    assert gated_delta_triton.call_flops(gated_delta_triton.TRITON_CALL, attributes, dims, ()) is None
+    assert gated_delta_triton.call_flops(TRITON_CALL, attributes, dims, ()) is None
 
 
 @needs_gpu_compiler

@@ -41,20 +41,20 @@ def _kernel(system_ref, inverse_ref, *, chunk: int):
         return ref.at[m, pl.ds(i * b, b), pl.ds(j * b, b)]
 
     lower = {(i, k): plgpu.load(block(system_ref, i, k)) for i in range(count) for k in range(i + 1)}
-    inverse = {}
+    blocks = {}  # (i, j) -> the inverse's block
     for i in range(count):
         X, size = (rows == columns).astype(jnp.float32), 1
         while size < b:  # the diagonal block's doublings, as chunks._doublings
             new = (rows // (2 * size) == columns // (2 * size)) & (rows // size != columns // size)
             X = X - dot(dot(X, jnp.where(new, lower[i, i], 0.0)), X)
             size *= 2
-        inverse[i, i] = X
+        blocks[i, i] = X
         for j in range(i):  # the rows above are done: X_kj for every k < i
-            total = functools.reduce(jnp.add, (dot(lower[i, k], inverse[k, j]) for k in range(j, i)))
-            inverse[i, j] = -dot(X, total)
+            total = functools.reduce(jnp.add, (dot(lower[i, k], blocks[k, j]) for k in range(j, i)))
+            blocks[i, j] = -dot(X, total)
     for i in range(count):
         for j in range(count):
-            value = inverse[i, j] if j <= i else jnp.zeros((b, b), jnp.float32)
+            value = blocks[i, j] if j <= i else jnp.zeros((b, b), jnp.float32)
             plgpu.store(block(inverse_ref, i, j), value)
 
 

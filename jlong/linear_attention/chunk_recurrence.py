@@ -8,13 +8,14 @@ the chunk-to-chunk state recurrence in sequence, one kernel launch per pass.
    value columns with the state on chip, doing only what the next chunk
    waits for (v_new = u - w S, S <- decay S + kw^T v_new) and writing the
    state entering each chunk and v_new; the outputs o = qr S + a v_new are
-   then batched products over all chunks;
+   then computed for all chunks at once;
 3. the backward kernel walks the chunks in reverse with the state's
    gradient on chip (dv_new = a^T do + kw dS, dS <- qr^T do + decay dS -
    w^T dv_new); the chunk terms' gradients are again batched products, through
    which autodiff reaches q, k, v, g and beta.
 
-A backend gives the two kernels (`rule(forward, backward)`):
+A backend gives the two kernels (`rule(forward, backward)`, and kernels for
+the chunks' inverse and the outputs if it has them):
 `forward(u, w, kw, decay, state, interpret)` -> (final state float32,
 states entering the chunks, v_new) and `backward(do, d_final, w, a, qr, kw,
 decay, interpret)` -> (dv_new, gradients of the states the chunks leave,
@@ -50,19 +51,19 @@ def rule(forward, backward, inverse=None, outputs=None):
         block = min(block, -(-v.shape[1] // chunk) * chunk)
         chunk_inverse = functools.partial(inverse, interpret=interpret) if inverse else None
         run_block = functools.partial(_block, recurrence=recurrence, chunk=chunk, interpret=interpret,
-                                      inverse=chunk_inverse)
+                                      invert=chunk_inverse)
         return over_blocks(run_block, (q, k, v, g, beta), segment_ids, initial_state, segment_before, block=block)
 
     return run
 
 
-def _block(state, inputs, *, recurrence, chunk: int, interpret: bool, inverse):
+def _block(state, inputs, *, recurrence, chunk: int, interpret: bool, invert):
     """One block: (state in, (q, k, v, g, beta, segments, previous segments)) -> (state out, o)."""
     q, k, v, g, beta, segment_ids, previous = inputs
     B, T, H, dv = v.shape
     dk = k.shape[-1]
     operand = jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
-    terms = chunk_terms(q, k, v, g, beta, segment_ids, previous, chunk=chunk, operand=operand, inverse=inverse)
+    terms = chunk_terms(q, k, v, g, beta, segment_ids, previous, chunk=chunk, operand=operand, invert=invert)
     heads = lambda t: t.reshape(B * H, *t.shape[2:])  # noqa: E731  [B, H, ...] -> [B H, ...]
     matrices = (heads(t).astype(operand) for t in (terms.u, terms.w, terms.a, terms.qr, terms.kw))
     o, state = recurrence(*matrices, heads(terms.decay), heads(state), interpret)

@@ -2,8 +2,9 @@
 to whole chunks with each token's predecessor's segment, and each chunk's
 terms (the WY / UT representation of its products of (I - beta k k^T),
 attention inside the chunk, the decays), computed for all chunks at once
-(float32, or bf16 products with float32 sums: `chunk_terms`). Only the recurrence from chunk to chunk is left to a kernel
-(`gated_delta.chunked`, `gated_delta_triton`)."""
+(float32, or bf16 products with float32 sums: `chunk_terms`), and the
+chunks' triangular inverse with its own gradient. The recurrence from chunk
+to chunk runs after them (`gated_delta.chunked`, `chunk_recurrence`)."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ class ChunkTerms(NamedTuple):
 
 
 def chunk_terms(q, k, v, g, beta, seg, prev, *, chunk: int, operand=jnp.float32,
-                inverse=None) -> ChunkTerms:
+                invert=None) -> ChunkTerms:
     """The `ChunkTerms` of tokens q, k [B, T, Hk, dk], v [B, T, H, dv], g,
     beta [B, T, H] (T a multiple of `chunk`), segment ids `seg` and each
     token's predecessor's `prev` [B, T].
@@ -106,7 +107,7 @@ def chunk_terms(q, k, v, g, beta, seg, prev, *, chunk: int, operand=jnp.float32,
     in force), or bf16 with float32 accumulation (as FLA's kernels, at half
     the memory traffic). The decays and the triangular inverse are computed
     in float32 (the inverse enters u's and w's products in `operand`), and
-    every result is float32. `inverse`: how (I + N)^-1 is computed
+    every result is float32. `invert`: how (I + N)^-1 is computed
     (`unit_lower_inverse` unless a backend has a kernel for it)."""
     q, k, v = (t.astype(operand) for t in (q, k, v))
     g, beta = (t.astype(jnp.float32) for t in (g, beta))
@@ -141,7 +142,7 @@ def chunk_terms(q, k, v, g, beta, seg, prev, *, chunk: int, operand=jnp.float32,
     k_beta = scaled(k, beta)
     strictly = ~jnp.eye(chunk, dtype=bool)
     system = jnp.where(strictly, product("...id,...jd->...ij", k_beta, k) * decay, 0.0)
-    inverse = (inverse or unit_lower_inverse)(system)  # of I + the strictly lower part
+    inverse = (invert or unit_lower_inverse)(system)  # of I + the strictly lower part
     return ChunkTerms(
         u=product("...ij,...jv->...iv", inverse, scaled(v, beta)),
         w=product("...ij,...jd->...id", inverse, scaled(k_beta, jnp.exp(cum) * reads)),

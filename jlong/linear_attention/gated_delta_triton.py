@@ -23,7 +23,7 @@ the highest precision otherwise (the ring's summaries, the tests).
 from __future__ import annotations
 
 import functools
-import re
+import math
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,7 @@ from jax.experimental.pallas import triton as plgpu
 from jlong.errors import JlongError
 from jlong.linear_attention import chunk_inverse_triton
 from jlong.linear_attention.chunk_recurrence import BLOCK, CHUNK, rule  # noqa: F401  (the rule's sizes, named here too)
-from jlong.ops.pallas_calls import kernel_call, pipeline_stages
+from jlong.ops.pallas_calls import kernel_call, pipeline_stages, triton_kernel_name
 
 # Value columns per program, warps and pipeline stages, from experiments/kernel_tiles.py on an H200
 # (2026-11-28; experiments/results/kernel-tiles.json): 16 columns (more programs for the few heads of one
@@ -41,7 +41,6 @@ from jlong.ops.pallas_calls import kernel_call, pipeline_stages
 # 32-33 M tokens/s forward and backward where 64 columns in 1 stage ran 10-12 M.
 BLOCK_V = 16
 NUM_WARPS, NUM_STAGES = 4, 3  # float32 terms (the ring's summaries) run one stage: `pipeline_stages`
-TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call XLA:GPU runs a Pallas Triton kernel as
 FORWARD, BACKWARD, OUTPUTS = "gated_delta_forward", "gated_delta_backward", "gated_delta_outputs"  # kernels' names
 OUTPUT_BLOCK_V = 64  # value columns per program of the outputs' kernel (a chunk's products are independent)
 
@@ -53,17 +52,24 @@ def _block_v(dv: int) -> int:
     return block
 
 
+def _dot(operand):
+    """The kernels' products: float32 terms (the ring's summaries) at full precision (IEEE, where the
+    GPU's default would take float32 operands as TF32), 16-bit terms as the tensor cores take them."""
+    return functools.partial(plgpu.dot, precision=jax.lax.Precision.HIGHEST if operand == jnp.float32 else None)
+
+
 def _forward_kernel(u_ref, w_ref, kw_ref, decay_ref, state_ref, final_ref, states_ref, v_new_ref, *, chunks: int,
                     block_v: int):
     bh, columns = pl.program_id(0), pl.ds(pl.program_id(1) * block_v, block_v)
     operand = w_ref.dtype
+    dot = _dot(operand)
 
     def one_chunk(c, S):
         load = lambda ref, *index: plgpu.load(ref.at[bh, c, *index])  # noqa: E731
         plgpu.store(states_ref.at[bh, c, :, columns], S.astype(operand))
-        v_new = load(u_ref, slice(None), columns).astype(jnp.float32) - plgpu.dot(load(w_ref), S.astype(operand))
+        v_new = load(u_ref, slice(None), columns).astype(jnp.float32) - dot(load(w_ref), S.astype(operand))
         plgpu.store(v_new_ref.at[bh, c, :, columns], v_new.astype(operand))
-        return S * plgpu.load(decay_ref.at[bh, c]) + plgpu.dot(load(kw_ref), v_new.astype(operand), trans_a=True)
+        return S * plgpu.load(decay_ref.at[bh, c]) + dot(load(kw_ref), v_new.astype(operand), trans_a=True)
 
     state = plgpu.load(state_ref.at[bh, :, columns])
     plgpu.store(final_ref.at[bh, :, columns], jax.lax.fori_loop(0, chunks, one_chunk, state))
@@ -73,16 +79,17 @@ def _backward_kernel(do_ref, w_ref, a_ref, qr_ref, kw_ref, decay_ref, d_final_re
                      d_state_ref, *, chunks: int, block_v: int):
     bh, columns = pl.program_id(0), pl.ds(pl.program_id(1) * block_v, block_v)
     operand = w_ref.dtype
+    dot = _dot(operand)
 
     def one_chunk(i, dS):
         c = chunks - 1 - i
         load = lambda ref, *index: plgpu.load(ref.at[bh, c, *index])  # noqa: E731
         plgpu.store(d_next_ref.at[bh, c, :, columns], dS.astype(operand))  # the gradient of the state it leaves
         do = load(do_ref, slice(None), columns)
-        d_v_new = plgpu.dot(load(a_ref), do, trans_a=True) + plgpu.dot(load(kw_ref), dS.astype(operand))
+        d_v_new = dot(load(a_ref), do, trans_a=True) + dot(load(kw_ref), dS.astype(operand))
         plgpu.store(d_v_new_ref.at[bh, c, :, columns], d_v_new.astype(operand))
-        return (plgpu.dot(load(qr_ref), do, trans_a=True) + dS * plgpu.load(decay_ref.at[bh, c])
-                - plgpu.dot(load(w_ref), d_v_new.astype(operand), trans_a=True))
+        return (dot(load(qr_ref), do, trans_a=True) + dS * plgpu.load(decay_ref.at[bh, c])
+                - dot(load(w_ref), d_v_new.astype(operand), trans_a=True))
 
     d_final = plgpu.load(d_final_ref.at[bh, :, columns])
     plgpu.store(d_state_ref.at[bh, :, columns], jax.lax.fori_loop(0, chunks, one_chunk, d_final))
@@ -90,8 +97,7 @@ def _backward_kernel(do_ref, w_ref, a_ref, qr_ref, kw_ref, decay_ref, d_final_re
 
 def _outputs_kernel(qr_ref, a_ref, states_ref, v_new_ref, o_ref, *, block_v: int):
     bh, c, columns = pl.program_id(0), pl.program_id(1), pl.ds(pl.program_id(2) * block_v, block_v)
-    precision = jax.lax.Precision.HIGHEST if qr_ref.dtype == jnp.float32 else None
-    dot = functools.partial(plgpu.dot, precision=precision)
+    dot = _dot(qr_ref.dtype)
     load = lambda ref, *index: plgpu.load(ref.at[bh, c, *index])  # noqa: E731
     o = dot(load(qr_ref), load(states_ref, slice(None), columns)) + dot(load(a_ref), load(v_new_ref, slice(None),
                                                                                                   columns))
@@ -133,12 +139,18 @@ def _backward(do, d_final, w, a, qr, kw, decay, interpret):
                                                                                      d_final)
 
 
+def _outputs_block_v(dv: int) -> int:
+    """The outputs' kernel's value columns a program: up to OUTPUT_BLOCK_V, a power of two dividing dv."""
+    _block_v(dv)  # multiples of 16 only, as the recurrence's
+    return math.gcd(dv, OUTPUT_BLOCK_V)
+
+
 def _outputs(qr, a, states, v_new, interpret):
     """o = qr S + a v_new [BH, n, C, dv] in the terms' dtype: a program per chunk and block of value
     columns, its two products summed in float32 on chip (where XLA wrote each in float32 and read both
     back to add and round them)."""
     (BH, n, C, dk), dv = qr.shape, v_new.shape[-1]
-    block_v = min(OUTPUT_BLOCK_V, _block_v(dv))
+    block_v = _outputs_block_v(dv)
     kernel = functools.partial(_outputs_kernel, block_v=block_v)
     return _call(kernel, OUTPUTS, [((BH, n, C, dv), qr.dtype)], (BH, n, dv // block_v), interpret,
                  qr.dtype)(qr, a, states, v_new)[0]
@@ -152,7 +164,7 @@ def call_flops(target: str, attributes: str, operand_dims: list, result_dims: tu
     planner: per chunk and value column, the forward's two products
     (w S, kw^T v_new) 4 C dk, the backward's four 2 C (3 dk + C); the chunk
     inverse's products per chunk; None for any other call."""
-    name = _kernel_name(target, attributes)
+    name = triton_kernel_name(target, attributes)
     if name not in (FORWARD, BACKWARD, chunk_inverse_triton.NAME):
         return None
     if name == chunk_inverse_triton.NAME:
@@ -167,13 +179,7 @@ def call_flops(target: str, attributes: str, operand_dims: list, result_dims: tu
 def outputs_call_flops(target: str, attributes: str, operand_dims: list, result_dims: tuple) -> float | None:
     """The outputs' kernel's FLOPs, its two products 2 C (dk + C) per chunk and value column, for the
     planner to price as the GEMMs XLA ran them as before (not yet raced); None for any other call."""
-    if _kernel_name(target, attributes) != OUTPUTS:
+    if triton_kernel_name(target, attributes) != OUTPUTS:
         return None
     (BH, n, C, dk), dv = operand_dims[0], operand_dims[3][-1]  # qr [BH, n, C, dk], v_new [BH, n, C, dv]
     return float(BH * n * dv * 2 * C * (dk + C))
-
-
-def _kernel_name(target: str, attributes: str) -> str | None:
-    """The name of the Pallas Triton kernel a custom call runs, if it runs one."""
-    names = re.findall(r'name = "([^"]+)", num_stages', attributes or "")
-    return names[-1] if target == TRITON_CALL and names else None

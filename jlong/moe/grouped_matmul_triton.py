@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jlong.moe.row_tiles import differentiable, group_bounds, padded_to, tile_width, work_items
-from jlong.ops.pallas_calls import kernel_call, pipeline_stages
+from jlong.ops.pallas_calls import kernel_call, pipeline_stages, triton_kernel_name
 
-TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call XLA:GPU runs a Pallas Triton kernel as
 PRODUCT, WEIGHT_GRADIENT = "grouped_matmul", "grouped_matmul_weight_gradient"  # the kernels' names
 ROWS_OPERAND = {PRODUCT: 5, WEIGHT_GRADIENT: 2}  # which operand of each kernel's call is its rows [M, K]
 # Tiles, warps and pipeline stages, the products' (forward and input gradient) apart from the weight
@@ -152,8 +150,8 @@ def call_flops(target: str, attributes: str, operand_dims: list, result_dims: tu
     result shapes), for the planner: 2 x rows x K x N of the rows it is
     given (the routed rows, not the masked work of shared tiles); None for
     any other call."""
-    names = re.findall(r'name = "([^"]+)", num_stages', attributes or "")
-    if target != TRITON_CALL or not names or names[-1] not in ROWS_OPERAND:
+    name = triton_kernel_name(target, attributes)
+    if name not in ROWS_OPERAND:
         return None
-    rows, contracted = operand_dims[ROWS_OPERAND[names[-1]]]
+    rows, contracted = operand_dims[ROWS_OPERAND[name]]
     return 2.0 * rows * contracted * result_dims[-1]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -17,6 +19,16 @@ def has_pallas_triton() -> bool:
     except ImportError:
         return False
     return True
+
+
+TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call XLA:GPU runs a Pallas Triton kernel as
+
+
+def triton_kernel_name(target: str, attributes: str) -> str | None:
+    """The name of the Pallas Triton kernel a compiled program's custom call runs (from its target and
+    attributes as the HLO text prints them), if it runs one: how the planner knows jlong's kernels."""
+    names = re.findall(r'name = "([^"]+)", num_stages', attributes or "")
+    return names[-1] if target == TRITON_CALL and names else None
 
 
 def pipeline_stages(stages: int, dtype) -> int:
