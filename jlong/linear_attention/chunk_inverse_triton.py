@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jlong.errors import JlongError
-from jlong.linear_attention.chunks import DIAGONAL_BLOCK, inverse_with_its_gradient
+from jlong.linear_attention.chunks import DIAGONAL_BLOCK, inverse_with_its_gradient, new_blocks
 from jlong.ops.pallas_calls import kernel_call
 
 NAME = "chunk_inverse"  # the kernel's name in a compiled program
@@ -45,8 +45,7 @@ def _kernel(system_ref, inverse_ref, *, chunk: int):
     for i in range(count):
         X, size = (rows == columns).astype(jnp.float32), 1
         while size < b:  # the diagonal block's doublings, as chunks._doublings
-            new = (rows // (2 * size) == columns // (2 * size)) & (rows // size != columns // size)
-            X = X - dot(dot(X, jnp.where(new, lower[i, i], 0.0)), X)
+            X = X - dot(dot(X, jnp.where(new_blocks(rows, columns, size), lower[i, i], 0.0)), X)
             size *= 2
         blocks[i, i] = X
         for j in range(i):  # the rows above are done: X_kj for every k < i

@@ -203,11 +203,16 @@ def _doublings(strictly_lower, size: int, until: int, inverse=None):
     if inverse is None:
         inverse = jnp.broadcast_to(jnp.eye(C, dtype=strictly_lower.dtype), strictly_lower.shape)
     while size < until:
-        new_blocks = (rows[:, None] // (2 * size) == rows[None, :] // (2 * size)) & \
-                     (rows[:, None] // size != rows[None, :] // size)
-        inverse = inverse - inverse @ jnp.where(new_blocks, strictly_lower, 0.0) @ inverse
+        new = new_blocks(rows[:, None], rows[None, :], size)
+        inverse = inverse - inverse @ jnp.where(new, strictly_lower, 0.0) @ inverse
         size *= 2
     return inverse
+
+
+def new_blocks(rows, columns, size: int):
+    """Where a doubling from diagonal blocks of `size` to blocks of 2 `size` fills in: the entries (rows,
+    columns broadcast against each other) in one new block but not in one old block."""
+    return (rows // (2 * size) == columns // (2 * size)) & (rows // size != columns // size)
 
 
 def _inverse_backward(inverse, d_inverse):

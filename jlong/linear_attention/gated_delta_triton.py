@@ -149,7 +149,7 @@ def _outputs(qr, a, states, v_new, interpret):
     """o = qr S + a v_new [BH, n, C, dv] in the terms' dtype: a program per chunk and block of value
     columns, its two products summed in float32 on chip (where XLA wrote each in float32 and read both
     back to add and round them)."""
-    (BH, n, C, dk), dv = qr.shape, v_new.shape[-1]
+    (BH, n, C, _), dv = qr.shape, v_new.shape[-1]
     block_v = _outputs_block_v(dv)
     kernel = functools.partial(_outputs_kernel, block_v=block_v)
     return _call(kernel, OUTPUTS, [((BH, n, C, dv), qr.dtype)], (BH, n, dv // block_v), interpret,
