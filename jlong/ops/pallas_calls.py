@@ -6,6 +6,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from jlong.errors import JlongError
@@ -46,11 +47,12 @@ def kernel_call(kernel, out_shape, *, interpret: bool, **params):
     results (a kernel's results must say how they vary).
 
     `interpret=True` runs the kernel in Pallas' interpreter. jax 0.10's
-    interpreter cannot slice data that varies over a mesh (its discharge
-    rules pad and slice with values that do not), so inside `shard_map` the
-    operands of every device are gathered, the interpreted kernel runs over
-    all of them (mapped over the devices) and each device keeps its own
-    results: the same kernel, its work repeated on every device (tests' sizes)."""
+    interpreter cannot work on data that varies over a mesh (its discharge
+    rules mix it with constants that do not), so inside `shard_map` each
+    device's operands are handed over retyped as the same on every device
+    (`_retyped_invariant`), the interpreted kernel runs on them and its
+    results are marked varying again: each device runs the kernel on its own
+    operands, as on a GPU, and no collective is involved."""
 
     def call(*operands):
         axes = _varying_axes(operands)
@@ -59,11 +61,9 @@ def kernel_call(kernel, out_shape, *, interpret: bool, **params):
         operands = [_varying(x, axes) for x in operands]
         if not interpret:
             return pl.pallas_call(kernel, out_shape=_typed_like(out_shape, operands[0]), **params)(*operands)
-        mine = jax.lax.axis_index(axes)
-        everyone = [_gathered(x, axes, mine) for x in operands]
-        shapes = _typed_like(out_shape, everyone[0])
-        results = jax.vmap(pl.pallas_call(kernel, out_shape=shapes, interpret=True, **params))(*everyone)
-        return jax.tree.map(lambda r: r[mine], results)
+        local = [_retyped_invariant(x) for x in operands]
+        results = pl.pallas_call(kernel, out_shape=_typed_like(out_shape, local[0]), interpret=True, **params)(*local)
+        return jax.tree.map(lambda r: _varying(r, axes), results)
 
     return call
 
@@ -120,12 +120,21 @@ def _varying_axes(operands) -> tuple[str, ...]:
     return tuple(sorted(frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in operands))))
 
 
-def _gathered(x, axes: tuple[str, ...], mine):
-    """[devices, ...]: every device's x, the same on every device (not varying): a sum of each device's x
-    placed at its own index (all_gather's result still varies)."""
-    devices = jax.lax.psum(1, axes)
-    placed = jax.numpy.zeros((devices, *x.shape), x.dtype).at[mine].set(x)
-    return jax.lax.psum(placed, axes)
+def _retyped_invariant(x):
+    """x, typed as the same on every device though it is each device's own: an identity on the host
+    (`pure_callback`), whose results jax 0.10 types as the same on every device whatever they are given.
+
+    Not a gather: jax 0.10 gives every collective inside `shard_map` the same
+    channel, and XLA:CPU lets a device start one collective before the last
+    has finished, so two of them waiting at once on a device join each
+    other's rendezvous (a CHECK failure) or, with XLA's threads all waiting,
+    hang; gathers for interpreted kernels made that common in tests. Costs:
+    jax does not keep programs with host callbacks in its persistent
+    compilation cache, and takes no callback inside a `shard_map` that leaves
+    some mesh axes automatic (jlong's are manual over every axis)."""
+    invariant = type(jax.typeof(x).manual_axis_type)()
+    return jax.pure_callback(np.asarray, jax.ShapeDtypeStruct(x.shape, x.dtype, manual_axis_type=invariant), x,
+                             vmap_method="expand_dims")
 
 
 def _typed_like(out_shape, x):
