@@ -16,7 +16,7 @@ from helpers import H100, needs_gpu_compiler, small_config
 from test_qwen3_5 import _rule_inputs
 
 from jlong.errors import JlongError
-from jlong.linear_attention import chunk_inverse_triton, chunks, gated_delta, gated_delta_triton
+from jlong.linear_attention import chunk_inverse_triton, chunk_terms_triton, chunks, gated_delta, gated_delta_triton
 from jlong.ops.pallas_calls import TRITON_CALL
 from jlong.planner import pricing
 from jlong.planner.memory import compile_train_step
@@ -137,6 +137,30 @@ def test_the_chunk_inverse_kernel_equals_the_doublings_with_their_gradient(chunk
 
 
 @fast
+@pytest.mark.parametrize("dk, dv", [(16, 16), (32, 48)], ids=["one-block", "blocks"])
+def test_the_chunk_terms_gradient_kernel_equals_autodiff_through_the_terms(dk, dv):
+    """The kernel's gradients of q, k, v, g and beta against jax's autodiff through `chunk_terms` in float32,
+    from random cotangents on every term: three documents (two starting inside chunks), a starting state
+    the first sequence continues (the first chunk reads it) and the second does not, Hv = 2 Hk, 150 tokens
+    padded to three chunks; key and value widths whole, and in blocks of 16 (two and three). Within 1e-5
+    of each gradient's largest."""
+    tokens = _rule_inputs(dk=dk, dv=dv)
+    tokens, seg, prev, _ = chunks.padded_inputs(tokens, jnp.asarray(SEGMENTS), _state(2, 4, dk, dv),
+                                                jnp.array([5, 0]), multiple=64)
+    terms_of = lambda *t: chunks.chunk_terms(*t, seg, prev, chunk=64)  # noqa: E731
+    with jax.default_matmul_precision("highest"):
+        terms, pullback = jax.vjp(terms_of, *tokens)
+        inverse = chunks.chunk_terms_and_inverse(*tokens, seg, prev, chunk=64)[1]
+        rng = np.random.default_rng(dk)
+        cotangents = chunks.ChunkTerms(*(jnp.asarray(rng.standard_normal(t.shape), t.dtype) for t in terms))
+        want = pullback(cotangents)
+        got = chunk_terms_triton.backward(*tokens, seg, prev, inverse, cotangents, chunk=64, interpret=True)
+    for name, a, b in zip(("q", "k", "v", "g", "beta"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.abs(b).max()), err_msg=name)
+
+
+@fast
 def test_the_outputs_kernel_takes_64_value_columns_a_program_where_the_width_allows():
     """Qwen3.5's 128 and the ring's 256 in blocks of 64; the tiny models' narrower widths whole."""
     widths = (16, 32, 48, 64, 128, 256)
@@ -163,7 +187,8 @@ def test_the_registry_runs_it_interpreted_where_asked_and_auto_picks_it_on_gpus(
 @fast
 def test_the_kernels_calls_are_priced_at_their_recurrences_flops():
     """Per chunk, head and value column: the forward's two products 4 C dk, the backward's four 2 C (3 dk + C);
-    the chunk inverse's products per chunk; the outputs' per chunk and value column."""
+    the chunk inverse's products per chunk; the outputs' per chunk and value column; the chunk terms'
+    gradient's per value head and chunk."""
     BH, n, C, dv, dk = 48, 2048, 64, 128, 128
     dims = [[BH, n, C, dv], [BH, n, C, dk], [BH, n, C, C]]
     for name, per_column in ((gated_delta_triton.FORWARD, 4 * C * dk),
@@ -187,6 +212,16 @@ def test_the_kernels_calls_are_priced_at_their_recurrences_flops():
     assert pricing.kernel_flops(TRITON_CALL, attributes, dims, (BH, n, C, dv)) == (
         BH * n * dv * 2 * C * (dk + C), "matmul")
     assert gated_delta_triton.call_flops(TRITON_CALL, attributes, dims, ()) is None
+    # The chunk terms' gradient: per value head and chunk, C^2 (16 dk + 4 dv) in its products and 4 C^3 in
+    # the inverse's gradient, priced as the GEMMs XLA ran its autodiff as. Its operands: q, k [B, T, Hk, dk],
+    # v [B, T, H, dv], g, beta [B, T, H], seg, prev [B, T], the inverses [B, H, n, C, C], the cotangents.
+    B, T, H, Hk = 2, n * C, 24, 12
+    attributes = f'name = "{chunk_terms_triton.NAME}", num_stages = 1'
+    dims = [[B, T, Hk, dk], [B, T, Hk, dk], [B, T, H, dv], [B, T, H], [B, T, H], [B, T], [B, T], [B, H, n, C, C]]
+    assert pricing.kernel_flops(TRITON_CALL, attributes, dims, ()) == (
+        B * H * n * C**2 * (16 * dk + 4 * dv + 4 * C), "matmul")
+    assert chunk_terms_triton.call_flops(TRITON_CALL, f'name = "{gated_delta_triton.OUTPUTS}", num_stages = 3',
+                                         dims, ()) is None
 
 
 @needs_gpu_compiler
@@ -199,6 +234,7 @@ def test_a_qwen3_5_step_compiles_for_h100s_with_the_triton_rule_priced():
     hlo = step.compiled.as_text()
     assert hlo.count(f'"{gated_delta_triton.FORWARD}"') > 0 and hlo.count(f'"{gated_delta_triton.BACKWARD}"') > 0
     assert hlo.count(f'"{chunk_inverse_triton.NAME}"') > 0 and hlo.count(f'"{gated_delta_triton.OUTPUTS}"') > 0
+    assert hlo.count(f'"{chunk_terms_triton.NAME}"') > 0
     cost = step_cost(step)
     assert not cost.unpriced_custom_calls and cost.time_by_kind["gated delta"] > 0
 
@@ -207,9 +243,9 @@ def test_a_qwen3_5_step_compiles_for_h100s_with_the_triton_rule_priced():
 @pytest.mark.parametrize("dtype, width", [(jnp.bfloat16, 128), (jnp.float32, 256)], ids=["bf16", "ring-float32"])
 def test_its_kernels_fit_an_h100s_shared_memory_at_qwen3_5s_head_sizes(dtype, width):
     """XLA:GPU, deviceless (Triton checks each kernel's shared memory against the SM's): the recurrence's
-    forward and backward, the chunk inverse and the outputs at dk = 128, with values of 128 in bf16
-    (training) and of dk + dv = 256 in float32 (the ring's summaries). The tiny models of the other tests
-    use heads far too small to find out."""
+    forward and backward, the chunk inverse, the outputs and the chunk terms' gradient at dk = 128, with
+    values of 128 in bf16 (training) and of dk + dv = 256 in float32 (the ring's summaries). The tiny models
+    of the other tests use heads far too small to find out."""
     sharding = jax.sharding.SingleDeviceSharding(H100.devices(1)[0])
     B, T, H, dk = 1, 256, 2, 128
     spec = lambda *shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
@@ -224,3 +260,4 @@ def test_its_kernels_fit_an_h100s_shared_memory_at_qwen3_5s_head_sizes(dtype, wi
     hlo = compiled.as_text()
     assert f'"{gated_delta_triton.FORWARD}"' in hlo and f'"{gated_delta_triton.BACKWARD}"' in hlo
     assert f'"{chunk_inverse_triton.NAME}"' in hlo and f'"{gated_delta_triton.OUTPUTS}"' in hlo
+    assert f'"{chunk_terms_triton.NAME}"' in hlo

@@ -11,11 +11,13 @@ the chunk-to-chunk state recurrence in sequence, one kernel launch per pass.
    then computed for all chunks at once;
 3. the backward kernel walks the chunks in reverse with the state's
    gradient on chip (dv_new = a^T do + kw dS, dS <- qr^T do + decay dS -
-   w^T dv_new); the chunk terms' gradients are again batched products, through
-   which autodiff reaches q, k, v, g and beta.
+   w^T dv_new); the chunk terms' gradients are again batched products, and
+   from them a backend's kernel (or autodiff through step 1) reaches q, k,
+   v, g and beta.
 
 A backend gives the two kernels (`rule(forward, backward)`, and kernels for
-the chunks' inverse and the outputs if it has them):
+the chunks' inverse, the outputs and the chunk terms' gradient if it has
+them):
 `forward(u, w, kw, decay, state, interpret)` -> (final state float32,
 states entering the chunks, v_new) and `backward(do, d_final, w, a, qr, kw,
 decay, interpret)` -> (dv_new, gradients of the states the chunks leave,
@@ -29,7 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jlong.linear_attention.chunks import chunk_terms, over_blocks
+from jlong.linear_attention.chunks import ChunkTerms, chunk_terms_and_inverse, over_blocks
 
 CHUNK = 64  # tokens per chunk, as FLA's
 # Tokens whose chunks run at once. Longer sequences run a block at a time under a checkpoint: the chunk
@@ -38,34 +40,67 @@ CHUNK = 64  # tokens per chunk, as FLA's
 BLOCK = 32_768
 
 
-def rule(forward, backward, inverse=None, outputs=None):
+def rule(forward, backward, inverse=None, outputs=None, terms_backward=None):
     """The gated delta rule on a backend's two kernels, with `gated_delta.chunked`'s contract: o [B, S, H,
     dv] in v's dtype and the final state [B, H, dk, dv] in float32, `block` tokens at a time (fewer when
-    the sequence is shorter), each block's chunks at once. A backend may have kernels for two of the
+    the sequence is shorter), each block's chunks at once. A backend may have kernels for three of the
     batched steps too (XLA's otherwise): `inverse(strictly_lower, interpret)` the chunks' (I + N)^-1
-    (`chunks.unit_lower_inverse`), `outputs(qr, a, states, v_new, interpret)` o = qr S + a v_new."""
+    (`chunks.unit_lower_inverse`), `outputs(qr, a, states, v_new, interpret)` o = qr S + a v_new, and
+    `terms_backward(q, k, v, g, beta, seg, prev, inverse, cotangents, chunk=, interpret=)` the chunk
+    terms' gradient (`chunk_terms_triton.backward`; autodiff through XLA's otherwise)."""
     recurrence = _recurrence(forward, backward, outputs or _outputs)
+    terms = _terms(inverse, terms_backward)
 
     def run(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_before=None, *, interpret: bool = False,
             chunk: int = CHUNK, block: int = BLOCK):
         block = min(block, -(-v.shape[1] // chunk) * chunk)
-        chunk_inverse = functools.partial(inverse, interpret=interpret) if inverse else None
-        run_block = functools.partial(_block, recurrence=recurrence, chunk=chunk, interpret=interpret,
-                                      invert=chunk_inverse)
+        run_block = functools.partial(_block, recurrence=recurrence, terms=terms, chunk=chunk, interpret=interpret)
         return over_blocks(run_block, (q, k, v, g, beta), segment_ids, initial_state, segment_before, block=block)
 
     return run
 
 
-def _block(state, inputs, *, recurrence, chunk: int, interpret: bool, invert):
+def _terms(inverse, terms_backward):
+    """(q, k, v, g, beta, seg, prev, chunk, interpret) -> the `ChunkTerms` in the operand dtype of v's,
+    their (I + N)^-1 computed by `inverse` and their gradient by `terms_backward` where the backend has
+    them."""
+
+    def terms_and_inverse(q, k, v, g, beta, seg, prev, chunk, interpret):
+        operand = jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
+        invert = functools.partial(inverse, interpret=interpret) if inverse else None
+        return chunk_terms_and_inverse(q, k, v, g, beta, seg, prev, chunk=chunk, operand=operand, invert=invert)
+
+    if terms_backward is None:
+        return lambda *args: terms_and_inverse(*args)[0]
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+    def terms(q, k, v, g, beta, seg, prev, chunk, interpret):
+        return terms_and_inverse(q, k, v, g, beta, seg, prev, chunk, interpret)[0]
+
+    def terms_forward(q, k, v, g, beta, seg, prev, chunk, interpret):
+        result, inverse_ = terms_and_inverse(q, k, v, g, beta, seg, prev, chunk, interpret)
+        return result, (q, k, v, g, beta, seg, prev, inverse_)
+
+    def terms_gradient(chunk, interpret, saved, cotangents):
+        q, k, v, g, beta, seg, prev, inverse_ = saved
+        operand = cotangents.u.dtype
+        tokens = [t.astype(operand) for t in (q, k, v)] + [t.astype(jnp.float32) for t in (g, beta)]
+        grads = terms_backward(*tokens, seg, prev, inverse_, ChunkTerms(*cotangents), chunk=chunk,
+                               interpret=interpret)
+        return (*(d.astype(t.dtype) for d, t in zip(grads, (q, k, v, g, beta))), None, None)
+
+    terms.defvjp(terms_forward, terms_gradient)
+    return terms
+
+
+def _block(state, inputs, *, recurrence, terms, chunk: int, interpret: bool):
     """One block: (state in, (q, k, v, g, beta, segments, previous segments)) -> (state out, o)."""
     q, k, v, g, beta, segment_ids, previous = inputs
     B, T, H, dv = v.shape
     dk = k.shape[-1]
-    operand = jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
-    terms = chunk_terms(q, k, v, g, beta, segment_ids, previous, chunk=chunk, operand=operand, invert=invert)
+    terms = terms(q, k, v, g, beta, segment_ids, previous, chunk, interpret)
     heads = lambda t: t.reshape(B * H, *t.shape[2:])  # noqa: E731  [B, H, ...] -> [B H, ...]
-    matrices = (heads(t).astype(operand) for t in (terms.u, terms.w, terms.a, terms.qr, terms.kw))
+    matrices = (heads(t) for t in (terms.u, terms.w, terms.a, terms.qr, terms.kw))
     o, state = recurrence(*matrices, heads(terms.decay), heads(state), interpret)
     o = jnp.moveaxis(o.reshape(B, H, T, dv), 1, 2)
     return state.reshape(B, H, dk, dv), o.astype(v.dtype)

@@ -82,7 +82,7 @@ def _pad_tokens(t, *, extra: int):
 
 class ChunkTerms(NamedTuple):
     """What each chunk of `chunk` tokens contributes, computed for all chunks
-    at once ([B, H, n, C, ...] float32; C = chunk). With S the state entering
+    at once ([B, H, n, C, ...]; C = chunk). With S the state entering
     a chunk, the chunk's outputs and the state it leaves are
 
         v_new = u - w S,   o = qr S + a v_new,   S' = decay S + kw^T v_new
@@ -99,6 +99,11 @@ class ChunkTerms(NamedTuple):
 
 def chunk_terms(q, k, v, g, beta, seg, prev, *, chunk: int, operand=jnp.float32,
                 invert=None) -> ChunkTerms:
+    """`chunk_terms_and_inverse`'s terms."""
+    return chunk_terms_and_inverse(q, k, v, g, beta, seg, prev, chunk=chunk, operand=operand, invert=invert)[0]
+
+
+def chunk_terms_and_inverse(q, k, v, g, beta, seg, prev, *, chunk: int, operand=jnp.float32, invert=None):
     """The `ChunkTerms` of tokens q, k [B, T, Hk, dk], v [B, T, H, dv], g,
     beta [B, T, H] (T a multiple of `chunk`), segment ids `seg` and each
     token's predecessor's `prev` [B, T].
@@ -106,9 +111,11 @@ def chunk_terms(q, k, v, g, beta, seg, prev, *, chunk: int, operand=jnp.float32,
     The products take their inputs in `operand`: float32 (at the precision
     in force), or bf16 with float32 accumulation (as FLA's kernels, at half
     the memory traffic). The decays and the triangular inverse are computed
-    in float32 (the inverse enters u's and w's products in `operand`), and
-    every result is float32. `invert`: how (I + N)^-1 is computed
-    (`unit_lower_inverse` unless a backend has a kernel for it)."""
+    in float32 (the inverse enters u's and w's products in `operand`); the
+    terms are rounded to `operand`, the decays float32. `invert`: how
+    (I + N)^-1 is computed (`unit_lower_inverse` unless a backend has a
+    kernel for it); it is returned beside the terms [B, H, n, C, C] float32,
+    for a backend's own gradient of them (`chunk_terms_triton`)."""
     q, k, v = (t.astype(operand) for t in (q, k, v))
     g, beta = (t.astype(jnp.float32) for t in (g, beta))
     B, T, H, dv = v.shape
@@ -143,14 +150,15 @@ def chunk_terms(q, k, v, g, beta, seg, prev, *, chunk: int, operand=jnp.float32,
     strictly = ~jnp.eye(chunk, dtype=bool)
     system = jnp.where(strictly, product("...id,...jd->...ij", k_beta, k) * decay, 0.0)
     inverse = (invert or unit_lower_inverse)(system)  # of I + the strictly lower part
-    return ChunkTerms(
-        u=product("...ij,...jv->...iv", inverse, scaled(v, beta)),
-        w=product("...ij,...jd->...id", inverse, scaled(k_beta, jnp.exp(cum) * reads)),
-        a=product("...id,...jd->...ij", q, k) * decay,
-        qr=q * (jnp.exp(cum) * reads)[..., None],
-        kw=k * (jnp.exp(cum[..., -1:] - cum) * writes)[..., None],
+    terms = ChunkTerms(
+        u=product("...ij,...jv->...iv", inverse, scaled(v, beta)).astype(operand),
+        w=product("...ij,...jd->...id", inverse, scaled(k_beta, jnp.exp(cum) * reads)).astype(operand),
+        a=(product("...id,...jd->...ij", q, k) * decay).astype(operand),
+        qr=scaled(q, jnp.exp(cum) * reads),
+        kw=scaled(k, jnp.exp(cum[..., -1:] - cum) * writes),
         decay=jnp.exp(cum[..., -1]) * carries,
     )
+    return terms, inverse
 
 
 def inverse_with_its_gradient(invert):

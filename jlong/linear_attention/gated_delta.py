@@ -119,11 +119,11 @@ GPU_ONLY_IN_MODELS = frozenset({"mosaic"})
 # (call_flops, kind) of the GPU kernels' custom calls, for the planner
 PRICED_CALLS = ((gated_delta_mosaic.call_flops, "gated delta (mosaic)"),)
 if has_pallas_triton():  # a jax without Pallas' Triton backend runs the Mosaic GPU rule
-    from jlong.linear_attention import gated_delta_triton
+    from jlong.linear_attention import chunk_terms_triton, gated_delta_triton
 
     KERNELS["triton"] = gated_delta_triton.triton
     PRICED_CALLS = ((gated_delta_triton.call_flops, "gated delta"), (gated_delta_triton.outputs_call_flops, "matmul"),
-                    *PRICED_CALLS)
+                    (chunk_terms_triton.call_flops, "matmul"), *PRICED_CALLS)
 
 
 def kernel_for(platform: str) -> str:

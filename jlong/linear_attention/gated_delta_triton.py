@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jlong.errors import JlongError
-from jlong.linear_attention import chunk_inverse_triton
+from jlong.linear_attention import chunk_inverse_triton, chunk_terms_triton
 from jlong.linear_attention.chunk_recurrence import BLOCK, CHUNK, rule  # noqa: F401  (the rule's sizes, named here too)
 from jlong.ops.pallas_calls import kernel_call, pipeline_stages, triton_kernel_name
 
@@ -156,7 +156,7 @@ def _outputs(qr, a, states, v_new, interpret):
                  qr.dtype)(qr, a, states, v_new)[0]
 
 
-triton = rule(_forward, _backward, chunk_inverse_triton.inverse, _outputs)
+triton = rule(_forward, _backward, chunk_inverse_triton.inverse, _outputs, chunk_terms_triton.backward)
 
 
 def call_flops(target: str, attributes: str, operand_dims: list, result_dims: tuple) -> float | None:

@@ -1,0 +1,174 @@
+"""The gradient of every chunk's terms (`chunks.chunk_terms`: the WY / UT
+representation, attention inside the chunk, the decays) as one Pallas Triton
+kernel, for the Triton gated delta rule: a program per (sequence x value
+head, chunk) reads the chunk's tokens, its saved inverse (I + N)^-1 and the
+terms' cotangents once and writes the tokens' gradients once, where autodiff
+through XLA's batched products wrote and read back every intermediate
+([C, C] decays, products and their gradients in float32): most of the rule's
+memory traffic in forward + backward (experiments/kernel_estimate.py).
+
+With X the inverse, P = (beta k) k^T, D the decays inside a document,
+e_r = exp(cum g) where a token reads the incoming state and e_w =
+exp(cum_last - cum g) where it writes the outgoing one, the terms are
+
+    u = X (beta v),  w = X (beta k e_r),  a = (q k^T) D,  qr = q e_r,
+    kw = k e_w,      decay = exp(cum_last) (no document starts inside)
+
+and the kernel runs their chain rule back to q, k, v, g and beta; the
+inverse's own gradient is dN = -X^T dX X^T on its strictly lower part (its
+[C, C] products in float32 at full precision). Products take the terms'
+operand dtype (bf16 when v is, as FLA's backward does; float32 at the highest
+precision otherwise, the ring's summaries) with float32 accumulation.
+`interpret=True` runs the same kernel on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jlong.errors import JlongError
+from jlong.ops.pallas_calls import kernel_call, triton_kernel_name
+
+NAME = "chunk_terms_backward"  # the kernel's name in a compiled program
+NUM_WARPS = 8  # [C, C] and [C, BLOCK] float32 tiles: eight warps hold more of them in registers
+# Columns of q, k, v and the terms a step of the kernel's loops takes: the products over the key and value
+# widths run a block at a time (the ring's float32 values of dk + dv = 256 whole would not fit an H100's
+# shared memory).
+BLOCK = 64
+
+
+def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, inverse_ref, du_ref, dw_ref, da_ref,
+            dqr_ref, dkw_ref, ddecay_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, chunk: int, heads: int,
+            group: int, block: int):
+    bh, c = pl.program_id(0), pl.program_id(1)
+    b, h = bh // heads, bh % heads
+    tokens = pl.ds(c * chunk, chunk)
+    operand = q_ref.dtype
+    precision = jax.lax.Precision.HIGHEST if operand == jnp.float32 else None
+    dot = functools.partial(plgpu.dot, precision=precision)
+    exact = functools.partial(plgpu.dot, precision=jax.lax.Precision.HIGHEST)  # the inverse's [C, C] products
+    load = plgpu.load
+
+    def columns_of(ref, head, j):  # a token ref's block j of `block` columns in this chunk
+        return ref.at[b, tokens, head, pl.ds(j * block, block)]
+
+    def term_columns(ref, j):  # a term's (or its cotangent's) block j of columns
+        return ref.at[b, h, c, :, pl.ds(j * block, block)]
+
+    g, beta = (load(ref.at[b, tokens, h]) for ref in (g_ref, beta_ref))
+    seg, prev = load(seg_ref.at[b, tokens]), load(prev_ref.at[b, tokens])
+    X, da, d_decay = (load(ref.at[b, h, c]) for ref in (inverse_ref, da_ref, ddecay_ref))
+
+    # The chunk's decays and masks, as chunk_terms computes them.
+    index = jnp.arange(chunk)
+    rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    causal = cols <= rows
+    cum = jnp.sum(jnp.where(causal, g[None, :], 0.0), axis=1)  # the log decay from the chunk's start
+    cum_last = jnp.sum(g)
+    before = jnp.sum(jnp.where(index == 0, prev, 0))  # the segment of the token before the chunk
+    last = jnp.sum(jnp.where(index == chunk - 1, seg, 0))
+    same = causal & (seg[:, None] == seg[None, :])
+    D = jnp.where(same, jnp.exp(jnp.where(same, cum[:, None] - cum[None, :], 0.0)), 0.0)
+    e_r = jnp.exp(cum) * (seg == before)
+    e_w = jnp.exp(cum_last - cum) * (seg == last)
+    decay = jnp.exp(cum_last) * (last == before)
+    Xo = X.astype(operand)  # X entered u's and w's products in the operand dtype
+
+    def key_side(j):  # block j of the key columns: q, k, beta k, and beta k e_r (w = X kg)
+        q, k = (load(columns_of(ref, h // group, j)) for ref in (q_ref, k_ref))
+        kb = (k * beta[:, None]).astype(operand)
+        return q, k, kb, (kb * e_r[:, None]).astype(operand)
+
+    # Contractions over the key columns: P = kb k^T, QK = q k^T and w's share of dX.
+    square = jnp.zeros((chunk, chunk), jnp.float32)
+    P, QK, dX = square, square, square
+    key_blocks, value_blocks = k_ref.shape[-1] // block, v_ref.shape[-1] // block
+    for j in range(key_blocks):
+        q, k, kb, kg = key_side(j)
+        P += dot(kb, k, trans_b=True)
+        QK += dot(q, k, trans_b=True)
+        dX += dot(load(term_columns(dw_ref, j)), kg, trans_b=True)
+    # u = X vb: u's share of dX, and v's gradient block by block
+    d_beta = jnp.zeros((chunk,), jnp.float32)
+    for j in range(value_blocks):
+        v, du = load(columns_of(v_ref, h, j)), load(term_columns(du_ref, j))
+        dX += dot(du, (v * beta[:, None]).astype(operand), trans_b=True)
+        dvb = dot(Xo, du, trans_a=True)
+        d_beta += jnp.sum(dvb * v, axis=1)
+        plgpu.store(columns_of(dv_ref, h, j), (dvb * beta[:, None]).astype(dv_ref.dtype))
+
+    # X = (I + N)^-1 with N = P D strictly below the diagonal; a = QK D
+    dN = jnp.where(cols < rows, -exact(exact(X, dX, trans_a=True), X, trans_b=True), 0.0)
+    dP, dQK = (dN * D).astype(operand), (da * D).astype(operand)
+    dD = dN * P + da * QK
+
+    d_e_r, d_e_w = jnp.zeros((chunk,), jnp.float32), jnp.zeros((chunk,), jnp.float32)
+    for j in range(key_blocks):
+        q, k, kb, kg = key_side(j)
+        dw, dqr, dkw = (load(term_columns(ref, j)).astype(jnp.float32) for ref in (dw_ref, dqr_ref, dkw_ref))
+        dkg = dot(Xo, dw.astype(operand), trans_a=True)
+        dkb = dkg * e_r[:, None] + dot(dP, k)
+        dq = dot(dQK, k) + dqr * e_r[:, None]
+        dk = dot(dQK, q, trans_a=True) + dot(dP, kb, trans_a=True) + dkb * beta[:, None] + dkw * e_w[:, None]
+        d_beta += jnp.sum(dkb * k, axis=1)
+        d_e_r += jnp.sum(dkg * kb, axis=1) + jnp.sum(dqr * q, axis=1)
+        d_e_w += jnp.sum(dkw * k, axis=1)
+        plgpu.store(columns_of(dq_ref, h, j), dq.astype(dq_ref.dtype))
+        plgpu.store(columns_of(dk_ref, h, j), dk.astype(dk_ref.dtype))
+
+    E = dD * D  # D = exp(cum_i - cum_j): + to row i's cum, - to column j's
+    d_cum = jnp.sum(E, axis=1) - jnp.sum(E, axis=0) + d_e_r * e_r - d_e_w * e_w
+    d_cum += jnp.where(index == chunk - 1, jnp.sum(d_e_w * e_w) + d_decay * decay, 0.0)  # through cum_last
+    plgpu.store(dg_ref.at[b, tokens, h], jnp.sum(jnp.where(causal, d_cum[:, None], 0.0), axis=0))  # cum sums g
+    plgpu.store(dbeta_ref.at[b, tokens, h], d_beta)
+
+
+def _block(width: int) -> int:
+    """Columns a step of the kernel's loops: up to BLOCK, a power of two dividing `width` (at least 16,
+    Triton's smallest product)."""
+    block = math.gcd(width, BLOCK)
+    if block < 16:
+        raise JlongError(f"the Triton chunk terms' gradient needs head widths that are multiples of 16, got {width}")
+    return block
+
+
+def backward(q, k, v, g, beta, seg, prev, inverse, cotangents, *, chunk: int, interpret: bool):
+    """The gradients (dq, dk [B, T, Hk, dk], dv, dg, dbeta) of `chunk_terms(q, k, v, g, beta, seg, prev)`
+    (q, k, v in the terms' operand dtype, T whole chunks) from its saved `inverse` [B, H, n, C, C] float32
+    and the cotangents of its `ChunkTerms`, in float32 (dv in v's dtype)."""
+    B, T, H, dk = *v.shape[:3], k.shape[-1]
+    group = H // k.shape[2]
+    # with more value heads than key heads, a program's dq and dk are its value head's share, summed after
+    per_head = v.dtype if group == 1 else jnp.float32
+    shapes = [((B, T, H, dk), per_head), ((B, T, H, dk), per_head), (v.shape, v.dtype), (g.shape, jnp.float32),
+              (g.shape, jnp.float32)]
+    call = kernel_call(
+        functools.partial(_kernel, chunk=chunk, heads=H, group=group, block=_block(math.gcd(dk, v.shape[-1]))),
+        tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes),
+        interpret=interpret,
+        grid=(B * H, T // chunk),
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        name=NAME,
+    )
+    du, dw, da, dqr, dkw = (c.astype(v.dtype) for c in cotangents[:5])
+    d_decay = cotangents.decay.astype(jnp.float32)
+    dq, dk_, dv, dg, dbeta = call(q, k, v, g, beta, seg, prev, inverse, du, dw, da, dqr, dkw, d_decay)
+    by_key_head = lambda t: t.reshape(B, T, k.shape[2], group, dk).sum(axis=3)  # noqa: E731
+    return by_key_head(dq), by_key_head(dk_), dv, dg, dbeta
+
+
+def call_flops(target: str, attributes: str, operand_dims: list, result_dims: tuple) -> float | None:
+    """The kernel's FLOPs in a compiled program, for the planner: per value head and chunk, C^2 (16 dk +
+    4 dv) in its products of width dk and dv and 4 C^3 in the inverse's gradient; None for any other call."""
+    if triton_kernel_name(target, attributes) != NAME:
+        return None
+    (B, T, H, dv), dk = operand_dims[2], operand_dims[0][-1]  # v [B, T, H, dv], q [B, T, Hk, dk]
+    C = operand_dims[7][-1]  # the inverses [B, H, n, C, C]
+    return float(B * H * (T // C) * C**2 * (16 * dk + 4 * dv + 4 * C))
