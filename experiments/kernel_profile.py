@@ -51,7 +51,7 @@ GROUPED = race.GROUPED_SHAPES[0]
 # What a kernel's name says it is, first match wins (the rest: XLA's fusions and PyTorch's elementwise kernels).
 CATEGORIES = [
     # jlong's kernel names from their start (FLA's chunk_gated_delta_rule_* kernels are FLA's)
-    ("jlong's Pallas kernels", re.compile(r"\b(gated_delta|grouped_matmul|chunk_inverse|chunk_terms)|mosaic", re.I)),
+    ("jlong's Pallas kernels", re.compile(r"\b(gated_delta|grouped_matmul|chunk_terms)|mosaic", re.I)),
     ("FLA's Triton kernels", re.compile(r"chunk_|fwd_kernel|bwd_kernel|_kkt|solve_tril|wy_", re.I)),
     ("GEMMs", re.compile(r"gemm|cutlass|cublas|xmma|nvjet|sm90_|wgmma|matmul|triton_dot|_mm_", re.I)),
     ("copies", re.compile(r"memcpy|memset|copy", re.I)),

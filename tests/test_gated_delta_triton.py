@@ -16,7 +16,7 @@ from helpers import H100, needs_gpu_compiler, small_config
 from test_qwen3_5 import _rule_inputs
 
 from jlong.errors import JlongError
-from jlong.linear_attention import chunk_inverse_triton, chunk_terms_triton, chunks, gated_delta, gated_delta_triton
+from jlong.linear_attention import chunk_terms_triton, chunks, gated_delta, gated_delta_triton
 from jlong.ops.pallas_calls import TRITON_CALL
 from jlong.planner import pricing
 from jlong.planner.memory import compile_train_step
@@ -118,22 +118,26 @@ def test_bfloat16_inputs_stay_near_the_float32_rule():
 
 
 @fast
-@pytest.mark.parametrize("chunk", [16, 32, 64])
-def test_the_chunk_inverse_kernel_equals_the_doublings_with_their_gradient(chunk):
-    """(I + N)^-1 by the kernel (one diagonal block of 16, two, four) against XLA's doublings in float32,
-    and the gradient through it (the inverse's own, from the kernel's inverse)."""
-    rng = np.random.default_rng(chunk)
-    n = jnp.asarray(np.tril(rng.normal(size=(2, 3, chunk, chunk)), -1).astype(np.float32) * 0.3)
-    cotangent = jnp.asarray(rng.normal(size=n.shape).astype(np.float32))
+@pytest.mark.parametrize("chunk, dk, dv, dtype", [(16, 16, 16, jnp.float32), (32, 16, 16, jnp.float32),
+                                                  (64, 32, 48, jnp.float32), (64, 32, 48, jnp.bfloat16)],
+                         ids=["chunk16", "chunk32", "chunk64", "chunk64-bf16"])
+def test_the_chunk_terms_kernel_equals_the_batched_terms(chunk, dk, dv, dtype):
+    """Every term and the inverse (I + N)^-1 of chunks of one, two and four diagonal blocks of 16 (inverted
+    by doubling and block substitution) against XLA's batched `chunk_terms_and_inverse`: three documents,
+    a starting state the first sequence continues, Hv = 2 Hk, 150 tokens padded to whole chunks. Float32
+    within 1e-5 of each term's largest; bf16 terms (products in bf16, sums float32) within 1%."""
+    tokens = _rule_inputs(dk=dk, dv=dv)
+    tokens, seg, prev, _ = chunks.padded_inputs(tokens, jnp.asarray(SEGMENTS), _state(2, 4, dk, dv),
+                                                jnp.array([5, 0]), multiple=chunk)
+    tokens = [t.astype(dtype) for t in tokens[:3]] + list(tokens[3:])
     with jax.default_matmul_precision("highest"):
-        got, pullback = jax.vjp(functools.partial(chunk_inverse_triton.inverse, interpret=True), n)
-        want, want_pullback = jax.vjp(chunks.unit_lower_inverse, n)
-        (d_got,), (d_want,) = pullback(cotangent), want_pullback(cotangent)
-    assert got.shape == n.shape and float(jnp.abs(jnp.triu(got, 1)).max()) == 0
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
-    np.testing.assert_allclose(np.asarray(got) @ (np.eye(chunk) + np.asarray(n)),
-                               np.broadcast_to(np.eye(chunk), n.shape), atol=1e-4)
-    np.testing.assert_allclose(d_got, d_want, rtol=0, atol=1e-5 * float(jnp.abs(d_want).max()))
+        want = chunks.chunk_terms_and_inverse(*tokens, seg, prev, chunk=chunk, operand=dtype)
+    got = chunk_terms_triton.forward(*tokens, seg, prev, chunk=chunk, interpret=True)
+    tolerance = 1e-5 if dtype == jnp.float32 else 1e-2
+    for name, a, b in zip((*chunks.ChunkTerms._fields, "inverse"), (*got[0], got[1]), (*want[0], want[1])):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=0, atol=tolerance * np.abs(b).max(), err_msg=name)
 
 
 @fast
@@ -170,9 +174,11 @@ def test_the_outputs_kernel_takes_64_value_columns_a_program_where_the_width_all
 
 
 @fast
-def test_the_chunk_inverse_takes_chunks_of_whole_blocks_only():
+def test_the_chunk_terms_take_chunks_of_whole_blocks_only():
+    q, k, v, g, beta = _rule_inputs(B=1, S=64)
+    segments = jnp.zeros((1, 64), jnp.int32)
     with pytest.raises(JlongError, match="chunks of a multiple of 16 tokens, got 8") as raised:
-        chunk_inverse_triton.inverse(jnp.zeros((2, 8, 8)), interpret=True)
+        chunk_terms_triton.forward(q, k, v, g, beta, segments, segments, chunk=8, interpret=True)
     assert "\n" not in str(raised.value)
 
 
@@ -187,8 +193,8 @@ def test_the_registry_runs_it_interpreted_where_asked_and_auto_picks_it_on_gpus(
 @fast
 def test_the_kernels_calls_are_priced_at_their_recurrences_flops():
     """Per chunk, head and value column: the forward's two products 4 C dk, the backward's four 2 C (3 dk + C);
-    the chunk inverse's products per chunk; the outputs' per chunk and value column; the chunk terms'
-    gradient's per value head and chunk."""
+    the outputs' per chunk and value column; the chunk terms' and their gradient's per value head and
+    chunk."""
     BH, n, C, dv, dk = 48, 2048, 64, 128, 128
     dims = [[BH, n, C, dv], [BH, n, C, dk], [BH, n, C, C]]
     for name, per_column in ((gated_delta_triton.FORWARD, 4 * C * dk),
@@ -199,12 +205,6 @@ def test_the_kernels_calls_are_priced_at_their_recurrences_flops():
         assert pricing.kernel_flops(TRITON_CALL, attributes, dims, (BH, n, C, dv)) == \
             (flops, "gated delta")
         assert gated_delta_triton.call_flops("other", attributes, dims, ()) is None
-    # The chunk inverse: per chunk of 64, four blocks' four doublings of two products, and the substitution's
-    # ten products of sums and six of the diagonal blocks' inverses: 48 products of 16 x 16 blocks.
-    attributes = f'name = "{chunk_inverse_triton.NAME}", num_stages = 1'
-    flops = gated_delta_triton.call_flops(TRITON_CALL, attributes, [[BH * n, C, C]], (BH * n, C, C))
-    assert flops == BH * n * 48 * 2 * 16**3 and pricing.kernel_flops(
-        TRITON_CALL, attributes, [[BH * n, C, C]], (BH * n, C, C)) == (flops, "gated delta")
     # The outputs' kernel, o = qr S + a v_new: 2 C (dk + C) per chunk and value column, priced as the GEMMs
     # XLA ran those products as.
     attributes = f'name = "{gated_delta_triton.OUTPUTS}", num_stages = 3'
@@ -212,11 +212,19 @@ def test_the_kernels_calls_are_priced_at_their_recurrences_flops():
     assert pricing.kernel_flops(TRITON_CALL, attributes, dims, (BH, n, C, dv)) == (
         BH * n * dv * 2 * C * (dk + C), "matmul")
     assert gated_delta_triton.call_flops(TRITON_CALL, attributes, dims, ()) is None
+    # The chunk terms, per value head and chunk of 64: ten blocks of 16 x 16 on and below the diagonal, each
+    # with four products (N's and a's of width dk, w's of dk, u's of dv), and the inverse's: four blocks'
+    # four doublings of two products and the substitution's ten products of sums and six of the diagonal
+    # blocks' inverses, 48 products of 16 x 16 blocks. Priced as the GEMMs XLA ran them as.
+    B, T, H, Hk = 2, n * C, 24, 12
+    attributes = f'name = "{chunk_terms_triton.FORWARD_NAME}", num_stages = 1'
+    dims = [[B, T, Hk, dk], [B, T, Hk, dk], [B, T, H, dv], [B, T, H], [B, T, H], [B, T], [B, T]]
+    assert pricing.kernel_flops(TRITON_CALL, attributes, dims, (B, H, n, C, dv)) == (
+        B * H * n * (10 * 2 * 16**2 * (3 * dk + dv) + 48 * 2 * 16**3), "matmul")
     # The chunk terms' gradient: per value head and chunk, C^2 (16 dk + 4 dv) in its products and 4 C^3 in
     # the inverse's gradient, priced as the GEMMs XLA ran its autodiff as. Its operands: q, k [B, T, Hk, dk],
     # v [B, T, H, dv], g, beta [B, T, H], seg, prev [B, T], the inverses [B, H, n, C, C], the cotangents.
-    B, T, H, Hk = 2, n * C, 24, 12
-    attributes = f'name = "{chunk_terms_triton.NAME}", num_stages = 1'
+    attributes = f'name = "{chunk_terms_triton.BACKWARD_NAME}", num_stages = 1'
     dims = [[B, T, Hk, dk], [B, T, Hk, dk], [B, T, H, dv], [B, T, H], [B, T, H], [B, T], [B, T], [B, H, n, C, C]]
     assert pricing.kernel_flops(TRITON_CALL, attributes, dims, ()) == (
         B * H * n * C**2 * (16 * dk + 4 * dv + 4 * C), "matmul")
@@ -227,14 +235,14 @@ def test_the_kernels_calls_are_priced_at_their_recurrences_flops():
 @needs_gpu_compiler
 def test_a_qwen3_5_step_compiles_for_h100s_with_the_triton_rule_priced():
     """XLA:GPU, deviceless: `auto` runs the Triton rule on a GPU, on Ulysses x ring (its own chunks and the
-    ring's float32 calls); its kernels' calls are priced at their FLOPs (as "gated delta"), none unpriced."""
+    ring's float32 calls); its kernels' calls are priced at their FLOPs, none unpriced."""
     config = small_config("model.preset=tiny-qwen3.5", "model.num_hidden_layers=4", "train.seq_len=2048", "train.batch_size=1",
                           "mesh.ring=2", "mesh.sp=4")
     step = compile_train_step(config, H100)
     hlo = step.compiled.as_text()
-    assert hlo.count(f'"{gated_delta_triton.FORWARD}"') > 0 and hlo.count(f'"{gated_delta_triton.BACKWARD}"') > 0
-    assert hlo.count(f'"{chunk_inverse_triton.NAME}"') > 0 and hlo.count(f'"{gated_delta_triton.OUTPUTS}"') > 0
-    assert hlo.count(f'"{chunk_terms_triton.NAME}"') > 0
+    for name in (gated_delta_triton.FORWARD, gated_delta_triton.BACKWARD, gated_delta_triton.OUTPUTS,
+                 chunk_terms_triton.FORWARD_NAME, chunk_terms_triton.BACKWARD_NAME):
+        assert hlo.count(f'"{name}"') > 0, name
     cost = step_cost(step)
     assert not cost.unpriced_custom_calls and cost.time_by_kind["gated delta"] > 0
 
@@ -243,7 +251,7 @@ def test_a_qwen3_5_step_compiles_for_h100s_with_the_triton_rule_priced():
 @pytest.mark.parametrize("dtype, width", [(jnp.bfloat16, 128), (jnp.float32, 256)], ids=["bf16", "ring-float32"])
 def test_its_kernels_fit_an_h100s_shared_memory_at_qwen3_5s_head_sizes(dtype, width):
     """XLA:GPU, deviceless (Triton checks each kernel's shared memory against the SM's): the recurrence's
-    forward and backward, the chunk inverse, the outputs and the chunk terms' gradient at dk = 128, with
+    forward and backward, the chunk terms, their gradient and the outputs at dk = 128, with
     values of 128 in bf16 (training) and of dk + dv = 256 in float32 (the ring's summaries). The tiny models
     of the other tests use heads far too small to find out."""
     sharding = jax.sharding.SingleDeviceSharding(H100.devices(1)[0])
@@ -258,6 +266,6 @@ def test_its_kernels_fit_an_h100s_shared_memory_at_qwen3_5s_head_sizes(dtype, wi
 
     compiled = jax.jit(jax.value_and_grad(loss, argnums=range(5))).lower(*args).compile()  # the loss reads o
     hlo = compiled.as_text()
-    assert f'"{gated_delta_triton.FORWARD}"' in hlo and f'"{gated_delta_triton.BACKWARD}"' in hlo
-    assert f'"{chunk_inverse_triton.NAME}"' in hlo and f'"{gated_delta_triton.OUTPUTS}"' in hlo
-    assert f'"{chunk_terms_triton.NAME}"' in hlo
+    for name in (gated_delta_triton.FORWARD, gated_delta_triton.BACKWARD, gated_delta_triton.OUTPUTS,
+                 chunk_terms_triton.FORWARD_NAME, chunk_terms_triton.BACKWARD_NAME):
+        assert f'"{name}"' in hlo, name

@@ -128,7 +128,7 @@ def test_a_profile_sums_each_kernels_launches_per_call_and_splits_the_time_by_wh
                                                  "fusions and other kernels": 2})
     assert [t["name"] for t in found["top"][:2]] == ["gated_delta_backward", "gated_delta_forward"]
     assert sum(t["share"] for t in found["top"]) == pytest.approx(1)
-    for name in ("chunk_inverse", "chunk_terms_backward"):  # not FLA's chunk_* kernels
+    for name in ("chunk_terms_forward", "chunk_terms_backward"):  # not FLA's chunk_* kernels
         assert profile.category(name) == "jlong's Pallas kernels"
     assert profile.category("chunk_gated_delta_rule_fwd_kernel_h") == "FLA's Triton kernels"
 

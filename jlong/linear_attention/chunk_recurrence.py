@@ -2,8 +2,9 @@
 of its two kernels: the chunk-local work for all chunks at once, and only
 the chunk-to-chunk state recurrence in sequence, one kernel launch per pass.
 
-1. `chunks.chunk_terms`: every chunk's WY / UT terms, intra-chunk attention
-   and decays, as batched XLA operations over all chunks;
+1. every chunk's WY / UT terms, intra-chunk attention and decays, for all
+   chunks at once: `chunks.chunk_terms`' batched XLA operations, or a
+   backend's kernel;
 2. the forward kernel walks the chunks of one (sequence, head) and block of
    value columns with the state on chip, doing only what the next chunk
    waits for (v_new = u - w S, S <- decay S + kw^T v_new) and writing the
@@ -40,16 +41,19 @@ CHUNK = 64  # tokens per chunk, as FLA's
 BLOCK = 32_768
 
 
-def rule(forward, backward, inverse=None, outputs=None, terms_backward=None):
+def rule(forward, backward, outputs=None, terms_forward=None, terms_backward=None):
     """The gated delta rule on a backend's two kernels, with `gated_delta.chunked`'s contract: o [B, S, H,
     dv] in v's dtype and the final state [B, H, dk, dv] in float32, `block` tokens at a time (fewer when
-    the sequence is shorter), each block's chunks at once. A backend may have kernels for three of the
-    batched steps too (XLA's otherwise): `inverse(strictly_lower, interpret)` the chunks' (I + N)^-1
-    (`chunks.unit_lower_inverse`), `outputs(qr, a, states, v_new, interpret)` o = qr S + a v_new, and
-    `terms_backward(q, k, v, g, beta, seg, prev, inverse, cotangents, chunk=, interpret=)` the chunk
-    terms' gradient (`chunk_terms_triton.backward`; autodiff through XLA's otherwise)."""
+    the sequence is shorter), each block's chunks at once. A backend may have kernels for the batched
+    steps too (XLA's otherwise): `outputs(qr, a, states, v_new, interpret)` o = qr S + a v_new;
+    `terms_forward(q, k, v, g, beta, seg, prev, chunk=, interpret=)` the chunk terms and their inverses
+    (`chunks.chunk_terms_and_inverse`), and `terms_backward(q, k, v, g, beta, seg, prev, inverse,
+    cotangents, chunk=, interpret=)` their gradient (autodiff through XLA's terms without it; a backend
+    with `terms_forward` has it)."""
+    if terms_forward and not terms_backward:
+        raise ValueError("a backend's chunk terms kernel needs its gradient's")
     recurrence = _recurrence(forward, backward, outputs or _outputs)
-    terms = _terms(inverse, terms_backward)
+    terms = _terms(terms_forward, terms_backward)
 
     def run(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_before=None, *, interpret: bool = False,
             chunk: int = CHUNK, block: int = BLOCK):
@@ -60,15 +64,19 @@ def rule(forward, backward, inverse=None, outputs=None, terms_backward=None):
     return run
 
 
-def _terms(inverse, terms_backward):
+def _terms(terms_forward, terms_backward):
     """(q, k, v, g, beta, seg, prev, chunk, interpret) -> the `ChunkTerms` in the operand dtype of v's,
-    their (I + N)^-1 computed by `inverse` and their gradient by `terms_backward` where the backend has
-    them."""
+    computed by `terms_forward` and differentiated by `terms_backward` where the backend has them."""
+
+    def kernel_tokens(q, k, v, g, beta):  # what the kernels take: q, k, v in the operand dtype, g, beta float32
+        operand = jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
+        return [t.astype(operand) for t in (q, k, v)] + [t.astype(jnp.float32) for t in (g, beta)]
 
     def terms_and_inverse(q, k, v, g, beta, seg, prev, chunk, interpret):
-        operand = jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
-        invert = functools.partial(inverse, interpret=interpret) if inverse else None
-        return chunk_terms_and_inverse(q, k, v, g, beta, seg, prev, chunk=chunk, operand=operand, invert=invert)
+        if terms_forward is None:
+            operand = jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
+            return chunk_terms_and_inverse(q, k, v, g, beta, seg, prev, chunk=chunk, operand=operand)
+        return terms_forward(*kernel_tokens(q, k, v, g, beta), seg, prev, chunk=chunk, interpret=interpret)
 
     if terms_backward is None:
         return lambda *args: terms_and_inverse(*args)[0]
@@ -77,19 +85,17 @@ def _terms(inverse, terms_backward):
     def terms(q, k, v, g, beta, seg, prev, chunk, interpret):
         return terms_and_inverse(q, k, v, g, beta, seg, prev, chunk, interpret)[0]
 
-    def terms_forward(q, k, v, g, beta, seg, prev, chunk, interpret):
-        result, inverse_ = terms_and_inverse(q, k, v, g, beta, seg, prev, chunk, interpret)
-        return result, (q, k, v, g, beta, seg, prev, inverse_)
+    def with_residuals(q, k, v, g, beta, seg, prev, chunk, interpret):
+        result, inverse = terms_and_inverse(q, k, v, g, beta, seg, prev, chunk, interpret)
+        return result, (q, k, v, g, beta, seg, prev, inverse)
 
-    def terms_gradient(chunk, interpret, saved, cotangents):
-        q, k, v, g, beta, seg, prev, inverse_ = saved
-        operand = cotangents.u.dtype
-        tokens = [t.astype(operand) for t in (q, k, v)] + [t.astype(jnp.float32) for t in (g, beta)]
-        grads = terms_backward(*tokens, seg, prev, inverse_, ChunkTerms(*cotangents), chunk=chunk,
+    def gradient(chunk, interpret, saved, cotangents):
+        *tokens, seg, prev, inverse = saved
+        grads = terms_backward(*kernel_tokens(*tokens), seg, prev, inverse, ChunkTerms(*cotangents), chunk=chunk,
                                interpret=interpret)
-        return (*(d.astype(t.dtype) for d, t in zip(grads, (q, k, v, g, beta))), None, None)
+        return (*(d.astype(t.dtype) for d, t in zip(grads, tokens)), None, None)
 
-    terms.defvjp(terms_forward, terms_gradient)
+    terms.defvjp(with_residuals, gradient)
     return terms
 
 

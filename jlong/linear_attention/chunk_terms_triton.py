@@ -1,25 +1,30 @@
-"""The gradient of every chunk's terms (`chunks.chunk_terms`: the WY / UT
-representation, attention inside the chunk, the decays) as one Pallas Triton
-kernel, for the Triton gated delta rule: a program per (sequence x value
-head, chunk) reads the chunk's tokens, its saved inverse (I + N)^-1 and the
-terms' cotangents once and writes the tokens' gradients once, where autodiff
-through XLA's batched products wrote and read back every intermediate
-([C, C] decays, products and their gradients in float32): most of the rule's
-memory traffic in forward + backward (experiments/kernel_estimate.py).
+"""Every chunk's terms (`chunks.chunk_terms`: the WY / UT representation,
+attention inside the chunk, the decays) and their gradient as Pallas Triton
+kernels, one per pass, for the Triton gated delta rule, as FLA structures
+its chunk-local work: a program per (sequence x value head, chunk) reads the
+chunk's tokens once and writes its terms once (forward), or reads the
+tokens, the chunk's inverse saved by the forward and the terms' cotangents
+once and writes the tokens' gradients once (backward), where XLA's batched
+products and autodiff through them wrote and read back every intermediate
+([C, C] decays, systems, products and their gradients in float32): most of
+the rule's memory traffic (experiments/kernel_estimate.py).
 
-With X the inverse, P = (beta k) k^T, D the decays inside a document,
-e_r = exp(cum g) where a token reads the incoming state and e_w =
-exp(cum_last - cum g) where it writes the outgoing one, the terms are
+With X = (I + N)^-1, N = P D strictly below the diagonal, P = (beta k) k^T,
+D the decays inside a document, e_r = exp(cum g) where a token reads the
+incoming state and e_w = exp(cum_last - cum g) where it writes the outgoing
+one, the terms are
 
     u = X (beta v),  w = X (beta k e_r),  a = (q k^T) D,  qr = q e_r,
-    kw = k e_w,      decay = exp(cum_last) (no document starts inside)
+    kw = k e_w,      decay = exp(cum_last) (no document starts inside).
 
-and the kernel runs their chain rule back to q, k, v, g and beta; the
-inverse's own gradient is dN = -X^T dX X^T on its strictly lower part (its
-[C, C] products in float32 at full precision). Products take the terms'
-operand dtype (bf16 when v is, as FLA's backward does; float32 at the highest
-precision otherwise, the ring's summaries) with float32 accumulation.
-`interpret=True` runs the same kernel on the CPU.
+The forward runs in blocks of 16 rows (Triton cannot slice a value), X by
+`chunk_inverse_triton`; the backward runs the chain rule back to q, k, v, g
+and beta, the inverse's own gradient dN = -X^T dX X^T on its strictly lower
+part. X and its products are float32 at full precision (IEEE on the GPU,
+not TF32); the other products take the terms' operand dtype (bf16 when v
+is, as FLA's kernels do; float32 at the highest precision otherwise, the
+ring's summaries) with float32 accumulation. `interpret=True` runs the same
+kernels on the CPU.
 """
 
 from __future__ import annotations
@@ -33,19 +38,109 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jlong.errors import JlongError
+from jlong.linear_attention.chunk_inverse_triton import invert_blocks, products_flops
+from jlong.linear_attention.chunks import DIAGONAL_BLOCK, ChunkTerms
 from jlong.ops.pallas_calls import kernel_call, triton_kernel_name
 
-NAME = "chunk_terms_backward"  # the kernel's name in a compiled program
-NUM_WARPS = 8  # [C, C] and [C, BLOCK] float32 tiles: eight warps hold more of them in registers
-# Columns of q, k, v and the terms a step of the kernel's loops takes: the products over the key and value
+FORWARD_NAME, BACKWARD_NAME = "chunk_terms_forward", "chunk_terms_backward"  # the kernels' names in a program
+FORWARD_NUM_WARPS = 4  # products of 16-row blocks
+BACKWARD_NUM_WARPS = 8  # [C, C] and [C, BLOCK] float32 tiles: eight warps hold more of them in registers
+# Columns of q, k, v and the terms a step of the backward's loops takes: the products over the key and value
 # widths run a block at a time (the ring's float32 values of dk + dv = 256 whole would not fit an H100's
 # shared memory).
 BLOCK = 64
 
 
-def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, inverse_ref, du_ref, dw_ref, da_ref,
-            dqr_ref, dkw_ref, ddecay_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, chunk: int, heads: int,
-            group: int, block: int):
+def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, u_ref, w_ref, a_ref, qr_ref,
+                    kw_ref, decay_ref, inverse_ref, *, chunk: int, heads: int, group: int):
+    """A chunk's terms and its inverse, a block of DIAGONAL_BLOCK rows at a time (Triton cannot slice a
+    value, so each block's rows are loaded on their own)."""
+    bh, c = pl.program_id(0), pl.program_id(1)
+    b, h = bh // heads, bh % heads
+    size, count = DIAGONAL_BLOCK, chunk // DIAGONAL_BLOCK
+    operand = q_ref.dtype
+    dot = functools.partial(plgpu.dot, precision=jax.lax.Precision.HIGHEST if operand == jnp.float32 else None)
+    load = plgpu.load
+    index = jnp.arange(chunk)
+    g = load(g_ref.at[b, pl.ds(c * chunk, chunk), h])
+    seg, prev = (load(ref.at[b, pl.ds(c * chunk, chunk)]) for ref in (seg_ref, prev_ref))
+    cum_last = jnp.sum(g)
+    before = jnp.sum(jnp.where(index == 0, prev, 0))  # the segment of the token before the chunk
+    last = jnp.sum(jnp.where(index == chunk - 1, seg, 0))
+    plgpu.store(decay_ref.at[b, h, c], jnp.exp(cum_last) * (last == before))
+
+    rows = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
+    columns = jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)
+    tokens, cum, seg_of, e_r, q, k, kb, kg, vb = {}, {}, {}, {}, {}, {}, {}, {}, {}
+    for i in range(count):
+        tokens[i] = pl.ds(c * chunk + i * size, size)
+        position = i * size + jnp.arange(size)
+        cum[i] = jnp.sum(jnp.where(index[None, :] <= position[:, None], g[None, :], 0.0), axis=1)
+        seg_of[i] = load(seg_ref.at[b, tokens[i]])
+        e_r[i] = jnp.exp(cum[i]) * (seg_of[i] == before)
+        e_w = jnp.exp(cum_last - cum[i]) * (seg_of[i] == last)
+        beta = load(beta_ref.at[b, tokens[i], h])
+        q[i], k[i] = (load(ref.at[b, tokens[i], h // group, :]) for ref in (q_ref, k_ref))
+        kb[i] = (k[i] * beta[:, None]).astype(operand)
+        kg[i] = (kb[i] * e_r[i][:, None]).astype(operand)
+        vb[i] = (load(v_ref.at[b, tokens[i], h, :]) * beta[:, None]).astype(operand)
+        plgpu.store(qr_ref.at[b, h, c, pl.ds(i * size, size), :], (q[i] * e_r[i][:, None]).astype(operand))
+        plgpu.store(kw_ref.at[b, h, c, pl.ds(i * size, size), :], (k[i] * e_w[:, None]).astype(operand))
+
+    def decays(i, j):  # D's block (i, j), j <= i: exp(cum_i - cum_j) within a document, causal
+        same = seg_of[i][:, None] == seg_of[j][None, :]
+        if i == j:
+            same &= columns <= rows
+        return jnp.where(same, jnp.exp(jnp.where(same, cum[i][:, None] - cum[j][None, :], 0.0)), 0.0)
+
+    def block(ref, i, j):
+        return ref.at[b, h, c, pl.ds(i * size, size), pl.ds(j * size, size)]
+
+    lower, zero = {}, jnp.zeros((size, size), jnp.float32)
+    for i in range(count):
+        for j in range(count):
+            if j > i:
+                plgpu.store(block(a_ref, i, j), zero.astype(operand))
+                continue
+            D = decays(i, j)
+            lower[i, j] = dot(kb[i], k[j], trans_b=True) * D  # N's block (its diagonal ignored)
+            plgpu.store(block(a_ref, i, j), (dot(q[i], k[j], trans_b=True) * D).astype(operand))
+    X = invert_blocks(lower, count)
+    for i in range(count):
+        for j in range(count):
+            plgpu.store(block(inverse_ref, i, j), X[i, j] if j <= i else zero)
+        Xo = [X[i, j].astype(operand) for j in range(i + 1)]
+        u = functools.reduce(jnp.add, (dot(Xo[j], vb[j]) for j in range(i + 1)))
+        w = functools.reduce(jnp.add, (dot(Xo[j], kg[j]) for j in range(i + 1)))
+        plgpu.store(u_ref.at[b, h, c, pl.ds(i * size, size), :], u.astype(operand))
+        plgpu.store(w_ref.at[b, h, c, pl.ds(i * size, size), :], w.astype(operand))
+
+
+def forward(q, k, v, g, beta, seg, prev, *, chunk: int, interpret: bool):
+    """`chunks.chunk_terms_and_inverse` of q, k [B, T, Hk, dk], v [B, T, H, dv] in the terms' operand dtype,
+    g, beta [B, T, H] float32, seg, prev [B, T] (T whole chunks): the `ChunkTerms` [B, H, n, C, ...] in the
+    operand dtype (the decays float32) and the inverses [B, H, n, C, C] float32."""
+    B, T, H, dv = v.shape
+    dk, n, operand = k.shape[-1], T // chunk, v.dtype
+    if chunk % DIAGONAL_BLOCK:
+        raise JlongError(f"the Triton chunk terms need chunks of a multiple of {DIAGONAL_BLOCK} tokens, got {chunk}")
+    shapes = [((B, H, n, chunk, dv), operand), ((B, H, n, chunk, dk), operand), ((B, H, n, chunk, chunk), operand),
+              ((B, H, n, chunk, dk), operand), ((B, H, n, chunk, dk), operand), ((B, H, n), jnp.float32),
+              ((B, H, n, chunk, chunk), jnp.float32)]
+    *terms, inverse = kernel_call(
+        functools.partial(_forward_kernel, chunk=chunk, heads=H, group=H // k.shape[2]),
+        tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes),
+        interpret=interpret,
+        grid=(B * H, n),
+        compiler_params=plgpu.CompilerParams(num_warps=FORWARD_NUM_WARPS, num_stages=1),
+        name=FORWARD_NAME,
+    )(q, k, v, g, beta, seg, prev)
+    return ChunkTerms(*terms), inverse
+
+
+def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, inverse_ref, du_ref, dw_ref,
+                     da_ref, dqr_ref, dkw_ref, ddecay_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, chunk: int,
+                     heads: int, group: int, block: int):
     bh, c = pl.program_id(0), pl.program_id(1)
     b, h = bh // heads, bh % heads
     tokens = pl.ds(c * chunk, chunk)
@@ -150,12 +245,13 @@ def backward(q, k, v, g, beta, seg, prev, inverse, cotangents, *, chunk: int, in
     shapes = [((B, T, H, dk), per_head), ((B, T, H, dk), per_head), (v.shape, v.dtype), (g.shape, jnp.float32),
               (g.shape, jnp.float32)]
     call = kernel_call(
-        functools.partial(_kernel, chunk=chunk, heads=H, group=group, block=_block(math.gcd(dk, v.shape[-1]))),
+        functools.partial(_backward_kernel, chunk=chunk, heads=H, group=group,
+                          block=_block(math.gcd(dk, v.shape[-1]))),
         tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes),
         interpret=interpret,
         grid=(B * H, T // chunk),
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
-        name=NAME,
+        compiler_params=plgpu.CompilerParams(num_warps=BACKWARD_NUM_WARPS, num_stages=1),
+        name=BACKWARD_NAME,
     )
     du, dw, da, dqr, dkw = (c.astype(v.dtype) for c in cotangents[:5])
     d_decay = cotangents.decay.astype(jnp.float32)
@@ -165,10 +261,19 @@ def backward(q, k, v, g, beta, seg, prev, inverse, cotangents, *, chunk: int, in
 
 
 def call_flops(target: str, attributes: str, operand_dims: list, result_dims: tuple) -> float | None:
-    """The kernel's FLOPs in a compiled program, for the planner: per value head and chunk, C^2 (16 dk +
-    4 dv) in its products of width dk and dv and 4 C^3 in the inverse's gradient; None for any other call."""
-    if triton_kernel_name(target, attributes) != NAME:
+    """The kernels' FLOPs in a compiled program, for the planner, per value head and chunk: the forward's
+    products of blocks on and below the diagonal, 2 b^2 (3 dk + dv) each (N's, a's, w's and u's; b = 16),
+    and the inverse's; the backward's C^2 (16 dk + 4 dv) in its products of width dk and dv and 4 C^3 in
+    the inverse's gradient; None for any other call."""
+    name = triton_kernel_name(target, attributes)
+    if name not in (FORWARD_NAME, BACKWARD_NAME):
         return None
     (B, T, H, dv), dk = operand_dims[2], operand_dims[0][-1]  # v [B, T, H, dv], q [B, T, Hk, dk]
-    C = operand_dims[7][-1]  # the inverses [B, H, n, C, C]
-    return float(B * H * (T // C) * C**2 * (16 * dk + 4 * dv + 4 * C))
+    if name == FORWARD_NAME:
+        C = result_dims[3]  # u [B, H, n, C, dv], its first result
+        count = C // DIAGONAL_BLOCK
+        per_chunk = count * (count + 1) // 2 * 2 * DIAGONAL_BLOCK**2 * (3 * dk + dv) + products_flops(C)
+    else:
+        C = operand_dims[7][-1]  # the inverses [B, H, n, C, C]
+        per_chunk = C**2 * (16 * dk + 4 * dv + 4 * C)
+    return float(B * H * (T // C) * per_chunk)

@@ -97,13 +97,12 @@ class ChunkTerms(NamedTuple):
     decay: jax.Array  # [..] the incoming state's decay over the chunk (0 where a document starts inside)
 
 
-def chunk_terms(q, k, v, g, beta, seg, prev, *, chunk: int, operand=jnp.float32,
-                invert=None) -> ChunkTerms:
+def chunk_terms(q, k, v, g, beta, seg, prev, *, chunk: int, operand=jnp.float32) -> ChunkTerms:
     """`chunk_terms_and_inverse`'s terms."""
-    return chunk_terms_and_inverse(q, k, v, g, beta, seg, prev, chunk=chunk, operand=operand, invert=invert)[0]
+    return chunk_terms_and_inverse(q, k, v, g, beta, seg, prev, chunk=chunk, operand=operand)[0]
 
 
-def chunk_terms_and_inverse(q, k, v, g, beta, seg, prev, *, chunk: int, operand=jnp.float32, invert=None):
+def chunk_terms_and_inverse(q, k, v, g, beta, seg, prev, *, chunk: int, operand=jnp.float32):
     """The `ChunkTerms` of tokens q, k [B, T, Hk, dk], v [B, T, H, dv], g,
     beta [B, T, H] (T a multiple of `chunk`), segment ids `seg` and each
     token's predecessor's `prev` [B, T].
@@ -112,10 +111,9 @@ def chunk_terms_and_inverse(q, k, v, g, beta, seg, prev, *, chunk: int, operand=
     in force), or bf16 with float32 accumulation (as FLA's kernels, at half
     the memory traffic). The decays and the triangular inverse are computed
     in float32 (the inverse enters u's and w's products in `operand`); the
-    terms are rounded to `operand`, the decays float32. `invert`: how
-    (I + N)^-1 is computed (`unit_lower_inverse` unless a backend has a
-    kernel for it); it is returned beside the terms [B, H, n, C, C] float32,
-    for a backend's own gradient of them (`chunk_terms_triton`)."""
+    terms are rounded to `operand`, the decays float32. The inverses
+    (I + N)^-1 are returned beside the terms [B, H, n, C, C] float32, for a
+    backend's own gradient of them (`chunk_terms_triton`)."""
     q, k, v = (t.astype(operand) for t in (q, k, v))
     g, beta = (t.astype(jnp.float32) for t in (g, beta))
     B, T, H, dv = v.shape
@@ -149,7 +147,7 @@ def chunk_terms_and_inverse(q, k, v, g, beta, seg, prev, *, chunk: int, operand=
     k_beta = scaled(k, beta)
     strictly = ~jnp.eye(chunk, dtype=bool)
     system = jnp.where(strictly, product("...id,...jd->...ij", k_beta, k) * decay, 0.0)
-    inverse = (invert or unit_lower_inverse)(system)  # of I + the strictly lower part
+    inverse = unit_lower_inverse(system)  # of I + the strictly lower part
     terms = ChunkTerms(
         u=product("...ij,...jv->...iv", inverse, scaled(v, beta)).astype(operand),
         w=product("...ij,...jd->...id", inverse, scaled(k_beta, jnp.exp(cum) * reads)).astype(operand),

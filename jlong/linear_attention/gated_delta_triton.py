@@ -1,7 +1,7 @@
 """The gated delta rule's chunk-to-chunk recurrence as Pallas Triton
 kernels, one per pass (`jlong.linear_attention.chunk_recurrence` runs the
-chunk-local work around them as FLA structures it, the chunks' triangular
-inverses in `chunk_inverse_triton`'s kernel): a program per
+chunk-local work around them as FLA structures it, the chunk terms and their
+gradient in `chunk_terms_triton`'s kernels): a program per
 (sequence x head, block of value columns) walks the chunks with the state
 [dk, block_v] on chip in float32, forward
 
@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jlong.errors import JlongError
-from jlong.linear_attention import chunk_inverse_triton, chunk_terms_triton
+from jlong.linear_attention import chunk_terms_triton
 from jlong.linear_attention.chunk_recurrence import BLOCK, CHUNK, rule  # noqa: F401  (the rule's sizes, named here too)
 from jlong.ops.pallas_calls import kernel_call, pipeline_stages, triton_kernel_name
 
@@ -156,20 +156,17 @@ def _outputs(qr, a, states, v_new, interpret):
                  qr.dtype)(qr, a, states, v_new)[0]
 
 
-triton = rule(_forward, _backward, chunk_inverse_triton.inverse, _outputs, chunk_terms_triton.backward)
+triton = rule(_forward, _backward, _outputs, chunk_terms_triton.forward, chunk_terms_triton.backward)
 
 
 def call_flops(target: str, attributes: str, operand_dims: list, result_dims: tuple) -> float | None:
     """The FLOPs of one of these kernels' calls in a compiled program, for the
     planner: per chunk and value column, the forward's two products
-    (w S, kw^T v_new) 4 C dk, the backward's four 2 C (3 dk + C); the chunk
-    inverse's products per chunk; None for any other call."""
+    (w S, kw^T v_new) 4 C dk, the backward's four 2 C (3 dk + C); None for
+    any other call."""
     name = triton_kernel_name(target, attributes)
-    if name not in (FORWARD, BACKWARD, chunk_inverse_triton.NAME):
+    if name not in (FORWARD, BACKWARD):
         return None
-    if name == chunk_inverse_triton.NAME:
-        chunks, C, _ = operand_dims[0]  # the systems [chunks, C, C]
-        return chunks * chunk_inverse_triton.products_flops(C)
     BH, n, C, dv = operand_dims[0]
     dk = operand_dims[1][-1]  # w [BH, n, C, dk], the second operand of both
     per_column = 4 * C * dk if name == FORWARD else 2 * C * (3 * dk + C)
