@@ -144,21 +144,29 @@ def test_the_chunk_terms_kernel_equals_the_batched_terms(chunk, dk, dv, dtype):
 @pytest.mark.parametrize("dk, dv", [(16, 16), (32, 48)], ids=["one-block", "blocks"])
 def test_the_chunk_terms_gradient_kernel_equals_autodiff_through_the_terms(dk, dv):
     """The kernel's gradients of q, k, v, g and beta against jax's autodiff through `chunk_terms` in float32,
-    from random cotangents on every term: three documents (two starting inside chunks), a starting state
-    the first sequence continues (the first chunk reads it) and the second does not, Hv = 2 Hk, 150 tokens
-    padded to three chunks; key and value widths whole, and in blocks of 16 (two and three). Within 1e-5
-    of each gradient's largest."""
+    from random recurrence quantities (the states entering the chunks, v_new, and the gradients of o, v_new
+    and the states the chunks leave), the terms' cotangents taken from them as the recurrence's backward
+    does in XLA: three documents (two starting inside chunks), a starting state the first sequence
+    continues (the first chunk reads it) and the second does not, Hv = 2 Hk, 150 tokens padded to three
+    chunks; key and value widths whole, and in blocks of 16 (two and three). Within 1e-5 of each
+    gradient's largest."""
     tokens = _rule_inputs(dk=dk, dv=dv)
     tokens, seg, prev, _ = chunks.padded_inputs(tokens, jnp.asarray(SEGMENTS), _state(2, 4, dk, dv),
                                                 jnp.array([5, 0]), multiple=64)
-    terms_of = lambda *t: chunks.chunk_terms(*t, seg, prev, chunk=64)  # noqa: E731
+    rng = np.random.default_rng(dk)
+    B, T, H, _ = tokens[2].shape
+    by_chunk, by_state = (B, H, T // 64, 64, dv), (B, H, T // 64, dk, dv)
+    do, d_v_new, v_new = (jnp.asarray(rng.standard_normal(by_chunk), jnp.float32) for _ in range(3))
+    states, d_next = (jnp.asarray(rng.standard_normal(by_state), jnp.float32) for _ in range(2))
     with jax.default_matmul_precision("highest"):
-        terms, pullback = jax.vjp(terms_of, *tokens)
+        _, pullback = jax.vjp(lambda *t: chunks.chunk_terms(*t, seg, prev, chunk=64), *tokens)
+        want = pullback(chunks.ChunkTerms(
+            u=d_v_new, w=-jnp.einsum("...cv,...kv->...ck", d_v_new, states),
+            a=jnp.einsum("...cv,...jv->...cj", do, v_new), qr=jnp.einsum("...cv,...kv->...ck", do, states),
+            kw=jnp.einsum("...cv,...kv->...ck", v_new, d_next), decay=jnp.sum(states * d_next, axis=(-2, -1))))
         inverse = chunks.chunk_terms_and_inverse(*tokens, seg, prev, chunk=64)[1]
-        rng = np.random.default_rng(dk)
-        cotangents = chunks.ChunkTerms(*(jnp.asarray(rng.standard_normal(t.shape), t.dtype) for t in terms))
-        want = pullback(cotangents)
-        got = chunk_terms_triton.backward(*tokens, seg, prev, inverse, cotangents, chunk=64, interpret=True)
+        got = chunk_terms_triton.backward(*tokens, seg, prev, inverse, do, d_v_new, states, v_new, d_next, chunk=64,
+                                          interpret=True)
     for name, a, b in zip(("q", "k", "v", "g", "beta"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.abs(b).max()), err_msg=name)
@@ -221,13 +229,14 @@ def test_the_kernels_calls_are_priced_at_their_recurrences_flops():
     dims = [[B, T, Hk, dk], [B, T, Hk, dk], [B, T, H, dv], [B, T, H], [B, T, H], [B, T], [B, T]]
     assert pricing.kernel_flops(TRITON_CALL, attributes, dims, (B, H, n, C, dv)) == (
         B * H * n * (10 * 2 * 16**2 * (3 * dk + dv) + 48 * 2 * 16**3), "matmul")
-    # The chunk terms' gradient: per value head and chunk, C^2 (16 dk + 4 dv) in its products and 4 C^3 in
-    # the inverse's gradient, priced as the GEMMs XLA ran its autodiff as. Its operands: q, k [B, T, Hk, dk],
-    # v [B, T, H, dv], g, beta [B, T, H], seg, prev [B, T], the inverses [B, H, n, C, C], the cotangents.
+    # The chunk terms' gradient: per value head and chunk, C^2 (16 dk + 6 dv) in its products of width dk
+    # and dv, 8 C dk dv in the terms' gradients from the states' and 4 C^3 in the inverse's gradient, priced
+    # as the GEMMs XLA ran them as. Its operands: q, k [B, T, Hk, dk], v [B, T, H, dv], g, beta [B, T, H],
+    # seg, prev [B, T], the inverses [B, H, n, C, C], then the recurrence's.
     attributes = f'name = "{chunk_terms_triton.BACKWARD_NAME}", num_stages = 1'
     dims = [[B, T, Hk, dk], [B, T, Hk, dk], [B, T, H, dv], [B, T, H], [B, T, H], [B, T], [B, T], [B, H, n, C, C]]
     assert pricing.kernel_flops(TRITON_CALL, attributes, dims, ()) == (
-        B * H * n * C**2 * (16 * dk + 4 * dv + 4 * C), "matmul")
+        B * H * n * (C**2 * (16 * dk + 6 * dv + 4 * C) + 8 * C * dk * dv), "matmul")
     assert chunk_terms_triton.call_flops(TRITON_CALL, f'name = "{gated_delta_triton.OUTPUTS}", num_stages = 3',
                                          dims, ()) is None
 

@@ -138,8 +138,8 @@ def forward(q, k, v, g, beta, seg, prev, *, chunk: int, interpret: bool):
     return ChunkTerms(*terms), inverse
 
 
-def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, inverse_ref, du_ref, dw_ref,
-                     da_ref, dqr_ref, dkw_ref, ddecay_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, chunk: int,
+def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, inverse_ref, do_ref, dv_new_ref,
+                     states_ref, v_new_ref, d_next_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, chunk: int,
                      heads: int, group: int, block: int):
     bh, c = pl.program_id(0), pl.program_id(1)
     b, h = bh // heads, bh % heads
@@ -153,12 +153,15 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, in
     def columns_of(ref, head, j):  # a token ref's block j of `block` columns in this chunk
         return ref.at[b, tokens, head, pl.ds(j * block, block)]
 
-    def term_columns(ref, j):  # a term's (or its cotangent's) block j of columns
-        return ref.at[b, h, c, :, pl.ds(j * block, block)]
+    def chunk_columns(ref, j):  # the recurrence's [C, dv] block j of value columns
+        return load(ref.at[b, h, c, :, pl.ds(j * block, block)])
+
+    def state_block(ref, i, j):  # a [dk, dv] state's (or its gradient's) block of key rows i, value columns j
+        return load(ref.at[b, h, c, pl.ds(i * block, block), pl.ds(j * block, block)])
 
     g, beta = (load(ref.at[b, tokens, h]) for ref in (g_ref, beta_ref))
     seg, prev = load(seg_ref.at[b, tokens]), load(prev_ref.at[b, tokens])
-    X, da, d_decay = (load(ref.at[b, h, c]) for ref in (inverse_ref, da_ref, ddecay_ref))
+    X = load(inverse_ref.at[b, h, c])
 
     # The chunk's decays and masks, as chunk_terms computes them.
     index = jnp.arange(chunk)
@@ -181,23 +184,40 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, in
         kb = (k * beta[:, None]).astype(operand)
         return q, k, kb, (kb * e_r[:, None]).astype(operand)
 
+    key_blocks, value_blocks = k_ref.shape[-1] // block, v_ref.shape[-1] // block
+
+    def terms_gradients(j, only_w: bool):
+        """The recurrence's gradients of w, qr and kw on key columns block j (v_new = u - w S, o = qr S +
+        a v_new, S' = decay S + kw^T v_new), and its share of decay's: sums over the value columns."""
+        dw, dqr, dkw = (jnp.zeros((chunk, block), jnp.float32) for _ in range(3))
+        d_decay = jnp.zeros((), jnp.float32)
+        for i in range(value_blocks):
+            S = state_block(states_ref, j, i)
+            dw -= dot(chunk_columns(dv_new_ref, i), S, trans_b=True)
+            if not only_w:
+                dS = state_block(d_next_ref, j, i)
+                dqr += dot(chunk_columns(do_ref, i), S, trans_b=True)
+                dkw += dot(chunk_columns(v_new_ref, i), dS, trans_b=True)
+                d_decay += jnp.sum(S.astype(jnp.float32) * dS.astype(jnp.float32))
+        return dw, dqr, dkw, d_decay
+
     # Contractions over the key columns: P = kb k^T, QK = q k^T and w's share of dX.
     square = jnp.zeros((chunk, chunk), jnp.float32)
-    P, QK, dX = square, square, square
-    key_blocks, value_blocks = k_ref.shape[-1] // block, v_ref.shape[-1] // block
+    P, QK, dX, da = square, square, square, square
     for j in range(key_blocks):
         q, k, kb, kg = key_side(j)
         P += dot(kb, k, trans_b=True)
         QK += dot(q, k, trans_b=True)
-        dX += dot(load(term_columns(dw_ref, j)), kg, trans_b=True)
-    # u = X vb: u's share of dX, and v's gradient block by block
+        dX += dot(terms_gradients(j, only_w=True)[0].astype(operand), kg, trans_b=True)
+    # u = X vb (u's gradient is v_new's): u's share of dX, v's gradient, and a's (o's a v_new)
     d_beta = jnp.zeros((chunk,), jnp.float32)
     for j in range(value_blocks):
-        v, du = load(columns_of(v_ref, h, j)), load(term_columns(du_ref, j))
+        v, du = load(columns_of(v_ref, h, j)), chunk_columns(dv_new_ref, j)
         dX += dot(du, (v * beta[:, None]).astype(operand), trans_b=True)
         dvb = dot(Xo, du, trans_a=True)
         d_beta += jnp.sum(dvb * v, axis=1)
         plgpu.store(columns_of(dv_ref, h, j), (dvb * beta[:, None]).astype(dv_ref.dtype))
+        da += dot(chunk_columns(do_ref, j), chunk_columns(v_new_ref, j), trans_b=True)
 
     # X = (I + N)^-1 with N = P D strictly below the diagonal; a = QK D
     dN = jnp.where(cols < rows, -exact(exact(X, dX, trans_a=True), X, trans_b=True), 0.0)
@@ -205,9 +225,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, in
     dD = dN * P + da * QK
 
     d_e_r, d_e_w = jnp.zeros((chunk,), jnp.float32), jnp.zeros((chunk,), jnp.float32)
+    d_decay = jnp.zeros((), jnp.float32)
     for j in range(key_blocks):
         q, k, kb, kg = key_side(j)
-        dw, dqr, dkw = (load(term_columns(ref, j)).astype(jnp.float32) for ref in (dw_ref, dqr_ref, dkw_ref))
+        dw, dqr, dkw, d_decay_share = terms_gradients(j, only_w=False)
+        d_decay += d_decay_share
         dkg = dot(Xo, dw.astype(operand), trans_a=True)
         dkb = dkg * e_r[:, None] + dot(dP, k)
         dq = dot(dQK, k) + dqr * e_r[:, None]
@@ -234,10 +256,15 @@ def _block(width: int) -> int:
     return block
 
 
-def backward(q, k, v, g, beta, seg, prev, inverse, cotangents, *, chunk: int, interpret: bool):
-    """The gradients (dq, dk [B, T, Hk, dk], dv, dg, dbeta) of `chunk_terms(q, k, v, g, beta, seg, prev)`
-    (q, k, v in the terms' operand dtype, T whole chunks) from its saved `inverse` [B, H, n, C, C] float32
-    and the cotangents of its `ChunkTerms`, in float32 (dv in v's dtype)."""
+def backward(q, k, v, g, beta, seg, prev, inverse, do, d_v_new, states, v_new, d_next, *, chunk: int,
+             interpret: bool):
+    """The gradients (dq, dk [B, T, Hk, dk], dv, dg, dbeta) of q, k, v, g and beta through the chunk terms
+    (`forward`'s; q, k, v in the terms' operand dtype, T whole chunks), from the saved `inverse` [B, H, n, C,
+    C] float32, what the recurrence saved (the states entering the chunks [B, H, n, dk, dv] and v_new [B,
+    H, n, C, dv]) and its backward pass gave (the outputs' gradient do and dv_new [B, H, n, C, dv], the
+    gradients of the states the chunks leave [B, H, n, dk, dv]), in the operand dtype: the terms'
+    gradients (dw = -dv_new S^T, da = do v_new^T, dqr = do S^T, dkw = v_new dS^T, ddecay = <S, dS>) are
+    taken on chip. In float32 (dv in v's dtype)."""
     B, T, H, dk = *v.shape[:3], k.shape[-1]
     group = H // k.shape[2]
     # with more value heads than key heads, a program's dq and dk are its value head's share, summed after
@@ -253,9 +280,7 @@ def backward(q, k, v, g, beta, seg, prev, inverse, cotangents, *, chunk: int, in
         compiler_params=plgpu.CompilerParams(num_warps=BACKWARD_NUM_WARPS, num_stages=1),
         name=BACKWARD_NAME,
     )
-    du, dw, da, dqr, dkw = (c.astype(v.dtype) for c in cotangents[:5])
-    d_decay = cotangents.decay.astype(jnp.float32)
-    dq, dk_, dv, dg, dbeta = call(q, k, v, g, beta, seg, prev, inverse, du, dw, da, dqr, dkw, d_decay)
+    dq, dk_, dv, dg, dbeta = call(q, k, v, g, beta, seg, prev, inverse, do, d_v_new, states, v_new, d_next)
     by_key_head = lambda t: t.reshape(B, T, k.shape[2], group, dk).sum(axis=3)  # noqa: E731
     return by_key_head(dq), by_key_head(dk_), dv, dg, dbeta
 
@@ -263,8 +288,9 @@ def backward(q, k, v, g, beta, seg, prev, inverse, cotangents, *, chunk: int, in
 def call_flops(target: str, attributes: str, operand_dims: list, result_dims: tuple) -> float | None:
     """The kernels' FLOPs in a compiled program, for the planner, per value head and chunk: the forward's
     products of blocks on and below the diagonal, 2 b^2 (3 dk + dv) each (N's, a's, w's and u's; b = 16),
-    and the inverse's; the backward's C^2 (16 dk + 4 dv) in its products of width dk and dv and 4 C^3 in
-    the inverse's gradient; None for any other call."""
+    and the inverse's; the backward's C^2 (16 dk + 6 dv) in its products of width dk and dv, 8 C dk dv
+    in the terms' gradients from the states' (dw twice, dqr, dkw) and 4 C^3 in the inverse's gradient;
+    None for any other call."""
     name = triton_kernel_name(target, attributes)
     if name not in (FORWARD_NAME, BACKWARD_NAME):
         return None
@@ -275,5 +301,5 @@ def call_flops(target: str, attributes: str, operand_dims: list, result_dims: tu
         per_chunk = count * (count + 1) // 2 * 2 * DIAGONAL_BLOCK**2 * (3 * dk + dv) + products_flops(C)
     else:
         C = operand_dims[7][-1]  # the inverses [B, H, n, C, C]
-        per_chunk = C**2 * (16 * dk + 4 * dv + 4 * C)
+        per_chunk = C**2 * (16 * dk + 6 * dv + 4 * C) + 8 * C * dk * dv
     return float(B * H * (T // C) * per_chunk)
