@@ -21,7 +21,7 @@ from jlong.linear_attention.chunks import DIAGONAL_BLOCK, new_blocks
 
 def invert_blocks(lower: dict, count: int) -> dict:
     """(I + N)^-1 of a chunk from N's blocks of DIAGONAL_BLOCK on and below the diagonal ({(i, k): block},
-    float32, the diagonal blocks' upper parts ignored), as {(i, j): block} for j <= i, inside a Triton
+    float32, the diagonal blocks' diagonals and upper parts ignored), as {(i, j): block} for j <= i, inside a Triton
     kernel: the diagonal blocks by doubling, the blocks below by block forward substitution."""
     b = DIAGONAL_BLOCK
     rows = jax.lax.broadcasted_iota(jnp.int32, (b, b), 0)
@@ -30,8 +30,9 @@ def invert_blocks(lower: dict, count: int) -> dict:
     blocks = {}  # (i, j) -> the inverse's block
     for i in range(count):
         X, size = (rows == columns).astype(jnp.float32), 1
+        strictly_lower = jnp.where(columns < rows, lower[i, i], 0.0)
         while size < b:  # the diagonal block's doublings, as chunks._doublings
-            X = X - dot(dot(X, jnp.where(new_blocks(rows, columns, size), lower[i, i], 0.0)), X)
+            X = X - dot(dot(X, jnp.where(new_blocks(rows, columns, size), strictly_lower, 0.0)), X)
             size *= 2
         blocks[i, i] = X
         for j in range(i):  # the rows above are done: X_kj for every k < i

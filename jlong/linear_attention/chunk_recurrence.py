@@ -36,7 +36,8 @@ from jlong.linear_attention.chunks import chunk_terms_and_inverse, over_blocks
 CHUNK = 64  # tokens per chunk, as FLA's
 # Tokens whose chunks run at once. Longer sequences run a block at a time under a checkpoint: the chunk
 # terms and the states entering each chunk (what the backward kernel reads) are O(block), and a block's
-# forward runs twice in training. 32,768 tokens of 6 heads of 128 hold about 0.8 GB of them in float32.
+# forward runs twice in training. 32,768 tokens of 6 heads of 128 hold about 0.4 GB of them (the Triton rule's
+# bf16 terms and states, float32 inverses).
 BLOCK = 32_768
 
 

@@ -3,8 +3,9 @@ attention inside the chunk, the decays) and their gradient as Pallas Triton
 kernels, one per pass, for the Triton gated delta rule, as FLA structures
 its chunk-local work: a program per (sequence x value head, chunk) reads the
 chunk's tokens once and writes its terms once (forward), or reads the
-tokens, the chunk's inverse saved by the forward and the terms' cotangents
-once and writes the tokens' gradients once (backward), where XLA's batched
+tokens, the chunk's inverse saved by the forward and what the recurrence
+saved and its backward kernel gave once, takes the terms' gradients from
+those and writes the tokens' gradients once (backward), where XLA's batched
 products and autodiff through them wrote and read back every intermediate
 ([C, C] decays, systems, products and their gradients in float32): most of
 the rule's memory traffic (experiments/kernel_estimate.py).
@@ -17,9 +18,9 @@ one, the terms are
     u = X (beta v),  w = X (beta k e_r),  a = (q k^T) D,  qr = q e_r,
     kw = k e_w,      decay = exp(cum_last) (no document starts inside).
 
-The forward runs in blocks of 16 rows (Triton cannot slice a value), X by
-`chunk_inverse_triton`; the backward runs the chain rule back to q, k, v, g
-and beta, the inverse's own gradient dN = -X^T dX X^T on its strictly lower
+The forward runs in blocks of 16 rows and 64 columns (Triton cannot slice a
+value), X by `chunk_inverse_triton`; the backward runs the chain rule back
+to q, k, v, g and beta, the inverse's own gradient dN = -X^T dX X^T on its strictly lower
 part. X and its products are float32 at full precision (IEEE on the GPU,
 not TF32); the other products take the terms' operand dtype (bf16 when v
 is, as FLA's kernels do; float32 at the highest precision otherwise, the
@@ -45,16 +46,32 @@ from jlong.ops.pallas_calls import kernel_call, triton_kernel_name
 FORWARD_NAME, BACKWARD_NAME = "chunk_terms_forward", "chunk_terms_backward"  # the kernels' names in a program
 FORWARD_NUM_WARPS = 4  # products of 16-row blocks
 BACKWARD_NUM_WARPS = 8  # [C, C] and [C, BLOCK] float32 tiles: eight warps hold more of them in registers
-# Columns of q, k, v and the terms a step of the backward's loops takes: the products over the key and value
+# Columns of q, k, v and the terms a step of the kernels' loops takes: the products over the key and value
 # widths run a block at a time (the ring's float32 values of dk + dv = 256 whole would not fit an H100's
-# shared memory).
+# shared memory, and Triton loads power-of-two shapes only).
 BLOCK = 64
 
 
+def _block(dk: int, dv: int) -> int:
+    """Columns a step of the kernels' loops takes: up to BLOCK, a power of two dividing both widths (at least
+    16, Triton's smallest product)."""
+    block = math.gcd(dk, dv, BLOCK)
+    if block < 16:
+        raise JlongError(f"the Triton chunk terms need head widths that are multiples of 16, got {dk} and {dv}")
+    return block
+
+
+def _check_chunk(chunk: int):
+    if chunk < DIAGONAL_BLOCK or chunk & (chunk - 1):
+        raise JlongError(f"the Triton chunk terms need chunks of a power of two tokens, {DIAGONAL_BLOCK} or more, "
+                         f"got {chunk}")
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, u_ref, w_ref, a_ref, qr_ref,
-                    kw_ref, decay_ref, inverse_ref, *, chunk: int, heads: int, group: int):
-    """A chunk's terms and its inverse, a block of DIAGONAL_BLOCK rows at a time (Triton cannot slice a
-    value, so each block's rows are loaded on their own)."""
+                    kw_ref, decay_ref, inverse_ref, *, chunk: int, heads: int, group: int, block: int):
+    """A chunk's terms and its inverse, a block of DIAGONAL_BLOCK rows and `block` columns at a time
+    (Triton cannot slice a value, and loads only power-of-two shapes, so each block is loaded on its own;
+    the blocks of one chunk stay in the L2 cache)."""
     bh, c = pl.program_id(0), pl.program_id(1)
     b, h = bh // heads, bh % heads
     size, count = DIAGONAL_BLOCK, chunk // DIAGONAL_BLOCK
@@ -68,52 +85,66 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, u_r
     before = jnp.sum(jnp.where(index == 0, prev, 0))  # the segment of the token before the chunk
     last = jnp.sum(jnp.where(index == chunk - 1, seg, 0))
     plgpu.store(decay_ref.at[b, h, c], jnp.exp(cum_last) * (last == before))
+    key_blocks, value_blocks = k_ref.shape[-1] // block, v_ref.shape[-1] // block
+
+    # Each block of rows' decays and masks, as chunk_terms computes them.
+    cum, seg_of, e_r, e_w, beta = {}, {}, {}, {}, {}
+    for i in range(count):
+        position = i * size + jnp.arange(size)
+        cum[i] = jnp.sum(jnp.where(index[None, :] <= position[:, None], g[None, :], 0.0), axis=1)
+        seg_of[i] = load(seg_ref.at[b, pl.ds(c * chunk + i * size, size)])
+        e_r[i] = jnp.exp(cum[i]) * (seg_of[i] == before)
+        e_w[i] = jnp.exp(cum_last - cum[i]) * (seg_of[i] == last)
+        beta[i] = load(beta_ref.at[b, pl.ds(c * chunk + i * size, size), h])
+
+    def tokens(ref, head, i, j):  # a token ref's rows of block i, columns of block j
+        return load(ref.at[b, pl.ds(c * chunk + i * size, size), head, pl.ds(j * block, block)])
+
+    def term(ref, i, j, width):  # a term's rows of block i, columns of block j (of `width`)
+        return ref.at[b, h, c, pl.ds(i * size, size), pl.ds(j * width, width)]
+
+    def key_side(i, j):  # q, k, beta k and beta k e_r (w = X kg) on rows i, key columns j
+        q, k = tokens(q_ref, h // group, i, j), tokens(k_ref, h // group, i, j)
+        kb = (k * beta[i][:, None]).astype(operand)
+        return q, k, kb, (kb * e_r[i][:, None]).astype(operand)
 
     rows = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
     columns = jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)
-    tokens, cum, seg_of, e_r, q, k, kb, kg, vb = {}, {}, {}, {}, {}, {}, {}, {}, {}
+    zero = jnp.zeros((size, size), jnp.float32)
+    lower = {}  # N's blocks on and below the diagonal (the diagonal blocks' own diagonals ignored)
     for i in range(count):
-        tokens[i] = pl.ds(c * chunk + i * size, size)
-        position = i * size + jnp.arange(size)
-        cum[i] = jnp.sum(jnp.where(index[None, :] <= position[:, None], g[None, :], 0.0), axis=1)
-        seg_of[i] = load(seg_ref.at[b, tokens[i]])
-        e_r[i] = jnp.exp(cum[i]) * (seg_of[i] == before)
-        e_w = jnp.exp(cum_last - cum[i]) * (seg_of[i] == last)
-        beta = load(beta_ref.at[b, tokens[i], h])
-        q[i], k[i] = (load(ref.at[b, tokens[i], h // group, :]) for ref in (q_ref, k_ref))
-        kb[i] = (k[i] * beta[:, None]).astype(operand)
-        kg[i] = (kb[i] * e_r[i][:, None]).astype(operand)
-        vb[i] = (load(v_ref.at[b, tokens[i], h, :]) * beta[:, None]).astype(operand)
-        plgpu.store(qr_ref.at[b, h, c, pl.ds(i * size, size), :], (q[i] * e_r[i][:, None]).astype(operand))
-        plgpu.store(kw_ref.at[b, h, c, pl.ds(i * size, size), :], (k[i] * e_w[:, None]).astype(operand))
-
-    def decays(i, j):  # D's block (i, j), j <= i: exp(cum_i - cum_j) within a document, causal
-        same = seg_of[i][:, None] == seg_of[j][None, :]
-        if i == j:
-            same &= columns <= rows
-        return jnp.where(same, jnp.exp(jnp.where(same, cum[i][:, None] - cum[j][None, :], 0.0)), 0.0)
-
-    def block(ref, i, j):
-        return ref.at[b, h, c, pl.ds(i * size, size), pl.ds(j * size, size)]
-
-    lower, zero = {}, jnp.zeros((size, size), jnp.float32)
-    for i in range(count):
-        for j in range(count):
-            if j > i:
-                plgpu.store(block(a_ref, i, j), zero.astype(operand))
+        for j in range(key_blocks):
+            q, k, _, _ = key_side(i, j)
+            plgpu.store(term(qr_ref, i, j, block), (q * e_r[i][:, None]).astype(operand))
+            plgpu.store(term(kw_ref, i, j, block), (k * e_w[i][:, None]).astype(operand))
+        for m in range(count):
+            if m > i:
+                plgpu.store(term(a_ref, i, m, size), zero.astype(operand))
                 continue
-            D = decays(i, j)
-            lower[i, j] = dot(kb[i], k[j], trans_b=True) * D  # N's block (its diagonal ignored)
-            plgpu.store(block(a_ref, i, j), (dot(q[i], k[j], trans_b=True) * D).astype(operand))
+            same = seg_of[i][:, None] == seg_of[m][None, :]  # D's block (i, m): within a document, causal
+            if m == i:
+                same &= columns <= rows
+            D = jnp.where(same, jnp.exp(jnp.where(same, cum[i][:, None] - cum[m][None, :], 0.0)), 0.0)
+            P, QK = zero, zero
+            for j in range(key_blocks):
+                q, _, kb, _ = key_side(i, j)
+                k = tokens(k_ref, h // group, m, j)
+                P += dot(kb, k, trans_b=True)
+                QK += dot(q, k, trans_b=True)
+            lower[i, m] = P * D
+            plgpu.store(term(a_ref, i, m, size), (QK * D).astype(operand))
     X = invert_blocks(lower, count)
     for i in range(count):
-        for j in range(count):
-            plgpu.store(block(inverse_ref, i, j), X[i, j] if j <= i else zero)
-        Xo = [X[i, j].astype(operand) for j in range(i + 1)]
-        u = functools.reduce(jnp.add, (dot(Xo[j], vb[j]) for j in range(i + 1)))
-        w = functools.reduce(jnp.add, (dot(Xo[j], kg[j]) for j in range(i + 1)))
-        plgpu.store(u_ref.at[b, h, c, pl.ds(i * size, size), :], u.astype(operand))
-        plgpu.store(w_ref.at[b, h, c, pl.ds(i * size, size), :], w.astype(operand))
+        for m in range(count):
+            plgpu.store(term(inverse_ref, i, m, size), X[i, m] if m <= i else zero)
+        Xo = [X[i, m].astype(operand) for m in range(i + 1)]
+        for j in range(value_blocks):  # u = X (beta v)
+            vb = [(tokens(v_ref, h, m, j) * beta[m][:, None]).astype(operand) for m in range(i + 1)]
+            u = functools.reduce(jnp.add, (dot(Xo[m], vb[m]) for m in range(i + 1)))
+            plgpu.store(term(u_ref, i, j, block), u.astype(operand))
+        for j in range(key_blocks):  # w = X (beta k e_r)
+            w = functools.reduce(jnp.add, (dot(Xo[m], key_side(m, j)[3]) for m in range(i + 1)))
+            plgpu.store(term(w_ref, i, j, block), w.astype(operand))
 
 
 def forward(q, k, v, g, beta, seg, prev, *, chunk: int, interpret: bool):
@@ -122,13 +153,12 @@ def forward(q, k, v, g, beta, seg, prev, *, chunk: int, interpret: bool):
     operand dtype (the decays float32) and the inverses [B, H, n, C, C] float32."""
     B, T, H, dv = v.shape
     dk, n, operand = k.shape[-1], T // chunk, v.dtype
-    if chunk % DIAGONAL_BLOCK:
-        raise JlongError(f"the Triton chunk terms need chunks of a multiple of {DIAGONAL_BLOCK} tokens, got {chunk}")
+    _check_chunk(chunk)
     shapes = [((B, H, n, chunk, dv), operand), ((B, H, n, chunk, dk), operand), ((B, H, n, chunk, chunk), operand),
               ((B, H, n, chunk, dk), operand), ((B, H, n, chunk, dk), operand), ((B, H, n), jnp.float32),
               ((B, H, n, chunk, chunk), jnp.float32)]
     *terms, inverse = kernel_call(
-        functools.partial(_forward_kernel, chunk=chunk, heads=H, group=H // k.shape[2]),
+        functools.partial(_forward_kernel, chunk=chunk, heads=H, group=H // k.shape[2], block=_block(dk, dv)),
         tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes),
         interpret=interpret,
         grid=(B * H, n),
@@ -247,15 +277,6 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, in
     plgpu.store(dbeta_ref.at[b, tokens, h], d_beta)
 
 
-def _block(width: int) -> int:
-    """Columns a step of the kernel's loops: up to BLOCK, a power of two dividing `width` (at least 16,
-    Triton's smallest product)."""
-    block = math.gcd(width, BLOCK)
-    if block < 16:
-        raise JlongError(f"the Triton chunk terms' gradient needs head widths that are multiples of 16, got {width}")
-    return block
-
-
 def backward(q, k, v, g, beta, seg, prev, inverse, do, d_v_new, states, v_new, d_next, *, chunk: int,
              interpret: bool):
     """The gradients (dq, dk [B, T, Hk, dk], dv, dg, dbeta) of q, k, v, g and beta through the chunk terms
@@ -264,7 +285,11 @@ def backward(q, k, v, g, beta, seg, prev, inverse, do, d_v_new, states, v_new, d
     H, n, C, dv]) and its backward pass gave (the outputs' gradient do and dv_new [B, H, n, C, dv], the
     gradients of the states the chunks leave [B, H, n, dk, dv]), in the operand dtype: the terms'
     gradients (dw = -dv_new S^T, da = do v_new^T, dqr = do S^T, dkw = v_new dS^T, ddecay = <S, dS>) are
-    taken on chip. In float32 (dv in v's dtype)."""
+    taken on chip. dv in v's dtype, dq and dk too where each key head has one value head (float32 where
+    several share it, their shares summed after), dg and dbeta float32."""
+    _check_chunk(chunk)
+    if any(t.dtype != v.dtype for t in (q, k, do, d_v_new, states, v_new, d_next)):
+        raise ValueError("the chunk terms' gradient kernel takes its products' operands in one dtype, v's")
     B, T, H, dk = *v.shape[:3], k.shape[-1]
     group = H // k.shape[2]
     # with more value heads than key heads, a program's dq and dk are its value head's share, summed after
@@ -272,8 +297,7 @@ def backward(q, k, v, g, beta, seg, prev, inverse, do, d_v_new, states, v_new, d
     shapes = [((B, T, H, dk), per_head), ((B, T, H, dk), per_head), (v.shape, v.dtype), (g.shape, jnp.float32),
               (g.shape, jnp.float32)]
     call = kernel_call(
-        functools.partial(_backward_kernel, chunk=chunk, heads=H, group=group,
-                          block=_block(math.gcd(dk, v.shape[-1]))),
+        functools.partial(_backward_kernel, chunk=chunk, heads=H, group=group, block=_block(dk, v.shape[-1])),
         tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes),
         interpret=interpret,
         grid=(B * H, T // chunk),

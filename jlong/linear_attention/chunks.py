@@ -112,8 +112,9 @@ def chunk_terms_and_inverse(q, k, v, g, beta, seg, prev, *, chunk: int, operand=
     the memory traffic). The decays and the triangular inverse are computed
     in float32 (the inverse enters u's and w's products in `operand`); the
     terms are rounded to `operand`, the decays float32. The inverses
-    (I + N)^-1 are returned beside the terms [B, H, n, C, C] float32, for a
-    backend's own gradient of them (`chunk_terms_triton`)."""
+    (I + N)^-1 are returned beside the terms [B, H, n, C, C] float32, as a
+    backend's kernel for the terms returns them for its gradient's
+    (`chunk_terms_triton`, whose tests compare with these)."""
     q, k, v = (t.astype(operand) for t in (q, k, v))
     g, beta = (t.astype(jnp.float32) for t in (g, beta))
     B, T, H, dv = v.shape

@@ -13,9 +13,10 @@ and backward, the chunks in reverse with the state's gradient dS on chip,
 
 The matrices enter the kernels in bf16 when v is bf16 (as FLA's do; the
 state and every accumulation stay float32), and what the kernels leave for
-the batched products (the states entering the chunks, v_new and their
-gradients) is stored in bf16 too, as those products read it; in float32 at
-the highest precision otherwise (the ring's summaries, the tests).
+the outputs' and the chunk terms' gradient's kernels (the states entering
+the chunks, v_new and their gradients) is stored in bf16 too, as those
+read it; in float32 at the highest precision otherwise (the ring's
+summaries, the tests).
 `interpret=True` runs the same kernels on the CPU. Same contract as
 `gated_delta.chunked`.
 """
@@ -119,7 +120,7 @@ def _call(kernel, name: str, out_shapes, grid, interpret: bool, operand):
 def _forward(u, w, kw, decay, state, interpret):
     """The final state [BH, dk, dv] in float32, the state entering each chunk
     [BH, n, dk, dv] and v_new [BH, n, C, dv] in the terms' dtype (what the
-    batched products after the kernel read them in)."""
+    kernels after it read them in)."""
     (BH, n, C, dv), dk = u.shape, w.shape[-1]
     block_v = _block_v(dv)
     kernel = functools.partial(_forward_kernel, chunks=n, block_v=block_v)
