@@ -67,6 +67,13 @@ def _check_chunk(chunk: int):
                          f"got {chunk}")
 
 
+def _chunk_ends(g, seg, prev, chunk: int):
+    """(the log decay over the chunk, the segment of the token before it, its last token's segment) from
+    its g, segment ids and their predecessors' [C], as chunk_terms reads them."""
+    index = jnp.arange(chunk)
+    return jnp.sum(g), jnp.sum(jnp.where(index == 0, prev, 0)), jnp.sum(jnp.where(index == chunk - 1, seg, 0))
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, u_ref, w_ref, a_ref, qr_ref,
                     kw_ref, decay_ref, inverse_ref, *, chunk: int, heads: int, group: int, block: int):
     """A chunk's terms and its inverse, a block of DIAGONAL_BLOCK rows and `block` columns at a time
@@ -81,9 +88,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, u_r
     index = jnp.arange(chunk)
     g = load(g_ref.at[b, pl.ds(c * chunk, chunk), h])
     seg, prev = (load(ref.at[b, pl.ds(c * chunk, chunk)]) for ref in (seg_ref, prev_ref))
-    cum_last = jnp.sum(g)
-    before = jnp.sum(jnp.where(index == 0, prev, 0))  # the segment of the token before the chunk
-    last = jnp.sum(jnp.where(index == chunk - 1, seg, 0))
+    cum_last, before, last = _chunk_ends(g, seg, prev, chunk)
     plgpu.store(decay_ref.at[b, h, c], jnp.exp(cum_last) * (last == before))
     key_blocks, value_blocks = k_ref.shape[-1] // block, v_ref.shape[-1] // block
 
@@ -199,9 +204,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, in
     cols = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
     causal = cols <= rows
     cum = jnp.sum(jnp.where(causal, g[None, :], 0.0), axis=1)  # the log decay from the chunk's start
-    cum_last = jnp.sum(g)
-    before = jnp.sum(jnp.where(index == 0, prev, 0))  # the segment of the token before the chunk
-    last = jnp.sum(jnp.where(index == chunk - 1, seg, 0))
+    cum_last, before, last = _chunk_ends(g, seg, prev, chunk)
     same = causal & (seg[:, None] == seg[None, :])
     D = jnp.where(same, jnp.exp(jnp.where(same, cum[:, None] - cum[None, :], 0.0)), 0.0)
     e_r = jnp.exp(cum) * (seg == before)

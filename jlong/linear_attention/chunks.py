@@ -160,23 +160,19 @@ def chunk_terms_and_inverse(q, k, v, g, beta, seg, prev, *, chunk: int, operand=
     return terms, inverse
 
 
-def inverse_with_its_gradient(invert):
-    """(I + N)^-1 for strictly lower-triangular N [..., C, C], computed by
-    `invert`, differentiable: its gradient is the inverse's own, -X^T dX X^T
-    on the strictly lower part, two matmuls, where autodiff through the
-    computation would keep and revisit every step's [..., C, C] products
-    (most of the rule's memory traffic on a GPU)."""
+@jax.custom_vjp
+def unit_lower_inverse(strictly_lower):
+    """(I + N)^-1 for strictly lower-triangular N [..., C, C] in XLA, on any
+    backend (`_doubling_inverse`), differentiable: its gradient is the
+    inverse's own, -X^T dX X^T on the strictly lower part, two matmuls, where
+    autodiff through the doublings would keep and revisit every step's
+    [..., C, C] products (most of the rule's memory traffic on a GPU)."""
+    return _doubling_inverse(strictly_lower)
 
-    @jax.custom_vjp
-    def inverse(strictly_lower):
-        return invert(strictly_lower)
 
-    def forward(strictly_lower):
-        X = invert(strictly_lower)
-        return X, X
-
-    inverse.defvjp(forward, _inverse_backward)
-    return inverse
+def _inverse_forward(strictly_lower):
+    X = _doubling_inverse(strictly_lower)
+    return X, X
 
 
 def _doubling_inverse(strictly_lower):
@@ -228,4 +224,4 @@ def _inverse_backward(inverse, d_inverse):
     return (jnp.where(jnp.tri(C, k=-1, dtype=bool), -(transposed @ d_inverse @ transposed), 0.0),)
 
 
-unit_lower_inverse = inverse_with_its_gradient(_doubling_inverse)  # in XLA, on any backend
+unit_lower_inverse.defvjp(_inverse_forward, _inverse_backward)
