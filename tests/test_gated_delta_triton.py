@@ -19,8 +19,10 @@ from jlong.errors import JlongError
 from jlong.linear_attention import chunk_terms_triton, chunks, gated_delta, gated_delta_triton
 from jlong.ops.pallas_calls import TRITON_CALL
 from jlong.planner import pricing
+from jlong.planner.hlo import parse_module
 from jlong.planner.memory import compile_train_step
 from jlong.planner.step_cost import step_cost
+from jlong.planner.targets import GPUS
 
 fast = pytest.mark.fast
 
@@ -289,3 +291,34 @@ def test_its_kernels_fit_an_h100s_shared_memory_at_qwen3_5s_head_sizes(dtype, wi
     for name in (gated_delta_triton.FORWARD, gated_delta_triton.BACKWARD, gated_delta_triton.OUTPUTS,
                  chunk_terms_triton.FORWARD_NAME, chunk_terms_triton.BACKWARD_NAME):
         assert f'"{name}"' in hlo, name
+
+
+def _priced_seconds(dtype: str) -> float:
+    """The planner's price of the Triton rule's forward recurrence kernel with `dtype` terms, alone in a
+    program (the state float32 either way)."""
+    BH, n, C, dk, dv = 32, 512, 64, 128, 128
+    terms = f"{dtype}[{BH},{n},{C},{dk}]{{3,2,1,0}}"
+    text = "\n".join([
+        "HloModule priced", "",
+        f"ENTRY %main (u: {terms}, w: {terms}, kw: {terms}, decay: f32[{BH},{n}], state: f32[{BH},{dk},{dv}]) "
+        f"-> f32[{BH},{dk},{dv}] {{",
+        *(f"  %{name} = {terms} parameter({i})" for i, name in enumerate(("u", "w", "kw"))),
+        f"  %decay = f32[{BH},{n}]{{1,0}} parameter(3)",
+        f"  %state = f32[{BH},{dk},{dv}]{{2,1,0}} parameter(4)",
+        f'  ROOT %call = f32[{BH},{dk},{dv}]{{2,1,0}} custom-call(%u, %w, %kw, %decay, %state), '
+        f'custom_call_target="{TRITON_CALL}", '
+        f'backend_config={{grid_x = 1 : i32, name = "{gated_delta_triton.FORWARD}", num_stages = 3}}',
+        "}"])
+    module = parse_module(text)
+    pricer = pricing.Pricer(module, GPUS["h100"], pricing.Efficiency(), [0])
+    entry = module.entry_computation
+    kind, seconds = pricer.price(entry.root, entry, pricing.Tally())
+    assert kind == "compute"
+    return seconds
+
+
+def test_the_planner_prices_float32_products_as_three_tf32_ones():
+    """jlong.ops.triton_dots: the kernels take float32 products (the ring's summaries) as three TF32 ones,
+    each at half the bf16 rate, so the planner prices a compute-bound call with float32 terms at six times
+    the bf16 one's time (the FLOPs and the memory traffic are the same kernel's)."""
+    assert _priced_seconds("f32") == pytest.approx(6 * _priced_seconds("bf16"), rel=1e-9)

@@ -21,10 +21,11 @@ one, the terms are
 The forward runs in blocks of 16 rows and 64 columns (Triton cannot slice a
 value), X by `chunk_inverse_triton`; the backward runs the chain rule back
 to q, k, v, g and beta, the inverse's own gradient dN = -X^T dX X^T on its strictly lower
-part. X and its products are float32 at full precision (IEEE on the GPU,
-not TF32); the other products take the terms' operand dtype (bf16 when v
-is, as FLA's kernels do; float32 at the highest precision otherwise, the
-ring's summaries) with float32 accumulation. `interpret=True` runs the same
+part. X and its products are float32 at full precision (IEEE on the GPU:
+small products, scalar FMAs); the other products take the terms' operand
+dtype (bf16 when v is, as FLA's kernels do; float32 otherwise, the ring's
+summaries, as three TF32 products on the tensor cores,
+`jlong.ops.triton_dots`) with float32 accumulation. `interpret=True` runs the same
 kernels on the CPU.
 """
 
@@ -42,6 +43,7 @@ from jlong.errors import JlongError
 from jlong.linear_attention.chunk_inverse_triton import invert_blocks, products_flops
 from jlong.linear_attention.chunks import DIAGONAL_BLOCK, ChunkTerms
 from jlong.ops.pallas_calls import kernel_call, triton_kernel_name
+from jlong.ops.triton_dots import dot_for
 
 FORWARD_NAME, BACKWARD_NAME = "chunk_terms_forward", "chunk_terms_backward"  # the kernels' names in a program
 FORWARD_NUM_WARPS = 4  # products of 16-row blocks
@@ -83,7 +85,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, u_r
     b, h = bh // heads, bh % heads
     size, count = DIAGONAL_BLOCK, chunk // DIAGONAL_BLOCK
     operand = q_ref.dtype
-    dot = functools.partial(plgpu.dot, precision=jax.lax.Precision.HIGHEST if operand == jnp.float32 else None)
+    dot = dot_for(operand)
     load = plgpu.load
     index = jnp.arange(chunk)
     g = load(g_ref.at[b, pl.ds(c * chunk, chunk), h])
@@ -180,8 +182,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, in
     b, h = bh // heads, bh % heads
     tokens = pl.ds(c * chunk, chunk)
     operand = q_ref.dtype
-    precision = jax.lax.Precision.HIGHEST if operand == jnp.float32 else None
-    dot = functools.partial(plgpu.dot, precision=precision)
+    dot = dot_for(operand)
     exact = functools.partial(plgpu.dot, precision=jax.lax.Precision.HIGHEST)  # the inverse's [C, C] products
     load = plgpu.load
 

@@ -15,8 +15,8 @@ The matrices enter the kernels in bf16 when v is bf16 (as FLA's do; the
 state and every accumulation stay float32), and what the kernels leave for
 the outputs' and the chunk terms' gradient's kernels (the states entering
 the chunks, v_new and their gradients) is stored in bf16 too, as those
-read it; in float32 at the highest precision otherwise (the ring's
-summaries, the tests).
+read it; in float32 otherwise (the ring's summaries, the tests), whose
+products run as three TF32 ones on the tensor cores (`jlong.ops.triton_dots`).
 `interpret=True` runs the same kernels on the CPU. Same contract as
 `gated_delta.chunked`.
 """
@@ -35,6 +35,7 @@ from jlong.errors import JlongError
 from jlong.linear_attention import chunk_terms_triton
 from jlong.linear_attention.chunk_recurrence import BLOCK, CHUNK, rule  # noqa: F401  (the rule's sizes, named here too)
 from jlong.ops.pallas_calls import kernel_call, pipeline_stages, triton_kernel_name
+from jlong.ops.triton_dots import dot_for
 
 # Value columns per program, warps and pipeline stages, from experiments/kernel_tiles.py on an H200
 # (2026-11-28; experiments/results/kernel-tiles.json): 16 columns (more programs for the few heads of one
@@ -53,17 +54,11 @@ def _block_v(dv: int) -> int:
     return block
 
 
-def _dot(operand):
-    """The kernels' products: float32 terms (the ring's summaries) at full precision (IEEE, where the
-    GPU's default would take float32 operands as TF32), 16-bit terms as the tensor cores take them."""
-    return functools.partial(plgpu.dot, precision=jax.lax.Precision.HIGHEST if operand == jnp.float32 else None)
-
-
 def _forward_kernel(u_ref, w_ref, kw_ref, decay_ref, state_ref, final_ref, states_ref, v_new_ref, *, chunks: int,
                     block_v: int):
     bh, columns = pl.program_id(0), pl.ds(pl.program_id(1) * block_v, block_v)
     operand = w_ref.dtype
-    dot = _dot(operand)
+    dot = dot_for(operand)
 
     def one_chunk(c, S):
         load = lambda ref, *index: plgpu.load(ref.at[bh, c, *index])  # noqa: E731
@@ -80,7 +75,7 @@ def _backward_kernel(do_ref, w_ref, a_ref, qr_ref, kw_ref, decay_ref, d_final_re
                      d_state_ref, *, chunks: int, block_v: int):
     bh, columns = pl.program_id(0), pl.ds(pl.program_id(1) * block_v, block_v)
     operand = w_ref.dtype
-    dot = _dot(operand)
+    dot = dot_for(operand)
 
     def one_chunk(i, dS):
         c = chunks - 1 - i
@@ -98,7 +93,7 @@ def _backward_kernel(do_ref, w_ref, a_ref, qr_ref, kw_ref, decay_ref, d_final_re
 
 def _outputs_kernel(qr_ref, a_ref, states_ref, v_new_ref, o_ref, *, block_v: int):
     bh, c, columns = pl.program_id(0), pl.program_id(1), pl.ds(pl.program_id(2) * block_v, block_v)
-    dot = _dot(qr_ref.dtype)
+    dot = dot_for(qr_ref.dtype)
     load = lambda ref, *index: plgpu.load(ref.at[bh, c, *index])  # noqa: E731
     o = dot(load(qr_ref), load(states_ref, slice(None), columns)) + dot(load(a_ref), load(v_new_ref, slice(None),
                                                                                                   columns))

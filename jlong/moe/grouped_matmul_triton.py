@@ -15,6 +15,9 @@ last real item does nothing.
   output's gradient, [G, K, N]: one program per group and output block,
   looping over that group's row tiles.
 
+Float32 operands multiply as three TF32 products (`jlong.ops.triton_dots`,
+about float32's accuracy; Triton's own would be one TF32 product).
+
 Executed FLOPs are at most (M + (G - 1) x block_m) x K x N x 2 per product,
 against 2 M K N for the rows themselves: with M = 32,768 routed rows and 128
 experts, 1.25x at block_m = 64; with 65,536 rows, 1.25x at 128.
@@ -32,6 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jlong.moe.row_tiles import differentiable, group_bounds, padded_to, tile_width, work_items
 from jlong.ops.pallas_calls import kernel_call, pipeline_stages, triton_kernel_name
+from jlong.ops.triton_dots import dot_for
 
 PRODUCT, WEIGHT_GRADIENT = "grouped_matmul", "grouped_matmul_weight_gradient"  # the kernels' names
 ROWS_OPERAND = {PRODUCT: 5, WEIGHT_GRADIENT: 2}  # which operand of each kernel's call is its rows [M, K]
@@ -74,7 +78,7 @@ def _product_kernel(group_ref, tile_ref, real_ref, start_ref, end_ref, x_ref, w_
                 w = plgpu.load(w_ref.at[group, column_slice, k_slice]).T
             else:
                 w = plgpu.load(w_ref.at[group, k_slice, column_slice])
-            return total + plgpu.dot(x, w)
+            return total + dot_for(x.dtype)(x, w)
 
         total = jax.lax.fori_loop(0, K // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
         plgpu.store(out_ref.at[row_slice, column_slice], total.astype(out_ref.dtype), mask=in_group[:, None])
@@ -112,7 +116,7 @@ def _weight_gradient_kernel(start_ref, end_ref, x_ref, dy_ref, dw_ref, *, block_
         row_slice = pl.ds(tile * block_m, block_m)
         x = plgpu.load(x_ref.at[row_slice, k_slice], mask=in_group, other=0.0)  # zero rows: other groups' add 0
         dy = plgpu.load(dy_ref.at[row_slice, column_slice])
-        return total + plgpu.dot(x.T, dy)
+        return total + dot_for(x.dtype)(x.T, dy)
 
     total = jax.lax.fori_loop(0, tiles, step, jnp.zeros((block_k, block_n), jnp.float32))
     plgpu.store(dw_ref.at[group, k_slice, column_slice], total.astype(dw_ref.dtype))

@@ -23,6 +23,10 @@ def has_pallas_triton() -> bool:
 
 
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call XLA:GPU runs a Pallas Triton kernel as
+# What a float32 product costs jlong's Triton kernels beside a 16-bit one of the same shape (for the planner):
+# three TF32 products (`jlong.ops.triton_dots`), each at half the bf16 rate on Hopper (494.7 against 989.4
+# dense TFLOP/s, H100 SXM).
+TRITON_FLOAT32_PRODUCT_COST = 6
 
 
 def triton_kernel_name(target: str, attributes: str) -> str | None:

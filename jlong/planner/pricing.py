@@ -13,6 +13,7 @@ from jlong.attention.step import CallCost
 from jlong.errors import JlongError
 from jlong.linear_attention import gated_delta
 from jlong.moe import grouped_matmul
+from jlong.ops.pallas_calls import TRITON_CALL, TRITON_FLOAT32_PRODUCT_COST
 from jlong.planner.hlo import Computation, HloModule, Instruction
 from jlong.planner.targets import GpuModel
 
@@ -161,6 +162,8 @@ class Pricer:
                       "gated delta": self.eff.gated_delta,
                       "gated delta (mosaic)": self.eff.gated_delta_mosaic}.get(kind, 1.0)
         rate = self.gpu.peak_bf16_flops * efficiency
+        if op == "custom-call" and _float32_triton_products(inst, computation):
+            rate /= TRITON_FLOAT32_PRODUCT_COST
         seconds = max(flops.total / rate, hbm / (self.gpu.hbm_bytes_per_s * self.eff.hbm))
         tally.busy_s[kind] += seconds
         return "compute", seconds
@@ -338,6 +341,16 @@ def _kernel_flops(inst: Instruction, computation: Computation) -> tuple[float, s
     target = (inst.attribute("custom_call_target") or "").strip('"')
     return kernel_flops(target, inst.attributes, [a.dims for a in computation.operand_arrays(inst)],
                         inst.arrays[0].dims)
+
+
+def _float32_triton_products(inst: Instruction, computation: Computation) -> bool:
+    """Whether one of jlong's Pallas Triton kernels takes its products in float32 (`jlong.ops.triton_dots`:
+    three TF32 products each): the dtype of its largest operand, which every one of them multiplies (the
+    tokens, the chunks' terms or an expert's rows and weights)."""
+    target = (inst.attribute("custom_call_target") or "").strip('"')
+    if target != TRITON_CALL or _kernel_flops(inst, computation) is None:
+        return False
+    return max(computation.operand_arrays(inst), key=lambda a: a.elements).dtype == "f32"
 
 
 def _elementwise_flops(inst: Instruction) -> float:
