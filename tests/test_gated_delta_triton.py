@@ -298,32 +298,41 @@ def test_its_kernels_fit_an_h100s_shared_memory_at_qwen3_5s_head_sizes(dtype, wi
         assert f'"{name}"' in hlo, name
 
 
-def _priced_seconds(dtype: str) -> float:
-    """The planner's price of the Triton rule's forward recurrence kernel with `dtype` terms, alone in a
-    program (the state float32 either way)."""
-    BH, n, C, dk, dv = 32, 512, 64, 128, 128
-    terms = f"{dtype}[{BH},{n},{C},{dk}]{{3,2,1,0}}"
+def _priced(kernel: str, operands: list[str], result: str) -> tuple[float, float]:
+    """(the planner's seconds, its float32 products' cost) for a Triton call named `kernel` on parameters of
+    the HLO types `operands` with a result of the type `result`, alone in a program."""
     text = "\n".join([
         "HloModule priced", "",
-        f"ENTRY %main (u: {terms}, w: {terms}, kw: {terms}, decay: f32[{BH},{n}], state: f32[{BH},{dk},{dv}]) "
-        f"-> f32[{BH},{dk},{dv}] {{",
-        *(f"  %{name} = {terms} parameter({i})" for i, name in enumerate(("u", "w", "kw"))),
-        f"  %decay = f32[{BH},{n}]{{1,0}} parameter(3)",
-        f"  %state = f32[{BH},{dk},{dv}]{{2,1,0}} parameter(4)",
-        f'  ROOT %call = f32[{BH},{dk},{dv}]{{2,1,0}} custom-call(%u, %w, %kw, %decay, %state), '
-        f'custom_call_target="{TRITON_CALL}", '
-        f'backend_config={{grid_x = 1 : i32, name = "{gated_delta_triton.FORWARD}", num_stages = 3}}',
+        "ENTRY %main ({}) -> {} {{".format(", ".join(f"p{i}: {t}" for i, t in enumerate(operands)), result),
+        *(f"  %p{i} = {t} parameter({i})" for i, t in enumerate(operands)),
+        "  ROOT %call = {} custom-call({}), custom_call_target=\"{}\", backend_config={{grid_x = 1 : i32, "
+        "name = \"{}\", num_stages = 3}}".format(result, ", ".join(f"%p{i}" for i in range(len(operands))),
+                                                 TRITON_CALL, kernel),
         "}"])
     module = parse_module(text)
-    pricer = pricing.Pricer(module, GPUS["h100"], pricing.Efficiency(), [0])
     entry = module.entry_computation
-    kind, seconds = pricer.price(entry.root, entry, pricing.Tally())
+    kind, seconds = pricing.Pricer(module, GPUS["h100"], pricing.Efficiency(), [0]).price(entry.root, entry,
+                                                                                         pricing.Tally())
     assert kind == "compute"
-    return seconds
+    return seconds, pricing._float32_product_cost(entry.root, entry)
 
 
-def test_the_planner_prices_float32_products_as_three_tf32_ones():
-    """jlong.ops.triton_dots: the kernels take float32 products (the ring's summaries) as three TF32 ones,
-    each at half the bf16 rate, so the planner prices a compute-bound call with float32 terms at six times
-    the bf16 one's time (the FLOPs and the memory traffic are the same kernel's)."""
-    assert _priced_seconds("f32") == pytest.approx(6 * _priced_seconds("bf16"), rel=1e-9)
+def test_the_planner_prices_float32_products_as_the_kernels_run_them():
+    """The recurrence's kernels take float32 products (the ring's summaries) as three TF32 ones
+    (jlong.ops.triton_dots), each at half the bf16 rate: a compute-bound call with float32 terms is priced at
+    six times the bf16 one's time (same FLOPs; its memory traffic bounds neither). The chunk terms' kernels
+    keep IEEE products, scalar FMAs at an H100's 66.9 float32 TFLOP/s."""
+    BH, n, C, dk, dv = 32, 512, 64, 128, 128
+
+    def recurrence(dtype):  # u, w, kw, the decays and the starting state -> the final state
+        return _priced(gated_delta_triton.FORWARD, [f"{dtype}[{BH},{n},{C},{dk}]"] * 3 + [
+            f"f32[{BH},{n}]", f"f32[{BH},{dk},{dv}]"], f"f32[{BH},{dk},{dv}]")
+
+    def terms(dtype):  # q, k, v, g, beta, seg, prev -> u first
+        T = n * C
+        return _priced(chunk_terms_triton.FORWARD_NAME, [f"{dtype}[1,{T},{BH},{dk}]"] * 3 + [f"f32[1,{T},{BH}]"] * 2
+                       + [f"s32[1,{T}]"] * 2, f"{dtype}[1,{BH},{n},{C},{dv}]")
+
+    assert recurrence("f32")[0] == pytest.approx(6 * recurrence("bf16")[0], rel=1e-9)
+    assert recurrence("bf16")[1] == 1.0 and recurrence("f32")[1] == 6
+    assert terms("f32")[1] == pytest.approx(989.4 / 66.9) and terms("bf16")[1] == 1.0

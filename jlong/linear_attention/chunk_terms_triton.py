@@ -21,12 +21,14 @@ one, the terms are
 The forward runs in blocks of 16 rows and 64 columns (Triton cannot slice a
 value), X by `chunk_inverse_triton`; the backward runs the chain rule back
 to q, k, v, g and beta, the inverse's own gradient dN = -X^T dX X^T on its strictly lower
-part. X and its products are float32 at full precision (IEEE on the GPU:
-small products, scalar FMAs); the other products take the terms' operand
-dtype (bf16 when v is, as FLA's kernels do; float32 otherwise, the ring's
-summaries, as three TF32 products on the tensor cores,
-`jlong.ops.triton_dots`) with float32 accumulation. `interpret=True` runs the same
-kernels on the CPU.
+part. X and its products are float32 at full precision (IEEE on the GPU,
+not TF32); the other products take the terms' operand dtype (bf16 when v
+is, as FLA's kernels do; float32 at IEEE precision otherwise, the ring's
+summaries) with float32 accumulation. Triton runs IEEE float32 products as
+scalar FMAs, not on the tensor cores (`IEEE_FLOAT32_KERNELS`, which the
+planner prices so): as three TF32 products (`jlong.ops.triton_dots`) these
+fully unrolled kernels took Triton's compiler minutes at the ring's widths.
+`interpret=True` runs the same kernels on the CPU.
 """
 
 from __future__ import annotations
@@ -43,9 +45,9 @@ from jlong.errors import JlongError
 from jlong.linear_attention.chunk_inverse_triton import invert_blocks, products_flops
 from jlong.linear_attention.chunks import DIAGONAL_BLOCK, ChunkTerms
 from jlong.ops.pallas_calls import kernel_call, triton_kernel_name
-from jlong.ops.triton_dots import dot_for
 
 FORWARD_NAME, BACKWARD_NAME = "chunk_terms_forward", "chunk_terms_backward"  # the kernels' names in a program
+IEEE_FLOAT32_KERNELS = (FORWARD_NAME, BACKWARD_NAME)  # float32 products as scalar FMAs (module docstring)
 FORWARD_NUM_WARPS = 4  # products of 16-row blocks
 BACKWARD_NUM_WARPS = 8  # [C, C] and [C, BLOCK] float32 tiles: eight warps hold more of them in registers
 # Columns of q, k, v and the terms a step of the kernels' loops takes: the products over the key and value
@@ -85,7 +87,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, u_r
     b, h = bh // heads, bh % heads
     size, count = DIAGONAL_BLOCK, chunk // DIAGONAL_BLOCK
     operand = q_ref.dtype
-    dot = dot_for(operand)
+    dot = functools.partial(plgpu.dot, precision=jax.lax.Precision.HIGHEST if operand == jnp.float32 else None)
     load = plgpu.load
     index = jnp.arange(chunk)
     g = load(g_ref.at[b, pl.ds(c * chunk, chunk), h])
@@ -182,7 +184,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, in
     b, h = bh // heads, bh % heads
     tokens = pl.ds(c * chunk, chunk)
     operand = q_ref.dtype
-    dot = dot_for(operand)
+    precision = jax.lax.Precision.HIGHEST if operand == jnp.float32 else None
+    dot = functools.partial(plgpu.dot, precision=precision)
     exact = functools.partial(plgpu.dot, precision=jax.lax.Precision.HIGHEST)  # the inverse's [C, C] products
     load = plgpu.load
 

@@ -118,12 +118,14 @@ GPU_KERNELS = frozenset({"triton", "mosaic"})  # written for a GPU; `interpret=T
 GPU_ONLY_IN_MODELS = frozenset({"mosaic"})
 # (call_flops, kind) of the GPU kernels' custom calls, for the planner
 PRICED_CALLS = ((gated_delta_mosaic.call_flops, "gated delta (mosaic)"),)
+IEEE_FLOAT32_KERNELS = ()  # Triton kernels whose float32 products run as scalar FMAs (for the planner)
 if has_pallas_triton():  # a jax without Pallas' Triton backend runs the Mosaic GPU rule
     from jlong.linear_attention import chunk_terms_triton, gated_delta_triton
 
     KERNELS["triton"] = gated_delta_triton.triton
     PRICED_CALLS = ((gated_delta_triton.call_flops, "gated delta"), (gated_delta_triton.outputs_call_flops, "matmul"),
                     (chunk_terms_triton.call_flops, "matmul"), *PRICED_CALLS)
+    IEEE_FLOAT32_KERNELS = chunk_terms_triton.IEEE_FLOAT32_KERNELS
 
 
 def kernel_for(platform: str) -> str:

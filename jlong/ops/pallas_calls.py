@@ -23,10 +23,11 @@ def has_pallas_triton() -> bool:
 
 
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call XLA:GPU runs a Pallas Triton kernel as
-# What a float32 product costs jlong's Triton kernels beside a 16-bit one of the same shape (for the planner):
-# three TF32 products (`jlong.ops.triton_dots`), each at half the bf16 rate on Hopper (494.7 against 989.4
-# dense TFLOP/s, H100 SXM).
+# What a float32 product costs jlong's Triton kernels beside a 16-bit one of the same shape (for the planner),
+# from an H100 SXM's data sheet (989.4 dense bf16 TFLOP/s): as three TF32 products (`jlong.ops.triton_dots`),
+# each at TF32's 494.7; at IEEE precision, as Triton's scalar FMAs at 66.9 (registers spilled aside).
 TRITON_FLOAT32_PRODUCT_COST = 6
+TRITON_IEEE_PRODUCT_COST = 989.4 / 66.9
 
 
 def triton_kernel_name(target: str, attributes: str) -> str | None:

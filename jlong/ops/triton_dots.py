@@ -1,10 +1,9 @@
 """Products inside Pallas Triton kernels, on the tensor cores at every dtype.
 
 16-bit operands go to the tensor cores as they are (float32 sums). Float32
-operands (the ring's summaries, a chunk's inverse) would run without them at
-IEEE precision: Triton lowers such a product to scalar FMAs, which for a
-kernel's [64, 64] tiles means tens of thousands of unrolled instructions, a
-minute of ptxas and registers spilled by the hundred kilobytes. Instead each
+operands (the ring's summaries) would run without them at IEEE precision:
+Triton lowers such a product to scalar FMAs, with registers spilled by the
+kilobyte at a kernel's [64, 64] tiles. Instead each
 operand is cut into two TF32 numbers, x = hi + lo (hi: x's sign, exponent and
 top 10 mantissa bits; lo: the same of what is left), and the product is three
 TF32 ones, a_hi b_lo + a_lo b_hi + a_hi b_hi: about 2^-20 relative error

@@ -13,7 +13,8 @@ from jlong.attention.step import CallCost
 from jlong.errors import JlongError
 from jlong.linear_attention import gated_delta
 from jlong.moe import grouped_matmul
-from jlong.ops.pallas_calls import TRITON_CALL, TRITON_FLOAT32_PRODUCT_COST
+from jlong.ops.pallas_calls import (TRITON_CALL, TRITON_FLOAT32_PRODUCT_COST, TRITON_IEEE_PRODUCT_COST,
+                                    triton_kernel_name)
 from jlong.planner.hlo import Computation, HloModule, Instruction
 from jlong.planner.targets import GpuModel
 
@@ -162,8 +163,8 @@ class Pricer:
                       "gated delta": self.eff.gated_delta,
                       "gated delta (mosaic)": self.eff.gated_delta_mosaic}.get(kind, 1.0)
         rate = self.gpu.peak_bf16_flops * efficiency
-        if op == "custom-call" and _float32_triton_products(inst, computation):
-            rate /= TRITON_FLOAT32_PRODUCT_COST
+        if op == "custom-call":
+            rate /= _float32_product_cost(inst, computation)
         seconds = max(flops.total / rate, hbm / (self.gpu.hbm_bytes_per_s * self.eff.hbm))
         tally.busy_s[kind] += seconds
         return "compute", seconds
@@ -343,14 +344,19 @@ def _kernel_flops(inst: Instruction, computation: Computation) -> tuple[float, s
                         inst.arrays[0].dims)
 
 
-def _float32_triton_products(inst: Instruction, computation: Computation) -> bool:
-    """Whether one of jlong's Pallas Triton kernels takes its products in float32 (`jlong.ops.triton_dots`:
-    three TF32 products each): the dtype of its largest operand, which every one of them multiplies (the
-    tokens, the chunks' terms or an expert's rows and weights)."""
+def _float32_product_cost(inst: Instruction, computation: Computation) -> float:
+    """How much slower than bf16 one of jlong's Pallas Triton kernels runs its products: 1 unless they are
+    float32 (the dtype of its largest operand, which every one of them multiplies: the tokens, the chunks'
+    terms or an expert's rows and weights); then three TF32 products each (`jlong.ops.triton_dots`), or
+    scalar FMAs for the kernels that keep IEEE products (`gated_delta.IEEE_FLOAT32_KERNELS`)."""
     target = (inst.attribute("custom_call_target") or "").strip('"')
     if target != TRITON_CALL or _kernel_flops(inst, computation) is None:
-        return False
-    return max(computation.operand_arrays(inst), key=lambda a: a.elements).dtype == "f32"
+        return 1.0
+    if max(computation.operand_arrays(inst), key=lambda a: a.elements).dtype != "f32":
+        return 1.0
+    if triton_kernel_name(target, inst.attributes) in gated_delta.IEEE_FLOAT32_KERNELS:
+        return TRITON_IEEE_PRODUCT_COST
+    return TRITON_FLOAT32_PRODUCT_COST
 
 
 def _elementwise_flops(inst: Instruction) -> float:
