@@ -14,9 +14,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
 
 from jlong.linear_attention.chunks import DIAGONAL_BLOCK, new_blocks
-from jax.experimental.pallas import triton as plgpu
 
 
 def invert_blocks(lower: dict, count: int) -> dict:

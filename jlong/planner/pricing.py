@@ -13,8 +13,7 @@ from jlong.attention.step import CallCost
 from jlong.errors import JlongError
 from jlong.linear_attention import gated_delta
 from jlong.moe import grouped_matmul
-from jlong.ops.pallas_calls import (TRITON_CALL, TRITON_FLOAT32_PRODUCT_COST, TRITON_IEEE_PRODUCT_COST,
-                                    triton_kernel_name)
+from jlong.ops.pallas_calls import TRITON_FLOAT32_PRODUCT_COST, TRITON_IEEE_PRODUCT_COST, triton_kernel_name
 from jlong.planner.hlo import Computation, HloModule, Instruction
 from jlong.planner.targets import GpuModel
 
@@ -349,12 +348,10 @@ def _float32_product_cost(inst: Instruction, computation: Computation) -> float:
     float32 (the dtype of its largest operand, which every one of them multiplies: the tokens, the chunks'
     terms or an expert's rows and weights); then three TF32 products each (`jlong.ops.triton_dots`), or
     scalar FMAs for the kernels that keep IEEE products (`gated_delta.IEEE_FLOAT32_KERNELS`)."""
-    target = (inst.attribute("custom_call_target") or "").strip('"')
-    if target != TRITON_CALL or _kernel_flops(inst, computation) is None:
+    name = triton_kernel_name((inst.attribute("custom_call_target") or "").strip('"'), inst.attributes)
+    if name is None or max(computation.operand_arrays(inst), key=lambda a: a.elements).dtype != "f32":
         return 1.0
-    if max(computation.operand_arrays(inst), key=lambda a: a.elements).dtype != "f32":
-        return 1.0
-    if triton_kernel_name(target, inst.attributes) in gated_delta.IEEE_FLOAT32_KERNELS:
+    if name in gated_delta.IEEE_FLOAT32_KERNELS:
         return TRITON_IEEE_PRODUCT_COST
     return TRITON_FLOAT32_PRODUCT_COST
 
