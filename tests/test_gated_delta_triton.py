@@ -267,11 +267,8 @@ def test_a_qwen3_5_step_compiles_for_h100s_with_the_triton_rule_priced():
 
 @needs_gpu_compiler
 @pytest.mark.parametrize("dtype, width, backward", [
-    (jnp.bfloat16, 128, True), (jnp.float32, 192, False),
-    # the ring's float32 backward kernels: the tiles of the bf16 case (64 columns a step), in float32; their
-    # compile (ptxas on the chunk terms' gradient) took 100-140 s of CI's two cores
-    pytest.param(jnp.float32, 256, True, marks=pytest.mark.slow)],
-    ids=["bf16", "ring-float32-values-of-64-forward", "ring-float32"])
+    (jnp.bfloat16, 128, True), (jnp.float32, 256, True), (jnp.float32, 192, False)],
+    ids=["bf16", "ring-float32", "ring-float32-values-of-64-forward"])
 def test_its_kernels_fit_an_h100s_shared_memory_at_qwen3_5s_head_sizes(dtype, width, backward):
     """XLA:GPU, deviceless (Triton checks each kernel's shared memory against the SM's, and lowers only loads
     of power-of-two shapes): the recurrence's forward and backward, the chunk terms, their gradient and
@@ -299,7 +296,7 @@ def test_its_kernels_fit_an_h100s_shared_memory_at_qwen3_5s_head_sizes(dtype, wi
 
 
 def _priced(kernel: str, operands: list[str], result: str) -> tuple[float, float]:
-    """(the planner's seconds, its float32 products' cost) for a Triton call named `kernel` on parameters of
+    """(the planner's seconds, its products' cost over bf16 ones) for a Triton call named `kernel` on parameters of
     the HLO types `operands` with a result of the type `result`, alone in a program."""
     text = "\n".join([
         "HloModule priced", "",
@@ -314,25 +311,39 @@ def _priced(kernel: str, operands: list[str], result: str) -> tuple[float, float
     kind, seconds = pricing.Pricer(module, GPUS["h100"], pricing.Efficiency(), [0]).price(entry.root, entry,
                                                                                          pricing.Tally())
     assert kind == "compute"
-    return seconds, pricing._float32_product_cost(entry.root, entry)
+    return seconds, pricing._product_cost(entry.root, entry, pricing._kernel_flops(entry.root, entry)[0])
 
 
 def test_the_planner_prices_float32_products_as_the_kernels_run_them():
-    """The recurrence's kernels take float32 products (the ring's summaries) as three TF32 ones
-    (jlong.ops.triton_dots), each at half the bf16 rate: a compute-bound call with float32 terms is priced at
-    six times the bf16 one's time (same FLOPs; its memory traffic bounds neither). The chunk terms' kernels
-    keep IEEE products, scalar FMAs at an H100's 66.9 float32 TFLOP/s."""
+    """The kernels take float32 products (the ring's summaries) as three TF32 ones (jlong.ops.triton_dots),
+    each at half the bf16 rate: a compute-bound recurrence call with float32 terms is priced at six times
+    the bf16 one's time (same FLOPs; its memory traffic bounds neither). The chunk terms' kernels take some
+    products in float32 in every dtype, priced so: the forward's inverse at IEEE precision (scalar FMAs at an
+    H100's 66.9 float32 TFLOP/s), the backward's inverse gradient, 4 C^3 a chunk, as three TF32 products."""
     BH, n, C, dk, dv = 32, 512, 64, 128, 128
+    T = n * C
 
     def recurrence(dtype):  # u, w, kw, the decays and the starting state -> the final state
         return _priced(gated_delta_triton.FORWARD, [f"{dtype}[{BH},{n},{C},{dk}]"] * 3 + [
             f"f32[{BH},{n}]", f"f32[{BH},{dk},{dv}]"], f"f32[{BH},{dk},{dv}]")
 
     def terms(dtype):  # q, k, v, g, beta, seg, prev -> u first
-        T = n * C
         return _priced(chunk_terms_triton.FORWARD_NAME, [f"{dtype}[1,{T},{BH},{dk}]"] * 3 + [f"f32[1,{T},{BH}]"] * 2
                        + [f"s32[1,{T}]"] * 2, f"{dtype}[1,{BH},{n},{C},{dv}]")
 
+    def terms_gradient(dtype):  # q, k, v, g, beta, seg, prev, the inverses, do, dv_new, states, v_new, d_next
+        return _priced(chunk_terms_triton.BACKWARD_NAME, [f"{dtype}[1,{T},{BH},{dk}]"] * 3 + [f"f32[1,{T},{BH}]"] * 2
+                       + [f"s32[1,{T}]"] * 2 + [f"f32[1,{BH},{n},{C},{C}]"] + [f"{dtype}[1,{BH},{n},{C},{dv}]"] * 2
+                       + [f"{dtype}[1,{BH},{n},{dk},{dv}]", f"{dtype}[1,{BH},{n},{C},{dv}]",
+                          f"{dtype}[1,{BH},{n},{dk},{dv}]"], f"{dtype}[1,{T},{BH},{dk}]")
+
     assert recurrence("f32")[0] == pytest.approx(6 * recurrence("bf16")[0], rel=1e-9)
     assert recurrence("bf16")[1] == 1.0 and recurrence("f32")[1] == 6
-    assert terms("f32")[1] == pytest.approx(989.4 / 66.9) and terms("bf16")[1] == 1.0
+    ieee = 48 * 2 * 16**3  # the forward's inverse, per chunk (test_the_kernels_calls_are_priced_at_...)
+    forward = 10 * 2 * 16**2 * (3 * dk + dv) + ieee
+    assert terms("bf16")[1] == pytest.approx((forward - ieee + ieee * 989.4 / 66.9) / forward)
+    assert terms("f32")[1] == pytest.approx(((forward - ieee) * 6 + ieee * 989.4 / 66.9) / forward)
+    tf32 = 4 * C**3  # the backward's inverse gradient, per chunk
+    backward = C**2 * (16 * dk + 6 * dv + 4 * C) + 8 * C * dk * dv
+    assert terms_gradient("bf16")[1] == pytest.approx((backward - tf32 + tf32 * 6) / backward)
+    assert terms_gradient("f32")[1] == pytest.approx(6)

@@ -20,15 +20,17 @@ one, the terms are
 
 The forward runs in blocks of 16 rows and 64 columns (Triton cannot slice a
 value), X by `chunk_inverse_triton`; the backward runs the chain rule back
-to q, k, v, g and beta, the inverse's own gradient dN = -X^T dX X^T on its strictly lower
-part. X and its products are float32 at full precision (IEEE on the GPU,
-not TF32); the other products take the terms' operand dtype (bf16 when v
-is, as FLA's kernels do; float32 at IEEE precision otherwise, the ring's
-summaries) with float32 accumulation. Triton runs IEEE float32 products as
-scalar FMAs, not on the tensor cores (`IEEE_FLOAT32_KERNELS`, which the
-planner prices so): as three TF32 products (`jlong.ops.triton_dots`) these
-fully unrolled kernels took Triton's compiler minutes at the ring's widths.
-`interpret=True` runs the same kernels on the CPU.
+to q, k, v, g and beta, the inverse's own gradient dN = -X^T dX X^T on its
+strictly lower part. The products over the key and value widths are loops
+(`fori_loop`), not unrolled: Triton's compile time grows with products times
+operations in a kernel, and a loop's body is compiled once whatever the
+width. The products take the terms' operand dtype (bf16 when v is, as FLA's
+kernels do) with float32 sums; float32 ones (the ring's summaries) run as
+three TF32 products (`jlong.ops.triton_dots`), as do the inverse's gradient's
+two [C, C] products in every dtype. The forward's inverse keeps IEEE float32
+products of 16 x 16 blocks (scalar FMAs on the GPU; `float32_flops` tells the
+planner): it is unrolled, and as three TF32 products it quadrupled the
+forward's compile. `interpret=True` runs the same kernels on the CPU.
 """
 
 from __future__ import annotations
@@ -45,9 +47,9 @@ from jlong.errors import JlongError
 from jlong.linear_attention.chunk_inverse_triton import invert_blocks, products_flops
 from jlong.linear_attention.chunks import DIAGONAL_BLOCK, ChunkTerms
 from jlong.ops.pallas_calls import kernel_call, triton_kernel_name
+from jlong.ops.triton_dots import dot_for, float32_dot
 
 FORWARD_NAME, BACKWARD_NAME = "chunk_terms_forward", "chunk_terms_backward"  # the kernels' names in a program
-IEEE_FLOAT32_KERNELS = (FORWARD_NAME, BACKWARD_NAME)  # float32 products as scalar FMAs (module docstring)
 FORWARD_NUM_WARPS = 4  # products of 16-row blocks
 BACKWARD_NUM_WARPS = 8  # [C, C] and [C, BLOCK] float32 tiles: eight warps hold more of them in registers
 # Columns of q, k, v and the terms a step of the kernels' loops takes: the products over the key and value
@@ -87,7 +89,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, u_r
     b, h = bh // heads, bh % heads
     size, count = DIAGONAL_BLOCK, chunk // DIAGONAL_BLOCK
     operand = q_ref.dtype
-    dot = functools.partial(plgpu.dot, precision=jax.lax.Precision.HIGHEST if operand == jnp.float32 else None)
+    dot = dot_for(operand)
     load = plgpu.load
     index = jnp.arange(chunk)
     g = load(g_ref.at[b, pl.ds(c * chunk, chunk), h])
@@ -122,10 +124,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, u_r
     zero = jnp.zeros((size, size), jnp.float32)
     lower = {}  # N's blocks on and below the diagonal (the diagonal blocks' own diagonals ignored)
     for i in range(count):
-        for j in range(key_blocks):
-            q, k, _, _ = key_side(i, j)
+        def scaled_keys(j, carry, i=i):  # q e_r and k e_w on rows i, key columns j
+            q, k = tokens(q_ref, h // group, i, j), tokens(k_ref, h // group, i, j)
             plgpu.store(term(qr_ref, i, j, block), (q * e_r[i][:, None]).astype(operand))
             plgpu.store(term(kw_ref, i, j, block), (k * e_w[i][:, None]).astype(operand))
+            return carry
+
+        jax.lax.fori_loop(0, key_blocks, scaled_keys, 0)
         for m in range(count):
             if m > i:
                 plgpu.store(term(a_ref, i, m, size), zero.astype(operand))
@@ -134,12 +139,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, u_r
             if m == i:
                 same &= columns <= rows
             D = jnp.where(same, jnp.exp(jnp.where(same, cum[i][:, None] - cum[m][None, :], 0.0)), 0.0)
-            P, QK = zero, zero
-            for j in range(key_blocks):
+
+            def key_products(j, sums, i=i, m=m):  # kb k^T and q k^T of rows i and m over key columns j
+                P, QK = sums
                 q, _, kb, _ = key_side(i, j)
                 k = tokens(k_ref, h // group, m, j)
-                P += dot(kb, k, trans_b=True)
-                QK += dot(q, k, trans_b=True)
+                return P + dot(kb, k, trans_b=True), QK + dot(q, k, trans_b=True)
+
+            P, QK = jax.lax.fori_loop(0, key_blocks, key_products, (zero, zero))
             lower[i, m] = P * D
             plgpu.store(term(a_ref, i, m, size), (QK * D).astype(operand))
     X = invert_blocks(lower, count)
@@ -147,13 +154,20 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, u_r
         for m in range(count):
             plgpu.store(term(inverse_ref, i, m, size), X[i, m] if m <= i else zero)
         Xo = [X[i, m].astype(operand) for m in range(i + 1)]
-        for j in range(value_blocks):  # u = X (beta v)
+
+        def u_columns(j, carry, i=i, Xo=Xo):  # u = X (beta v) on rows i, value columns j
             vb = [(tokens(v_ref, h, m, j) * beta[m][:, None]).astype(operand) for m in range(i + 1)]
             u = functools.reduce(jnp.add, (dot(Xo[m], vb[m]) for m in range(i + 1)))
             plgpu.store(term(u_ref, i, j, block), u.astype(operand))
-        for j in range(key_blocks):  # w = X (beta k e_r)
+            return carry
+
+        def w_columns(j, carry, i=i, Xo=Xo):  # w = X (beta k e_r) on rows i, key columns j
             w = functools.reduce(jnp.add, (dot(Xo[m], key_side(m, j)[3]) for m in range(i + 1)))
             plgpu.store(term(w_ref, i, j, block), w.astype(operand))
+            return carry
+
+        jax.lax.fori_loop(0, value_blocks, u_columns, 0)
+        jax.lax.fori_loop(0, key_blocks, w_columns, 0)
 
 
 def forward(q, k, v, g, beta, seg, prev, *, chunk: int, interpret: bool):
@@ -184,9 +198,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, in
     b, h = bh // heads, bh % heads
     tokens = pl.ds(c * chunk, chunk)
     operand = q_ref.dtype
-    precision = jax.lax.Precision.HIGHEST if operand == jnp.float32 else None
-    dot = functools.partial(plgpu.dot, precision=precision)
-    exact = functools.partial(plgpu.dot, precision=jax.lax.Precision.HIGHEST)  # the inverse's [C, C] products
+    dot = dot_for(operand)
+    exact = float32_dot  # the inverse's [C, C] products
     load = plgpu.load
 
     def columns_of(ref, head, j):  # a token ref's block j of `block` columns in this chunk
@@ -226,9 +239,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, in
     def terms_gradients(j, only_w: bool):
         """The recurrence's gradients of w, qr and kw on key columns block j (v_new = u - w S, o = qr S +
         a v_new, S' = decay S + kw^T v_new), and its share of decay's: sums over the value columns."""
-        dw, dqr, dkw = (jnp.zeros((chunk, block), jnp.float32) for _ in range(3))
-        d_decay = jnp.zeros((), jnp.float32)
-        for i in range(value_blocks):
+        def step(i, sums):
+            dw, dqr, dkw, d_decay = sums
             S = state_block(states_ref, j, i)
             dw -= dot(chunk_columns(dv_new_ref, i), S, trans_b=True)
             if not only_w:
@@ -236,46 +248,53 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, in
                 dqr += dot(chunk_columns(do_ref, i), S, trans_b=True)
                 dkw += dot(chunk_columns(v_new_ref, i), dS, trans_b=True)
                 d_decay += jnp.sum(S.astype(jnp.float32) * dS.astype(jnp.float32))
-        return dw, dqr, dkw, d_decay
+            return dw, dqr, dkw, d_decay
 
-    # Contractions over the key columns: P = kb k^T, QK = q k^T and w's share of dX.
-    square = jnp.zeros((chunk, chunk), jnp.float32)
-    P, QK, dX, da = square, square, square, square
-    for j in range(key_blocks):
+        columns = jnp.zeros((chunk, block), jnp.float32)
+        return jax.lax.fori_loop(0, value_blocks, step, (columns, columns, columns, jnp.zeros((), jnp.float32)))
+
+    def key_products(j, sums):  # over the key columns: P = kb k^T, QK = q k^T and w's share of dX
+        P, QK, dX = sums
         q, k, kb, kg = key_side(j)
-        P += dot(kb, k, trans_b=True)
-        QK += dot(q, k, trans_b=True)
-        dX += dot(terms_gradients(j, only_w=True)[0].astype(operand), kg, trans_b=True)
-    # u = X vb (u's gradient is v_new's): u's share of dX, v's gradient, and a's (o's a v_new)
-    d_beta = jnp.zeros((chunk,), jnp.float32)
-    for j in range(value_blocks):
+        dw = terms_gradients(j, only_w=True)[0]
+        return (P + dot(kb, k, trans_b=True), QK + dot(q, k, trans_b=True),
+                dX + dot(dw.astype(operand), kg, trans_b=True))
+
+    square = jnp.zeros((chunk, chunk), jnp.float32)
+    P, QK, dX = jax.lax.fori_loop(0, key_blocks, key_products, (square, square, square))
+
+    def value_products(j, sums):  # u = X vb (u's gradient is v_new's): u's share of dX, v's gradient, a's
+        dX, d_beta, da = sums
         v, du = load(columns_of(v_ref, h, j)), chunk_columns(dv_new_ref, j)
-        dX += dot(du, (v * beta[:, None]).astype(operand), trans_b=True)
         dvb = dot(Xo, du, trans_a=True)
-        d_beta += jnp.sum(dvb * v, axis=1)
         plgpu.store(columns_of(dv_ref, h, j), (dvb * beta[:, None]).astype(dv_ref.dtype))
-        da += dot(chunk_columns(do_ref, j), chunk_columns(v_new_ref, j), trans_b=True)
+        return (dX + dot(du, (v * beta[:, None]).astype(operand), trans_b=True), d_beta + jnp.sum(dvb * v, axis=1),
+                da + dot(chunk_columns(do_ref, j), chunk_columns(v_new_ref, j), trans_b=True))
+
+    dX, d_beta, da = jax.lax.fori_loop(0, value_blocks, value_products,
+                                       (dX, jnp.zeros((chunk,), jnp.float32), square))
 
     # X = (I + N)^-1 with N = P D strictly below the diagonal; a = QK D
     dN = jnp.where(cols < rows, -exact(exact(X, dX, trans_a=True), X, trans_b=True), 0.0)
     dP, dQK = (dN * D).astype(operand), (da * D).astype(operand)
     dD = dN * P + da * QK
 
-    d_e_r, d_e_w = jnp.zeros((chunk,), jnp.float32), jnp.zeros((chunk,), jnp.float32)
-    d_decay = jnp.zeros((), jnp.float32)
-    for j in range(key_blocks):
+    def key_gradients(j, sums):  # dq and dk on key columns block j, and the sums toward beta, e_r, e_w, decay
+        d_beta, d_e_r, d_e_w, d_decay = sums
         q, k, kb, kg = key_side(j)
         dw, dqr, dkw, d_decay_share = terms_gradients(j, only_w=False)
-        d_decay += d_decay_share
         dkg = dot(Xo, dw.astype(operand), trans_a=True)
         dkb = dkg * e_r[:, None] + dot(dP, k)
         dq = dot(dQK, k) + dqr * e_r[:, None]
         dk = dot(dQK, q, trans_a=True) + dot(dP, kb, trans_a=True) + dkb * beta[:, None] + dkw * e_w[:, None]
-        d_beta += jnp.sum(dkb * k, axis=1)
-        d_e_r += jnp.sum(dkg * kb, axis=1) + jnp.sum(dqr * q, axis=1)
-        d_e_w += jnp.sum(dkw * k, axis=1)
         plgpu.store(columns_of(dq_ref, h, j), dq.astype(dq_ref.dtype))
         plgpu.store(columns_of(dk_ref, h, j), dk.astype(dk_ref.dtype))
+        return (d_beta + jnp.sum(dkb * k, axis=1), d_e_r + jnp.sum(dkg * kb, axis=1) + jnp.sum(dqr * q, axis=1),
+                d_e_w + jnp.sum(dkw * k, axis=1), d_decay + d_decay_share)
+
+    rows_sum = jnp.zeros((chunk,), jnp.float32)
+    d_beta, d_e_r, d_e_w, d_decay = jax.lax.fori_loop(0, key_blocks, key_gradients,
+                                                      (d_beta, rows_sum, rows_sum, jnp.zeros((), jnp.float32)))
 
     E = dD * D  # D = exp(cum_i - cum_j): + to row i's cum, - to column j's
     d_cum = jnp.sum(E, axis=1) - jnp.sum(E, axis=0) + d_e_r * e_r - d_e_w * e_w
@@ -316,6 +335,14 @@ def backward(q, k, v, g, beta, seg, prev, inverse, do, d_v_new, states, v_new, d
     return by_key_head(dq), by_key_head(dk_), dv, dg, dbeta
 
 
+def _call_shape(name: str, operand_dims: list, result_dims: tuple) -> tuple[int, int, int, int]:
+    """(value heads x chunks, the chunk, dk, dv) of a call of the kernel `name`."""
+    (B, T, H, dv), dk = operand_dims[2], operand_dims[0][-1]  # v [B, T, H, dv], q [B, T, Hk, dk]
+    # the forward's first result u [B, H, n, C, dv]; the backward's operand the inverses [B, H, n, C, C]
+    C = result_dims[3] if name == FORWARD_NAME else operand_dims[7][-1]
+    return B * H * (T // C), C, dk, dv
+
+
 def call_flops(target: str, attributes: str, operand_dims: list, result_dims: tuple) -> float | None:
     """The kernels' FLOPs in a compiled program, for the planner, per value head and chunk: the forward's
     products of blocks on and below the diagonal, 2 b^2 (3 dk + dv) each (N's, a's, w's and u's; b = 16),
@@ -325,12 +352,21 @@ def call_flops(target: str, attributes: str, operand_dims: list, result_dims: tu
     name = triton_kernel_name(target, attributes)
     if name not in (FORWARD_NAME, BACKWARD_NAME):
         return None
-    (B, T, H, dv), dk = operand_dims[2], operand_dims[0][-1]  # v [B, T, H, dv], q [B, T, Hk, dk]
+    chunks, C, dk, dv = _call_shape(name, operand_dims, result_dims)
     if name == FORWARD_NAME:
-        C = result_dims[3]  # u [B, H, n, C, dv], its first result
         count = C // DIAGONAL_BLOCK
         per_chunk = count * (count + 1) // 2 * 2 * DIAGONAL_BLOCK**2 * (3 * dk + dv) + products_flops(C)
     else:
-        C = operand_dims[7][-1]  # the inverses [B, H, n, C, C]
         per_chunk = C**2 * (16 * dk + 6 * dv + 4 * C) + 8 * C * dk * dv
-    return float(B * H * (T // C) * per_chunk)
+    return float(chunks * per_chunk)
+
+
+def float32_flops(target: str, attributes: str, operand_dims: list, result_dims: tuple) -> tuple[float, float] | None:
+    """(FLOPs at IEEE precision, FLOPs as three TF32 products) of the products the kernels take in float32
+    whatever the terms' dtype, for the planner: the forward's inverse (IEEE), the backward's 4 C^3 of the
+    inverse's gradient (three TF32 products); None for any other call."""
+    name = triton_kernel_name(target, attributes)
+    if name not in (FORWARD_NAME, BACKWARD_NAME):
+        return None
+    chunks, C, _, _ = _call_shape(name, operand_dims, result_dims)
+    return (chunks * products_flops(C), 0.0) if name == FORWARD_NAME else (0.0, float(chunks * 4 * C**3))

@@ -118,14 +118,16 @@ GPU_KERNELS = frozenset({"triton", "mosaic"})  # written for a GPU; `interpret=T
 GPU_ONLY_IN_MODELS = frozenset({"mosaic"})
 # (call_flops, kind) of the GPU kernels' custom calls, for the planner
 PRICED_CALLS = ((gated_delta_mosaic.call_flops, "gated delta (mosaic)"),)
-IEEE_FLOAT32_KERNELS = ()  # Triton kernels whose float32 products run as scalar FMAs (for the planner)
+# (IEEE, three-TF32) FLOPs of the products a Triton kernel's call takes in float32 whatever its operands'
+# dtype, for the planner (None: not its call)
+FLOAT32_FLOPS = ()
 if has_pallas_triton():  # a jax without Pallas' Triton backend runs the Mosaic GPU rule
     from jlong.linear_attention import chunk_terms_triton, gated_delta_triton
 
     KERNELS["triton"] = gated_delta_triton.triton
     PRICED_CALLS = ((gated_delta_triton.call_flops, "gated delta"), (gated_delta_triton.outputs_call_flops, "matmul"),
                     (chunk_terms_triton.call_flops, "matmul"), *PRICED_CALLS)
-    IEEE_FLOAT32_KERNELS = chunk_terms_triton.IEEE_FLOAT32_KERNELS
+    FLOAT32_FLOPS = (chunk_terms_triton.float32_flops,)
 
 
 def kernel_for(platform: str) -> str:

@@ -163,7 +163,7 @@ class Pricer:
                       "gated delta (mosaic)": self.eff.gated_delta_mosaic}.get(kind, 1.0)
         rate = self.gpu.peak_bf16_flops * efficiency
         if op == "custom-call":
-            rate /= _float32_product_cost(inst, computation)
+            rate /= _product_cost(inst, computation, flops.total)
         seconds = max(flops.total / rate, hbm / (self.gpu.hbm_bytes_per_s * self.eff.hbm))
         tally.busy_s[kind] += seconds
         return "compute", seconds
@@ -343,17 +343,23 @@ def _kernel_flops(inst: Instruction, computation: Computation) -> tuple[float, s
                         inst.arrays[0].dims)
 
 
-def _float32_product_cost(inst: Instruction, computation: Computation) -> float:
-    """How much slower than bf16 one of jlong's Pallas Triton kernels runs its products: 1 unless they are
-    float32 (the dtype of its largest operand, which every one of them multiplies: the tokens, the chunks'
-    terms or an expert's rows and weights); then three TF32 products each (`jlong.ops.triton_dots`), or
-    scalar FMAs for the kernels that keep IEEE products (`gated_delta.IEEE_FLOAT32_KERNELS`)."""
-    name = triton_kernel_name((inst.attribute("custom_call_target") or "").strip('"'), inst.attributes)
-    if name is None or max(computation.operand_arrays(inst), key=lambda a: a.elements).dtype != "f32":
+def _product_cost(inst: Instruction, computation: Computation, flops: float) -> float:
+    """How much slower than bf16 products one of jlong's Pallas Triton kernels runs its `flops`, on average:
+    its operands' products at 1 if they are 16-bit, at three TF32 products' cost if float32 (the dtype of
+    its largest operand, which every one of them multiplies: the tokens, the chunks' terms or an expert's
+    rows and weights; `jlong.ops.triton_dots`); the products it takes in float32 whatever its operands
+    (`gated_delta.FLOAT32_FLOPS`) at three TF32 products' or IEEE products' (scalar FMAs) cost."""
+    target = (inst.attribute("custom_call_target") or "").strip('"')
+    if triton_kernel_name(target, inst.attributes) is None or not flops:
         return 1.0
-    if name in gated_delta.IEEE_FLOAT32_KERNELS:
-        return TRITON_IEEE_PRODUCT_COST
-    return TRITON_FLOAT32_PRODUCT_COST
+    operands = computation.operand_arrays(inst)
+    float32 = max(operands, key=lambda a: a.elements).dtype == "f32"
+    ieee, tf32 = 0.0, 0.0
+    for split in gated_delta.FLOAT32_FLOPS:
+        if (found := split(target, inst.attributes, [a.dims for a in operands], inst.arrays[0].dims)) is not None:
+            ieee, tf32 = found
+    rest = (flops - ieee - tf32) * (TRITON_FLOAT32_PRODUCT_COST if float32 else 1.0)
+    return (rest + ieee * TRITON_IEEE_PRODUCT_COST + tf32 * TRITON_FLOAT32_PRODUCT_COST) / flops
 
 
 def _elementwise_flops(inst: Instruction) -> float:
