@@ -319,31 +319,42 @@ def test_the_planner_prices_float32_products_as_the_kernels_run_them():
     each at half the bf16 rate: a compute-bound recurrence call with float32 terms is priced at six times
     the bf16 one's time (same FLOPs; its memory traffic bounds neither). The chunk terms' kernels take some
     products in float32 in every dtype, priced so: the forward's inverse at IEEE precision (scalar FMAs at an
-    H100's 66.9 float32 TFLOP/s), the backward's inverse gradient, 4 C^3 a chunk, as three TF32 products."""
-    BH, n, C, dk, dv = 32, 512, 64, 128, 128
+    H100's 66.9 float32 TFLOP/s), the backward's inverse gradient, 4 C^3 a chunk, as three TF32 products; a
+    bf16 call stays bf16 where its float32 inverses are its largest operand (narrow heads)."""
+    BH, n, C = 32, 512, 64
     T = n * C
 
-    def recurrence(dtype):  # u, w, kw, the decays and the starting state -> the final state
+    def recurrence(dtype, dk=128, dv=128):  # u, w, kw, the decays and the starting state -> the final state
         return _priced(gated_delta_triton.FORWARD, [f"{dtype}[{BH},{n},{C},{dk}]"] * 3 + [
             f"f32[{BH},{n}]", f"f32[{BH},{dk},{dv}]"], f"f32[{BH},{dk},{dv}]")
 
-    def terms(dtype):  # q, k, v, g, beta, seg, prev -> u first
-        return _priced(chunk_terms_triton.FORWARD_NAME, [f"{dtype}[1,{T},{BH},{dk}]"] * 3 + [f"f32[1,{T},{BH}]"] * 2
-                       + [f"s32[1,{T}]"] * 2, f"{dtype}[1,{BH},{n},{C},{dv}]")
+    def terms(dtype, dk, dv):  # q, k, v, g, beta, seg, prev -> u first
+        return _priced(chunk_terms_triton.FORWARD_NAME, [f"{dtype}[1,{T},{BH},{dk}]"] * 2 + [
+            f"{dtype}[1,{T},{BH},{dv}]"] + [f"f32[1,{T},{BH}]"] * 2 + [f"s32[1,{T}]"] * 2,
+            f"{dtype}[1,{BH},{n},{C},{dv}]")
 
-    def terms_gradient(dtype):  # q, k, v, g, beta, seg, prev, the inverses, do, dv_new, states, v_new, d_next
-        return _priced(chunk_terms_triton.BACKWARD_NAME, [f"{dtype}[1,{T},{BH},{dk}]"] * 3 + [f"f32[1,{T},{BH}]"] * 2
-                       + [f"s32[1,{T}]"] * 2 + [f"f32[1,{BH},{n},{C},{C}]"] + [f"{dtype}[1,{BH},{n},{C},{dv}]"] * 2
-                       + [f"{dtype}[1,{BH},{n},{dk},{dv}]", f"{dtype}[1,{BH},{n},{C},{dv}]",
-                          f"{dtype}[1,{BH},{n},{dk},{dv}]"], f"{dtype}[1,{T},{BH},{dk}]")
+    def terms_gradient(dtype, dk, dv):  # q, k, v, g, beta, seg, prev, the inverses, do, dv_new, states, v_new, d_next
+        by_chunk, by_state = f"{dtype}[1,{BH},{n},{C},{dv}]", f"{dtype}[1,{BH},{n},{dk},{dv}]"
+        return _priced(chunk_terms_triton.BACKWARD_NAME, [f"{dtype}[1,{T},{BH},{dk}]"] * 2 + [
+            f"{dtype}[1,{T},{BH},{dv}]"] + [f"f32[1,{T},{BH}]"] * 2 + [f"s32[1,{T}]"] * 2 + [
+            f"f32[1,{BH},{n},{C},{C}]", by_chunk, by_chunk, by_state, by_chunk, by_state], f"{dtype}[1,{T},{BH},{dk}]")
 
     assert recurrence("f32")[0] == pytest.approx(6 * recurrence("bf16")[0], rel=1e-9)
     assert recurrence("bf16")[1] == 1.0 and recurrence("f32")[1] == 6
     ieee = 48 * 2 * 16**3  # the forward's inverse, per chunk (test_the_kernels_calls_are_priced_at_...)
-    forward = 10 * 2 * 16**2 * (3 * dk + dv) + ieee
-    assert terms("bf16")[1] == pytest.approx((forward - ieee + ieee * 989.4 / 66.9) / forward)
-    assert terms("f32")[1] == pytest.approx(((forward - ieee) * 6 + ieee * 989.4 / 66.9) / forward)
     tf32 = 4 * C**3  # the backward's inverse gradient, per chunk
-    backward = C**2 * (16 * dk + 6 * dv + 4 * C) + 8 * C * dk * dv
-    assert terms_gradient("bf16")[1] == pytest.approx((backward - tf32 + tf32 * 6) / backward)
-    assert terms_gradient("f32")[1] == pytest.approx(6)
+    for dk, dv in ((128, 256), (32, 32)):
+        forward = 10 * 2 * 16**2 * (3 * dk + dv) + ieee
+        assert terms("bf16", dk, dv)[1] == pytest.approx((forward - ieee + ieee * 989.4 / 66.9) / forward)
+        assert terms("f32", dk, dv)[1] == pytest.approx(((forward - ieee) * 6 + ieee * 989.4 / 66.9) / forward)
+        backward = C**2 * (16 * dk + 6 * dv + 4 * C) + 8 * C * dk * dv
+        assert terms_gradient("bf16", dk, dv)[1] == pytest.approx((backward - tf32 + tf32 * 6) / backward)
+        assert terms_gradient("f32", dk, dv)[1] == pytest.approx(6)
+    # the split itself, and None for another kernel's call
+    dims = [[1, T, BH, 128], [1, T, BH, 128], [1, T, BH, 256], [1, T, BH], [1, T, BH], [1, T], [1, T], [1, BH, n, C, C]]
+    name = lambda kernel: f'name = "{kernel}", num_stages = 1'  # noqa: E731
+    assert chunk_terms_triton.float32_flops(TRITON_CALL, name(chunk_terms_triton.FORWARD_NAME), dims,
+                                            (1, BH, n, C, 256)) == (BH * n * ieee, 0.0)
+    assert chunk_terms_triton.float32_flops(TRITON_CALL, name(chunk_terms_triton.BACKWARD_NAME), dims, ()) == (
+        0.0, BH * n * tf32)
+    assert chunk_terms_triton.float32_flops(TRITON_CALL, name(gated_delta_triton.OUTPUTS), dims, ()) is None

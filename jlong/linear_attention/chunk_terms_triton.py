@@ -199,7 +199,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, in
     tokens = pl.ds(c * chunk, chunk)
     operand = q_ref.dtype
     dot = dot_for(operand)
-    exact = float32_dot  # the inverse's [C, C] products
+    inverse_dot = float32_dot  # the inverse's gradient's [C, C] products, float32 in every dtype
     load = plgpu.load
 
     def columns_of(ref, head, j):  # a token ref's block j of `block` columns in this chunk
@@ -275,7 +275,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, prev_ref, in
                                        (dX, jnp.zeros((chunk,), jnp.float32), square))
 
     # X = (I + N)^-1 with N = P D strictly below the diagonal; a = QK D
-    dN = jnp.where(cols < rows, -exact(exact(X, dX, trans_a=True), X, trans_b=True), 0.0)
+    dN = jnp.where(cols < rows, -inverse_dot(inverse_dot(X, dX, trans_a=True), X, trans_b=True), 0.0)
     dP, dQK = (dN * D).astype(operand), (da * D).astype(operand)
     dD = dN * P + da * QK
 

@@ -118,8 +118,8 @@ GPU_KERNELS = frozenset({"triton", "mosaic"})  # written for a GPU; `interpret=T
 GPU_ONLY_IN_MODELS = frozenset({"mosaic"})
 # (call_flops, kind) of the GPU kernels' custom calls, for the planner
 PRICED_CALLS = ((gated_delta_mosaic.call_flops, "gated delta (mosaic)"),)
-# (IEEE, three-TF32) FLOPs of the products a Triton kernel's call takes in float32 whatever its operands'
-# dtype, for the planner (None: not its call)
+# Functions giving the (IEEE, three-TF32) FLOPs of the products a Triton kernel's call takes in float32
+# whatever its operands' dtype, for the planner (None: not that kernel's call)
 FLOAT32_FLOPS = ()
 if has_pallas_triton():  # a jax without Pallas' Triton backend runs the Mosaic GPU rule
     from jlong.linear_attention import chunk_terms_triton, gated_delta_triton

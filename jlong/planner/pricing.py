@@ -344,21 +344,20 @@ def _kernel_flops(inst: Instruction, computation: Computation) -> tuple[float, s
 
 
 def _product_cost(inst: Instruction, computation: Computation, flops: float) -> float:
-    """How much slower than bf16 products one of jlong's Pallas Triton kernels runs its `flops`, on average:
-    its operands' products at 1 if they are 16-bit, at three TF32 products' cost if float32 (the dtype of
-    its largest operand, which every one of them multiplies: the tokens, the chunks' terms or an expert's
-    rows and weights; `jlong.ops.triton_dots`); the products it takes in float32 whatever its operands
-    (`gated_delta.FLOAT32_FLOPS`) at three TF32 products' or IEEE products' (scalar FMAs) cost."""
+    """How much slower than bf16 products a Pallas Triton call (jlong's kernels are the ones priced at
+    FLOPs) runs its `flops`, on average: its operands' products at 1 if they are 16-bit (some operand is:
+    the tokens, the chunks' terms or an expert's rows), else at three TF32 products' cost (float32,
+    `jlong.ops.triton_dots`); the products it takes in float32 whatever its operands'
+    dtype (`gated_delta.FLOAT32_FLOPS`) at three TF32 products' or IEEE products' (scalar FMAs) cost."""
     target = (inst.attribute("custom_call_target") or "").strip('"')
     if triton_kernel_name(target, inst.attributes) is None or not flops:
         return 1.0
     operands = computation.operand_arrays(inst)
-    float32 = max(operands, key=lambda a: a.elements).dtype == "f32"
-    ieee, tf32 = 0.0, 0.0
-    for split in gated_delta.FLOAT32_FLOPS:
-        if (found := split(target, inst.attributes, [a.dims for a in operands], inst.arrays[0].dims)) is not None:
-            ieee, tf32 = found
-    rest = (flops - ieee - tf32) * (TRITON_FLOAT32_PRODUCT_COST if float32 else 1.0)
+    sixteen_bit = any(a.dtype in ("bf16", "f16") for a in operands)
+    dims = [a.dims for a in operands]
+    ieee, tf32 = next((found for split in gated_delta.FLOAT32_FLOPS
+                       if (found := split(target, inst.attributes, dims, inst.arrays[0].dims)) is not None), (0.0, 0.0))
+    rest = (flops - ieee - tf32) * (1.0 if sixteen_bit else TRITON_FLOAT32_PRODUCT_COST)
     return (rest + ieee * TRITON_IEEE_PRODUCT_COST + tf32 * TRITON_FLOAT32_PRODUCT_COST) / flops
 
 
