@@ -324,9 +324,9 @@ def test_the_planner_prices_float32_products_as_the_kernels_run_them():
     BH, n, C = 32, 512, 64
     T = n * C
 
-    def recurrence(dtype, dk=128, dv=128):  # u, w, kw, the decays and the starting state -> the final state
-        return _priced(gated_delta_triton.FORWARD, [f"{dtype}[{BH},{n},{C},{dk}]"] * 3 + [
-            f"f32[{BH},{n}]", f"f32[{BH},{dk},{dv}]"], f"f32[{BH},{dk},{dv}]")
+    def recurrence(dtype):  # u, w, kw, the decays and the starting state -> the final state (dk = dv = 128)
+        return _priced(gated_delta_triton.FORWARD, [f"{dtype}[{BH},{n},{C},128]"] * 3 + [
+            f"f32[{BH},{n}]", f"f32[{BH},128,128]"], f"f32[{BH},128,128]")
 
     def terms(dtype, dk, dv):  # q, k, v, g, beta, seg, prev -> u first
         return _priced(chunk_terms_triton.FORWARD_NAME, [f"{dtype}[1,{T},{BH},{dk}]"] * 2 + [

@@ -30,7 +30,8 @@ three TF32 products (`jlong.ops.triton_dots`), as do the inverse's gradient's
 two [C, C] products in every dtype. The forward's inverse keeps IEEE float32
 products of 16 x 16 blocks (scalar FMAs on the GPU; `float32_flops` tells the
 planner): it is unrolled, and as three TF32 products it took the whole
-rule's bf16 compile from 7 to 32 s. `interpret=True` runs the same kernels on the CPU.
+rule's bf16 compile from 7 to 32 s. `interpret=True` runs the same kernels
+on the CPU.
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ class Pricer:
                       "gated delta (mosaic)": self.eff.gated_delta_mosaic}.get(kind, 1.0)
         rate = self.gpu.peak_bf16_flops * efficiency
         if op == "custom-call":
-            rate /= _product_cost(inst, computation, flops.total)
+            rate /= _product_cost(inst, computation, flops.matmul)
         seconds = max(flops.total / rate, hbm / (self.gpu.hbm_bytes_per_s * self.eff.hbm))
         tally.busy_s[kind] += seconds
         return "compute", seconds
@@ -344,11 +344,12 @@ def _kernel_flops(inst: Instruction, computation: Computation) -> tuple[float, s
 
 
 def _product_cost(inst: Instruction, computation: Computation, flops: float) -> float:
-    """How much slower than bf16 products a Pallas Triton call (jlong's kernels are the ones priced at
-    FLOPs) runs its `flops`, on average: its operands' products at 1 if they are 16-bit (some operand is:
-    the tokens, the chunks' terms or an expert's rows), else at three TF32 products' cost (float32,
-    `jlong.ops.triton_dots`); the products it takes in float32 whatever its operands'
-    dtype (`gated_delta.FLOAT32_FLOPS`) at three TF32 products' or IEEE products' (scalar FMAs) cost."""
+    """How much slower than bf16 products one of jlong's Pallas Triton kernels runs its product `flops`
+    (those `KERNEL_PRICES` gives it; another call has none, so 1), on average: its operands' products at 1
+    if they are 16-bit (some operand is: the tokens, the chunks' terms or an expert's rows), else at three
+    TF32 products' cost (float32, `jlong.ops.triton_dots`); the products it takes in float32 whatever its
+    operands' dtype (`gated_delta.FLOAT32_FLOPS`) at three TF32 products' or IEEE products' (scalar FMAs)
+    cost."""
     target = (inst.attribute("custom_call_target") or "").strip('"')
     if triton_kernel_name(target, inst.attributes) is None or not flops:
         return 1.0
