@@ -201,6 +201,20 @@ def whole_stack(*overrides):
     return load_config(None, [*WHOLE_STACK, *overrides])
 
 
+_COMPILED_STEPS = {}
+
+
+def compiled_step(config, target=H100):
+    """`compile_train_step(config, target)`, compiled once per test process for equal configs (the tests
+    that share one read its program and plan, never change them)."""
+    from jlong.planner.memory import compile_train_step
+
+    key = (config.model_dump_json(), repr(target))
+    if key not in _COMPILED_STEPS:
+        _COMPILED_STEPS[key] = compile_train_step(config, target)
+    return _COMPILED_STEPS[key]
+
+
 def load_experiment(name: str):
     """experiments/NAME.py as a module, loaded from its file: the experiments
     are scripts, not on the import path (their names would read as modules')."""

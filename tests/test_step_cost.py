@@ -13,11 +13,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jlong.planner.hlo import parse_module
-from jlong.planner.memory import compile_train_step, offloaded_attention_bytes, plan_of, saved_layer_input_bytes
+from jlong.planner.memory import offloaded_attention_bytes, plan_of, saved_layer_input_bytes
 from jlong.planner.cost_report import format_cost
 from jlong.planner.step_cost import COST_KEYS, Efficiency, cost_dict, estimate, step_cost
 from jlong.planner.targets import GPUS, gpu_devices
-from helpers import H100, WHOLE_STACK, assert_one_line_error, needs_gpu_compiler, run_cli, whole_stack
+from helpers import WHOLE_STACK, assert_one_line_error, compiled_step, needs_gpu_compiler, run_cli, whole_stack
 
 H100_GPU = GPUS["h100"]
 
@@ -244,7 +244,7 @@ def test_a_compiled_matmul_and_all_gather_are_counted_exactly():
 
 @needs_gpu_compiler
 def test_offload_attention_moves_attention_outputs_to_host_and_skips_the_recomputed_kernel():
-    inputs, attention = (compile_train_step(whole_stack(f"memory.remat={r}"), H100)
+    inputs, attention = (compiled_step(whole_stack(f"memory.remat={r}"))
                          for r in ("offload_inputs", "offload_attention"))
     config = whole_stack("memory.remat=offload_attention")
     # What XLA:GPU places in host memory: the layer inputs, the attention outputs and log-sum-exps.

@@ -134,9 +134,14 @@ class CompiledStep:
         return self.program.mesh.devices.flat[0].platform == "cpu"
 
     @functools.cached_property
+    def text(self) -> str:
+        """The optimized program's text, printed once (megabytes for a large program)."""
+        return self.compiled.as_text()
+
+    @functools.cached_property
     def hlo(self) -> HloModule:
         """The optimized program, read (`jlong.planner.hlo`)."""
-        return parse_module(self.compiled.as_text())
+        return parse_module(self.text)
 
 
 def compile_train_step(config: Config, target: PlanTarget = PlanTarget(), devices=None, *,
