@@ -42,9 +42,12 @@ def _state(B, H, dk, dv, seed=1):
     return np.random.default_rng(seed).normal(size=(B, H, dk, dv)).astype(np.float32)
 
 
-@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "state"])
-@pytest.mark.parametrize("rule", [triton, in_blocks], ids=["one-block", "blocks"])
-def test_outputs_equal_the_rule_token_by_token(with_state, rule):
+@pytest.mark.parametrize("rule, with_state", [
+    (triton, False), (in_blocks, True),
+    # the long tier's: the other two pairings of the rule's blocks and a starting state
+    pytest.param(triton, True, marks=pytest.mark.slow), pytest.param(in_blocks, False, marks=pytest.mark.slow),
+], ids=["one-block-zero-state", "blocks-state", "one-block-state", "blocks-zero-state"])
+def test_outputs_equal_the_rule_token_by_token(rule, with_state):
     """150 tokens: two whole chunks of 64 and a padded third, three documents, Hv = 2 Hk."""
     q, k, v, g, beta = _rule_inputs(dv=16)
     args = (SEGMENTS, _state(2, 4, 16, 16), np.array([5, 0])) if with_state else (SEGMENTS,)

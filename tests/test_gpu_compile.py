@@ -97,17 +97,10 @@ def test_packed_documents_compile_for_h100s_into_cudnn_ragged_calls():
 
 
 @needs_gpu_compiler
-def test_two_nodes_compile_as_one_mesh():
-    target = PlanTarget("h100", gpus_per_node=4)
-    step = compile_train_step(whole_stack(), target)
-    processes = {d.process_index for d in step.compiled.input_shardings[0][0]["embed"].device_set}
-    assert processes == {0, 1}
-    assert plan_of(step).devices_per_node == 4
-
-
-@needs_gpu_compiler
-def test_ring_attention_across_two_nodes_keeps_ulysses_inside_each():
+def test_two_nodes_compile_as_one_mesh_with_the_ring_across_them_and_ulysses_inside_each():
     step = compile_train_step(whole_stack("mesh.fsdp=1", "mesh.ring=2"), PlanTarget("h100", gpus_per_node=4))
+    assert {d.process_index for d in step.compiled.input_shardings[0][0]["embed"].device_set} == {0, 1}
+    assert plan_of(step).devices_per_node == 4
     hlo = step.text
     assert "collective-permute" in hlo and "all-to-all" in hlo
     mesh = step.compiled.input_shardings[0][0]["embed"].mesh
