@@ -114,9 +114,10 @@ def test_two_nodes_compile_as_one_mesh_with_the_ring_across_them_and_ulysses_ins
     pytest.param("llama3-8b-2m", 2 * 2**20, marks=pytest.mark.slow),  # the long tier's: CI chooses at 5M
     ("llama3-8b-5m", 5 * 2**20), ("qwen3-30b-a3b-1m", 2**20)])
 def test_the_long_context_configs_fit_their_default_budgets_on_h100(name, seq_len):
-    """Three of the committed configs, each with checks of its own (CI runs two; the 2M one is the long tier's). Every committed config is planned by
-    experiments/frontier.py (its table: experiments/results/frontier.md); the longest plans take minutes
-    each on CI's two cores, so they live there rather than here."""
+    """Three of the committed configs, each with checks of its own (CI runs two; the 2M one is the long
+    tier's). Every committed config is planned by experiments/frontier.py (its table:
+    experiments/results/frontier.md); the longest plans take minutes each on CI's two cores, so they live
+    there rather than here."""
     choice = choose(load_config(REPO / "configs" / f"{name}.yaml"), H100)
     config, step, result = choice.config, choice.chosen.step, choice.chosen.plan
     assert config.train.seq_len == seq_len
