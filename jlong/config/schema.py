@@ -252,9 +252,15 @@ class MeshConfig(_Section):
     """Fully sharded data parallelism: parameters, gradients and optimizer state sharded over these devices,
     which also split the batch."""
     ring: PositiveInt = 1
-    """Ring attention across this many groups of sp devices (context parallelism, e.g. across nodes)."""
+    """Ring attention across this many groups of sp devices: keys and values pass to the next group around the
+    ring (one neighbour, so transfers overlap the attention in hand). Use it across nodes, once one node's sp
+    devices cannot hold the sequence, keeping sp = GPUs per node; a ring alone (sp = 1) only where the heads are
+    too few to split over sp. Needs `attention.sp_method=ulysses`; train.seq_len a multiple of 2 x ring x sp, and
+    a sliding window no longer than half a zigzag chunk (train.seq_len / (2 x ring))."""
     sp: PositiveInt = 1
-    """Sequence parallelism within a group of sp devices: Ulysses exchanges heads all-to-all among them."""
+    """Sequence parallelism within a group of sp devices (the first knob for long sequences: sp = GPUs per node,
+    where the links are fast); `attention.sp_method` says how attention spans them. With `ulysses` sp must
+    divide the attention heads."""
 
     @property
     def size(self) -> int:
@@ -273,9 +279,16 @@ class AttentionConfig(_Section):
     """The attention kernel: `auto` (chosen by platform and model), a kernel of `jlong.attention.kernels`, or
     `reference` (plain attention, for tests)."""
     sp_method: Text = "ulysses"
-    """How attention spans the sp devices (`jlong.attention.methods`): `ulysses`, heads exchanged all-to-all, with
-    ring attention across `mesh.ring`; or `allgather`, keys and values gathered over sp in head stages, each
-    device attending its own queries (the Llama 3 paper's context parallelism, without a ring)."""
+    """How attention spans the sp devices (`jlong.attention.methods`). `ulysses` (the default): heads exchanged
+    all-to-all, each device attending the whole sequence for its share of the heads, with ring attention across
+    `mesh.ring`; use it when sp divides the heads, and always with a ring. `allgather`: keys and values gathered
+    over sp in head stages, each device attending its own queries over them (the Llama 3 paper's context
+    parallelism); use it when sp does not divide the heads (40-head Qwen 2.5 on sp 16), or where GQA leaves so
+    few kv heads that gathering them moves fewer bytes than Ulysses' all-to-alls of queries, keys, values and
+    outputs (roughly: sp x kv heads < heads + kv heads); no ring, and a stage's gathered keys
+    and values take the whole sequence on each device (layers with a sliding window receive only the
+    neighbours' last window - 1 keys where the window fits in half a zigzag chunk). `jlong maxlen CONFIG
+    --target h100 --fastest --search attention.sp_method=ulysses,allgather` ranks the two for a config."""
     heads_per_stage: Annotated[int | Literal["all", "auto"] | None, BeforeValidator(_heads_per_stage)] = None
     """The head stage size U. Unset: the method's default (Ulysses: `mesh.sp`; the all-gather: one kv head's
     query group); `all` (or 0): every head in one stage (plain Ulysses); `auto`: the largest stage whose plan
