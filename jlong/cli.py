@@ -11,6 +11,7 @@ import dataclasses
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from jlong.errors import JlongError, RunFailure
@@ -35,7 +36,8 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument(
         "--target", help=f"what to compile for: {', '.join(TARGETS)}. GPU targets compile the whole mesh "
-        "with XLA:GPU, deviceless, on any machine with the CUDA plugin (pip install 'jlong[gpu-plan]'); "
+        "with XLA:GPU, deviceless, on any machine with the CUDA plugin (in a clone: pip install -e \".[gpu-plan]\", "
+        "about 2.7 GB); "
         "cpu compiles for virtual CPU devices, corrected toward the GPU program. Default: h100 where the "
         "plugin is installed, cpu elsewhere",
     )
@@ -336,9 +338,12 @@ def _plan(args) -> int:
     efficiency = _efficiency(args)
     target = _plan_target(config, args)
     stages = stage_runs(config)
+    say = _progress(args.json)
     planned = []
     for stage in stages:  # each stage with its auto settings chosen (jlong.planner.memory_choice)
-        resolved, *plan_parts = _plan_one(stage.config, target, efficiency, args.eval)
+        if len(stages) > 1:
+            say(f"stage {stage.number} of {len(stages)}:")
+        resolved, *plan_parts = _plan_one(stage.config, target, efficiency, args.eval, say)
         planned.append((dataclasses.replace(stage, config=resolved), *plan_parts))
     # A run in stages fits when every stage does; its report leads with the stage that needs the most.
     stage, result, cost_keys, _, _ = max(planned, key=lambda p: (not p[1].fits, p[1].device_total))
@@ -373,25 +378,50 @@ def _plan(args) -> int:
     return 0
 
 
-def _plan_one(config, target, efficiency, forward_only: bool):
+def _plan_one(config, target, efficiency, forward_only: bool, say):
     """(the config with its auto settings chosen, memory plan, JSON keys, report lines, step cost) of one
-    config's train (or eval) program."""
+    config's train (or eval) program; what it compiles, and the memory choice's decisions, said as they come."""
     from jlong.planner.memory import compile_train_step, plan_of
     from jlong.planner.cost_report import format_cost
     from jlong.planner.memory_choice import choice_dict, choose, frugal
     from jlong.planner.step_cost import cost_dict
 
+    say(_compiling(config, target, "eval program" if forward_only else "train step"))
     if forward_only:  # memory only: the step-cost model prices a training step
         config = frugal(config)  # no backward pass: nothing to choose what to keep for
-        return config, plan_of(compile_train_step(config, target, forward_only=True)), {"program": "eval"}, [], None
-    choice = choose(config, target, efficiency=efficiency)
+        began = time.perf_counter()
+        result = plan_of(compile_train_step(config, target, forward_only=True))
+        say(f"compiled {_programs(1)} in {time.perf_counter() - began:,.1f} s")
+        return config, result, {"program": "eval"}, [], None
+    choice = choose(config, target, efficiency=efficiency, say=lambda line: say(f"memory choice: {line}"))
+    say(f"compiled {_programs(choice.compiles)} in {choice.seconds:,.1f} s")
     cost = choice.chosen.cost
-    lines = [f"memory choice: {line}" for line in choice.decisions]
-    if choice.decisions:
-        lines.append(f"memory choice: {choice.compiles} programs compiled in {choice.seconds:,.1f} s")
-    lines.append(format_cost(cost))
+    lines = [format_cost(cost)]
     keys = {"program": "train", **cost_dict(cost), **choice_dict(choice)}
     return choice.config, choice.chosen.plan, keys, lines, cost
+
+
+def _progress(json_report: bool):
+    """How a plan says what it is compiling (it can take minutes): on stdout before the report, or with --json
+    on stderr where that is a terminal (and not at all into a pipe, which expects only the JSON)."""
+    if not json_report:
+        return lambda line: print(line, flush=True)
+    if sys.stderr.isatty():
+        return lambda line: print(line, file=sys.stderr, flush=True)
+    return lambda line: None
+
+
+def _compiling(config, target, program: str) -> str:
+    """The line before a plan's compile, as `jlong train` says it before its own."""
+    mesh = config.mesh
+    auto = "; memory.remat or attention.heads_per_stage is auto: several programs" if config.chooses_layout else ""
+    return (f"compiling the {program} for {mesh.size} devices (data {mesh.data} x fsdp {mesh.fsdp} x ring "
+            f"{mesh.ring} x sp {mesh.sp}), {config.train.seq_len:,} tokens per sequence, with {target.compiler()}"
+            f"{auto} ...")
+
+
+def _programs(count: int) -> str:
+    return "1 program" if count == 1 else f"{count} programs"
 
 
 def _efficiency(args):
@@ -411,26 +441,30 @@ def _maxlen(args) -> int:
     target = _plan_target(config, args)
     if args.fastest:
         if not target.is_gpu:
+            from jlong.planner.targets import GPU_PLAN_INSTALL
+
             raise JlongError("--fastest ranks settings by the step cost, which is read from XLA:GPU programs: "
-                             "plan with --target h100 (pip install 'jlong[gpu-plan]')")
+                             f"plan with --target h100 ({GPU_PLAN_INSTALL})")
         return _fastest(config, target, args.search, efficiency)
-    from jlong.planner.maxlen import best_length, longest_by_setting, probe_line, with_seq_len
+    from jlong.planner.maxlen import best_length, longest_by_setting, probe_head, probe_verdict, with_seq_len
     from jlong.planner.targets import GIB
 
     _print_budgets(config, target, f"lengths are multiples of {config.sequence_granule:,}")
-
-    def report(seq_len, result):
-        print(probe_line(seq_len, result), flush=True)
+    lines = _ProbeLines()
 
     def announce(setting):
         if args.search:
             print(f"setting {' '.join(setting)}:", flush=True)
 
     def refused(setting, err):
+        lines.end()
         print(f"  no length fits: {err}", flush=True)
 
-    results = longest_by_setting(config, target, args.search, on_setting=announce, on_probe=report,
-                                 on_refused=refused)
+    with lines:
+        results = longest_by_setting(
+            config, target, args.search, on_setting=announce, on_refused=refused,
+            on_start=lambda seq_len: lines.start(probe_head(seq_len)),
+            on_probe=lambda seq_len, result: lines.finish(probe_verdict(result)))
     best = best_length(results)
     if best is None:
         raise results[-1].refusal
@@ -452,6 +486,36 @@ def _maxlen(args) -> int:
     return 0
 
 
+class _ProbeLines:
+    """A search's probes on stdout, one line each: its start printed as its program begins to compile (a minute
+    or more at millions of tokens), the rest with the seconds it took once it is planned."""
+
+    def __init__(self):
+        self.began = None  # when the open line's compile began; None: no line open
+
+    def start(self, head: str) -> None:
+        self.end()
+        print(head, end="", flush=True)
+        self.began = time.perf_counter()
+
+    def finish(self, rest: str, *, timed: bool = True) -> None:
+        seconds = f" ({time.perf_counter() - self.began:,.1f} s)" if timed and self.began is not None else ""
+        print(f"{rest}{seconds}", flush=True)
+        self.began = None
+
+    def end(self) -> None:
+        """Ends a line left open (its probe refused or failed)."""
+        if self.began is not None:
+            print(flush=True)
+            self.began = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.end()
+
+
 def _print_budgets(config, target, what: str) -> None:
     """The head of a search's report: the compiler, both budgets, and `what` it searches."""
     print(f"target {target.name}: {target.compiler()}", flush=True)
@@ -465,19 +529,20 @@ def _fastest(config, target, search, efficiency) -> int:
     from jlong.planner.targets import GIB
 
     _print_budgets(config, target, f"at seq_len {config.train.seq_len:,}")
+    lines = _ProbeLines()
 
     def report(setting, result, cost):
         verdict = "fits" if result.fits else "over the " + " and ".join(result.exceeded) + " budget"
-        print(f"  {' '.join(setting)}: {result.device_total / GIB:.2f} GiB per device, "
-              f"{result.host_per_node / GIB:,.1f} GiB host per node, {verdict}; estimated step "
-              f"{cost.step_time_s:,.1f} s, {cost.tokens_per_s:,.0f} tokens/s, executed / model FLOPs "
-              f"{cost.recompute_factor:.2f}", flush=True)
+        lines.finish(f"{result.device_total / GIB:.2f} GiB per device, {result.host_per_node / GIB:,.1f} GiB host "
+                     f"per node, {verdict}; estimated step {cost.step_time_s:,.1f} s, {cost.tokens_per_s:,.0f} "
+                     f"tokens/s, executed / model FLOPs {cost.recompute_factor:.2f}")
 
     def refused(setting, err):
-        print(f"  {' '.join(setting)}: refused ({err})", flush=True)
+        lines.finish(f"refused ({err})", timed=False)
 
-    best = fastest_setting(config, target, settings(search_axes(search)), efficiency, on_probe=report,
-                           on_refused=refused)
+    with lines:
+        best = fastest_setting(config, target, settings(search_axes(search)), efficiency, on_probe=report,
+                               on_refused=refused, on_start=lambda setting: lines.start(f"  {' '.join(setting)}: "))
     if best is None:
         raise JlongError(f"no setting fits both budgets at train.seq_len={config.train.seq_len:,}; "
                          "drop --fastest to search for the longest length each setting reaches")

@@ -50,7 +50,7 @@ def test_a_gpu_target_without_the_plugin_names_the_install_extra(command, tmp_pa
     config.write_text("model: {preset: tiny-llama}\n")
     assert cli.main([command, str(config), "--target", "h100"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "jlong[gpu-plan]" in lines[0] and "--target cpu" in lines[0], lines
+    assert len(lines) == 1 and "pip install -e \".[gpu-plan]\"" in lines[0] and "--target cpu" in lines[0], lines
 
 
 def test_without_the_plugin_the_default_target_is_cpu(monkeypatch):

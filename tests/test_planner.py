@@ -3,6 +3,7 @@ linear in the sequence length, and the longest length that fits a budget."""
 
 import json
 import math
+import re
 
 import jax
 import pytest
@@ -62,6 +63,10 @@ def test_a_plan_over_both_budgets_prints_itself_and_exits_2_naming_them(tmp_path
     result = run_cli("plan", config, *SMALL_LONG, "train.seq_len=1024", "--target", "cpu",
                      "--budget-gib", f"{just_the_states:.9f}", "--host-budget-gib", "1e-6")
     assert "device total" in result.stdout  # the plan itself, then the verdict
+    # What it compiles is said before the compile, as jlong train says it (on the GPU target it takes minutes).
+    said = result.stdout.splitlines()
+    assert said[0].startswith("compiling the train step for 8 devices (data 1 x fsdp 1 x ring 1 x sp 8), 1,024 "
+                              "tokens per sequence, with XLA:CPU") and said[1].startswith("compiled 1 program in ")
     assert_one_line_error(result, "at train.seq_len=1,024, ")
     line = result.stderr.strip()
     assert "GiB over the device budget of" in line and "GiB over the host budget of" in line
@@ -75,7 +80,9 @@ def test_maxlen_where_no_length_fits_exits_2_with_the_shortest_plan(tmp_path):
     just_the_states = state_bytes(small_long("train.seq_len=1024")) / GIB * 1.001
     result = run_cli("maxlen", config, *SMALL_LONG, "train.seq_len=1024", "--target", "cpu",
                      "--budget-gib", f"{just_the_states:.9f}")
-    assert "seq_len        1,024" in result.stdout
+    probe = next(line for line in result.stdout.splitlines() if "seq_len        1,024" in line)
+    assert re.fullmatch(r"  seq_len +1,024: +[\d.]+ GiB per device, +[\d.]+ GiB host per node  over the device "
+                        r"budget \([\d.]+ s\)", probe), probe  # each probe's compile timed on its line
     assert_one_line_error(result, "at train.seq_len=1,024, ")
     assert "GiB over the device budget of" in result.stderr and "host budget" not in result.stderr
 

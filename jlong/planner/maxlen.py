@@ -35,9 +35,18 @@ class MaxLen:
 def probe_line(seq_len: int, plan: MemoryPlan) -> str:
     """One planned length as `jlong maxlen` prints it: bytes per device and
     per node, and whether it fits or which budgets it is over."""
+    return probe_head(seq_len) + probe_verdict(plan)
+
+
+def probe_head(seq_len: int) -> str:
+    """The start of a probe's line, printed while its program compiles."""
+    return f"  seq_len {seq_len:>12,}: "
+
+
+def probe_verdict(plan: MemoryPlan) -> str:
+    """The rest of a probe's line, once its plan is made."""
     verdict = "fits" if plan.fits else "over the " + " and ".join(plan.exceeded) + " budget"
-    return (f"  seq_len {seq_len:>12,}: {plan.device_total / GIB:8.2f} GiB per device, "
-            f"{plan.host_per_node / GIB:8.1f} GiB host per node  {verdict}")
+    return f"{plan.device_total / GIB:8.2f} GiB per device, {plan.host_per_node / GIB:8.1f} GiB host per node  {verdict}"
 
 
 def with_seq_len(config: Config, seq_len: int) -> Config:
@@ -48,16 +57,19 @@ def longest_seq_len(
     config: Config,
     target: PlanTarget = PlanTarget(),
     *,
+    on_start: Callable[[int], None] = lambda n: None,
     on_probe: Callable[[int, MemoryPlan], None] = lambda n, p: None,
 ) -> MaxLen:
     """Doubling, then bisection, over multiples of `config.sequence_granule`; plans
-    compile for `target` (see `jlong.planner.memory.plan`)."""
+    compile for `target` (see `jlong.planner.memory.plan`). `on_start(seq_len)`
+    is called as a length's compile starts, `on_probe(seq_len, plan)` once it is planned."""
     config = frugal(config)  # auto settings come down to their most frugal at the longest length
     step = config.sequence_granule
     probes: list[tuple[int, MemoryPlan]] = []
 
     def fits(granules: int) -> bool:
         seq_len = granules * step
+        on_start(seq_len)
         result = plan(with_seq_len(config, seq_len), target)
         probes.append((seq_len, result))
         on_probe(seq_len, result)
@@ -141,6 +153,7 @@ def longest_by_setting(
     search: list[str] = (),
     *,
     on_setting: Callable[[list[str]], None] = lambda s: None,
+    on_start: Callable[[int], None] = lambda n: None,
     on_probe: Callable[[int, MemoryPlan], None] = lambda n, p: None,
     on_refused: Callable[[list[str], JlongError], None] = lambda s, e: None,
 ) -> list[SettingLength]:
@@ -153,8 +166,8 @@ def longest_by_setting(
         candidate = None
         try:
             candidate = with_overrides(config, setting)
-            results.append(SettingLength(setting, candidate, longest_seq_len(candidate, target, on_probe=on_probe),
-                                         None))
+            found = longest_seq_len(candidate, target, on_start=on_start, on_probe=on_probe)
+            results.append(SettingLength(setting, candidate, found, None))
         except JlongError as err:
             if not search:
                 raise
@@ -175,6 +188,7 @@ def fastest_setting(
     candidates: list[list[str]],
     efficiency: Efficiency = Efficiency(),
     *,
+    on_start: Callable[[list[str]], None] = lambda s: None,
     on_probe: Callable[[list[str], MemoryPlan, StepCost], None] = lambda s, p, c: None,
     on_refused: Callable[[list[str], JlongError], None] = lambda s, e: None,
 ) -> tuple[list[str], MemoryPlan, StepCost] | None:
@@ -183,6 +197,7 @@ def fastest_setting(
     budgets (None if none fits). A setting the config refuses is skipped."""
     fitting = []
     for setting in candidates:
+        on_start(setting)
         try:  # auto settings chosen for each setting
             chosen = choose(with_overrides(config, setting), target, efficiency=efficiency).chosen
         except JlongError as err:
