@@ -1,6 +1,7 @@
 """Gemma 3 through the family seam: sliding-window attention in every kernel
 and layout (Hugging Face's window convention, at the window's edge), the
-ring's halo schedule, training on ring x sp x fsdp equal to one device, its
+ring's halo schedule, the all-gather's band on gathered keys, training on
+ring x sp x fsdp and on all-gather sp x fsdp equal to one device, its
 Hugging Face config forms, and its FLOPs."""
 
 import functools
@@ -20,7 +21,7 @@ from jlong.attention.blockwise import BlockwiseStep
 from jlong.attention.cudnn import CudnnStep, causal_fraction
 from jlong.attention.kernels import AttentionKernel, reference_attention
 from jlong.attention.ring import ring_attention
-from jlong.attention.sliding import schedule, sliding_ring_attention
+from jlong.attention.sliding import gathered_schedule, schedule, sliding_gathered_attention, sliding_ring_attention
 from jlong.config import load_config
 from jlong.errors import JlongError
 from jlong.families import family_of
@@ -107,6 +108,57 @@ def test_ring_with_a_window_equals_reference_attention(R, window, tile, packed):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()), err_msg=name)
 
 
+def _gathered_window(R, q, k, v, segments, window, tile):
+    """Windowed attention over keys all-gathered on R devices (the all-gather method's), laid out and restored as
+    `_sliding_ring` does."""
+    order = np.concatenate([np.asarray(chunk_token_index(rank, R, q.shape[1])) for rank in range(R)])
+    mesh = jax.make_mesh((R,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:R])
+    spec = PartitionSpec(None, "sp")
+
+    def per_device(q, k, v, segments):
+        gather = lambda x: None if x is None else jax.lax.all_gather(x, "sp", axis=1, tiled=True)  # noqa: E731
+        return sliding_gathered_attention(q, gather(k), gather(v), segments, gather(segments), kernel=BlockwiseStep(4),
+                                          axis="sp", size=R, window=window, tile=tile)
+
+    run = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec))
+    laid = lambda x: None if x is None else x[:, order]  # noqa: E731
+    out, pullback = jax.vjp(lambda q, k, v: run(q, k, v, laid(segments)), laid(q), laid(k), laid(v))
+    restore = np.argsort(order)
+    return lambda do: [np.asarray(x)[:, restore] for x in (out, *pullback(laid(do)))]
+
+
+@pytest.mark.parametrize("R, window, tile, packed", [
+    pytest.param(4, 5, 8, True, marks=pytest.mark.slow), (4, 12, 4, False),
+    pytest.param(4, 30, 8, True, marks=pytest.mark.slow), pytest.param(2, 64, 8, False, marks=pytest.mark.slow),
+    (8, 9, 4, True)])  # CI: across two half chunks, and on 8 ranks with documents
+def test_a_window_over_gathered_keys_equals_reference_attention(R, window, tile, packed):
+    """The all-gather's windows, a band on every rank's keys at hand: within half a chunk, across two and four
+    half chunks, the whole sequence; on 2, 4 and 8 ranks, with packed documents."""
+    B, S, H, K, d = 2, 64, 4, 2, 8
+    keys = jax.random.split(jax.random.PRNGKey(R + window), 4)
+    q = jax.random.normal(keys[0], (B, S, H, d))
+    k, v = (jax.random.normal(key, (B, S, K, d)) for key in keys[1:3])
+    do = jax.random.normal(keys[3], q.shape)
+    segments = jnp.asarray(np.cumsum(np.random.default_rng(R).random((B, S)) < 0.1, axis=1), jnp.int32) \
+        if packed else None
+    out, pullback = jax.vjp(lambda q, k, v: reference_attention(q, k, v, segments, window=window), q, k, v)
+    got = _gathered_window(R, q, k, v, segments, window, tile)
+    for name, g, w in zip(["out", "dq", "dk", "dv"], got(do), [out, *pullback(do)]):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()), err_msg=name)
+
+
+@pytest.mark.fast
+def test_a_window_over_gathered_keys_visits_only_the_half_chunks_it_reaches():
+    """Each half chunk's tiles over its own half and the earlier half chunks within the window's reach (a
+    window of w reaches ceil((w - 1) / h) of them), never more than the sequence holds."""
+    S, R = 64, 4  # half chunks of 8 tokens
+    reached = {w: {back for _, back, _ in gathered_schedule(S // R, w, 8, size=R)} for w in (1, 8, 9, 17, 64)}
+    assert reached == {1: {0}, 8: {0, 1}, 9: {0, 1}, 17: {0, 1, 2}, 64: set(range(2 * R))}
+    # a window of 9 reaches all of the half chunk before, a window of 8 all but its first key
+    assert [call.n for half, back, call in gathered_schedule(S // R, 8, 8, size=R) if back == 1] == [7, 7]
+    assert [call.n for half, back, call in gathered_schedule(S // R, 9, 8, size=R) if back == 1] == [8, 8]
+
+
 def test_the_ring_with_a_window_calls_the_kernel_for_its_chunk_and_two_halos_only():
     """Counted in the compiled program: one collective permute of the keys
     and one of the values per halo in the forward pass, outside any loop (no
@@ -170,6 +222,14 @@ def test_gemma3_trains_on_ring_x_sp_x_fsdp_equal_to_one_device():
     assert np.abs(grads["post_attn_norm"]).max() > 0 and np.abs(grads["q_norm"]).max() > 0
 
 
+def test_gemma3_trains_on_allgather_sp_x_fsdp_equal_to_one_device():
+    """All-gather context parallelism on sp 4 x fsdp 2: the 16-token windows reach past half of a device's
+    chunk (8 tokens), so they run as a band on the gathered keys; windowed and global layers both learn."""
+    sharded = loss_and_grads(_tiny("attention.sp_method=allgather", "mesh.sp=4", "mesh.fsdp=2"), jax.devices())
+    assert_same_result(sharded, _one_device())
+    assert all(np.abs(sharded[1]["layers"]["wq"][i]).max() > 0 for i in range(4))
+
+
 @pytest.mark.parametrize("mesh", [["mesh.sp=8"], pytest.param(["mesh.ring=2", "mesh.fsdp=4"], marks=pytest.mark.slow)],
                          ids=["sp8", "ring2-fsdp4"])  # CI runs the ring inside ring x sp x fsdp above
 def test_gemma3_on_sp_or_ring_alone_equals_one_device(mesh):
@@ -185,7 +245,6 @@ def _one_device():
 @pytest.mark.fast
 @pytest.mark.parametrize("overrides, message", [
     (["mesh.ring=4"], "model.sliding_window (16) is longer than the 8 tokens of each zigzag chunk"),
-    (["attention.sp_method=allgather", "mesh.sp=2"], "attention.sp_method=allgather has no sliding windows"),
     (["memory.remat=save_inputs", "memory.layers_per_checkpoint=2"],
      "must divide each run of layers of one type, or their period where their types repeat (2, 1, 1 layers"),
 ])

@@ -10,6 +10,7 @@ The bf16 form's logits and its exact round trip are test_hf_parity's
 (`gpt-oss` is among tests/hf_models.py's architectures), its load-balancing
 loss test_moe's."""
 
+import functools
 import json
 import math
 
@@ -31,10 +32,11 @@ from jlong.config import load_config
 from jlong.errors import JlongError
 from jlong.families import family_of
 from jlong.hf import model_config_from_hf
+from jlong.parallel.placement import make_mesh
+from jlong.program.train_program import TrainProgram
 
 TINY = ["model.preset=tiny-gpt-oss", "model.intermediate_size=32", "model.num_key_value_heads=2",
         "model.swiglu_limit=0.2", "data.eos_id=7", "train.seq_len=128", "train.batch_size=2"]
-ALL_FULL = ["model.num_hidden_layers=1", "model.layer_types=[full_attention]"]  # all-gather has no windows
 PROJECTIONS = ("gate_up_proj", "down_proj")
 # As OpenAI's config.json names what stays unquantized.
 QUANTIZATION = {"quant_method": "mxfp4", "modules_to_not_convert": [
@@ -139,32 +141,46 @@ def _far_sinks_sharp_routers(params):
     return params
 
 
-_ONE_DEVICE = {}
+@functools.cache
+def _one_device():
+    """The one-device reference of the tiny model, computed once per test process."""
+    return loss_and_grads(small_config(*TINY), jax.devices()[:1], _far_sinks_sharp_routers)
 
 
-def _one_device(*model):
-    """The one-device reference of a tiny model, computed once per test process."""
-    if model not in _ONE_DEVICE:
-        _ONE_DEVICE[model] = loss_and_grads(small_config(*TINY, *model), jax.devices()[:1], _far_sinks_sharp_routers)
-    return _ONE_DEVICE[model]
-
-
-@pytest.mark.parametrize("layout, model", [
-    (["mesh.sp=4", "mesh.fsdp=2", "attention.heads_per_stage=4"], []),
-    (["mesh.ring=2", "mesh.sp=2", "mesh.fsdp=2", "memory.remat=offload_inputs"], []),
-    (["attention.sp_method=allgather", "mesh.sp=4", "mesh.fsdp=2"], ALL_FULL),
+@pytest.mark.parametrize("layout", [
+    ["mesh.sp=4", "mesh.fsdp=2", "attention.heads_per_stage=4"],
+    ["mesh.ring=2", "mesh.sp=2", "mesh.fsdp=2", "memory.remat=offload_inputs"],
+    ["attention.sp_method=allgather", "mesh.sp=4", "mesh.fsdp=2"],
 ], ids=["sp4-fsdp2-U4", "ring2-sp2-fsdp2", "allgather-sp4-fsdp2"])
-def test_training_on_a_mesh_equals_one_device(layout, model):
+def test_training_on_a_mesh_equals_one_device(layout):
     """Loss (with the load-balancing loss) and every gradient, the sinks' included, of packed documents
     (data.eos_id) over 128 tokens: a sliding layer (8 tokens) and a full one in two head stages over sp (two
-    kv heads replicated over four devices), and on the ring's halos; under all-gather, which has no sliding
-    windows, one full layer."""
-    config = small_config(*TINY, *model, *layout)
+    kv heads replicated over four devices), on the ring's halos, and under all-gather (the window within half
+    a device's chunk: the neighbours' halos, no gather)."""
+    config = small_config(*TINY, *layout)
     sharded = loss_and_grads(config, jax.devices(), _far_sinks_sharp_routers)
-    _assert_same_up_to_rounding(sharded, _one_device(*model))
+    _assert_same_up_to_rounding(sharded, _one_device())
     grads = sharded[1]["layers"]
     for name in ("attn_sinks", "bo", "router_bias", "expert_gate_up_bias", "expert_down", "wq"):
         assert all(np.abs(grads[name][i]).max() > 0 for i in range(config.model.num_hidden_layers)), name
+
+
+def test_allgather_windows_within_half_a_chunk_gather_no_keys():
+    """One sliding layer under all-gather on sp 4, its loss lowered from abstract inputs: at 128 tokens the
+    8-token window fits in half of a device's chunk (16 tokens), so its keys and values come as the
+    neighbours' halos (collective permutes) and nothing is all-gathered; at 32 tokens (4 per half chunk) the
+    window reaches further, and they are gathered."""
+    collectives = {}
+    for seq_len in (128, 32):
+        config = small_config(*TINY, "attention.sp_method=allgather", "mesh.sp=4", "mesh.fsdp=2",
+                              "model.num_hidden_layers=1", "model.layer_types=[sliding_attention]",
+                              f"train.seq_len={seq_len}")
+        program = TrainProgram(config, make_mesh(config.mesh, jax.devices()))
+        text = jax.jit(program.loss).lower(program.abstract_params, program.abstract_batch).as_text()
+        collectives[seq_len] = text.count("stablehlo.all_gather"), text.count("stablehlo.collective_permute")
+    (halo_gathers, halo_permutes), (gathers, permutes) = collectives[128], collectives[32]
+    assert halo_gathers == 0 and halo_permutes > 0
+    assert gathers > 0 and permutes == 0
 
 
 def _assert_same_up_to_rounding(got, want):
@@ -214,7 +230,6 @@ def test_presets_hold_their_published_sizes(name, billions, active):
     (["model.swiglu_limit=null"], "needs model.swiglu_limit"),
     (["model.swiglu_alpha=0"], "swiglu_alpha must be positive"),
     (["model.layer_types=[sliding_attention,moe]"], "moe is not a GPT-OSS layer type"),
-    (["attention.sp_method=allgather", "mesh.sp=2"], "attention.sp_method=allgather has no sliding windows"),
     (["mesh.ring=4"], "model.sliding_window (8) is longer than the 4 tokens of each zigzag chunk"),
 ])
 def test_config_mistakes_are_one_line(overrides, message):

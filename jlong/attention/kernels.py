@@ -48,7 +48,7 @@ from einops import rearrange
 from jlong.attention import cudnn
 from jlong.attention.blockwise import DEFAULT_BLOCK_SIZE, BlockwiseStep, group_queries
 from jlong.attention.ring import gathered_attention, ring_attention
-from jlong.attention.sliding import sliding_ring_attention
+from jlong.attention.sliding import sliding_gathered_attention, sliding_ring_attention
 from jlong.attention.step import MASKED, Band, CallCost, StepKernel
 from jlong.errors import JlongError
 
@@ -183,12 +183,14 @@ class AttentionKernel:
     def gathered(self, q_BsHd, k_BSKd, v_BSKd, segment_ids_Bs, k_segment_ids_BS, sink_logits_H=None, *, axis: str,
                  size: int):
         """Attention over every rank's keys and values of mesh axis `axis`,
-        gathered at hand (`jlong.attention.ring.gathered_attention`); no
-        sliding windows (the config check refuses them first)."""
-        if self.window:
-            raise JlongError("gathered attention has no sliding windows: use attention.sp_method=ulysses")
+        gathered at hand (`jlong.attention.ring.gathered_attention`); with a
+        sliding window, a band on them, visiting only the chunks within its
+        reach (`jlong.attention.sliding.sliding_gathered_attention`)."""
         kernel = self.step(q_BsHd, window=q_BsHd.shape[1] // 2, reference="blockwise",
                            sinks=sink_logits_H is not None)
+        if self.window:
+            return sliding_gathered_attention(q_BsHd, k_BSKd, v_BSKd, segment_ids_Bs, k_segment_ids_BS, kernel=kernel,
+                                              axis=axis, size=size, window=self.window, sink_logits_H=sink_logits_H)
         return gathered_attention(q_BsHd, k_BSKd, v_BSKd, segment_ids_Bs, k_segment_ids_BS, kernel=kernel, axis=axis,
                                   size=size, sink_logits_H=sink_logits_H)
 

@@ -239,8 +239,8 @@ class Family:
     def check_parallel(self, config: Config, method: SequenceParallelMethod) -> None:
         """One-line errors for a model that the run's sequence-parallel method cannot run on its mesh: the
         method and kernel must run the attention's sinks where it has them; sliding windows run in Ulysses'
-        stages and on a ring's halos (`jlong.attention.sliding`), where a window must fit in half a zigzag
-        chunk."""
+        stages, on a ring's halos (`jlong.attention.sliding`), where a window must fit in half a zigzag chunk,
+        and as a band on the all-gather's keys, any window."""
         if self.attention_sinks(config.model):
             method.check_sinks(config.attention.impl)
         window = max(self.windows(config.model), default=0)

@@ -15,6 +15,13 @@ kv heads its U query heads use, so the gathered keys and values hold
 S x (U / group) heads rather than all of them. Unlike Ulysses, every device
 keeps all of a stage's query heads, so U need not be a multiple of sp and
 H need not divide over sp. No ring: the sequence spans the sp devices alone.
+
+Sliding windows are a band on the gathered keys: a device visits only the
+half chunks within the window's reach (`jlong.attention.sliding`). Where
+the window fits in half of a device's chunk, only the neighbours' last
+window - 1 keys are in reach, so those layers gather nothing: each device
+receives the two halos the ring's sliding path sends (O(window) bytes
+rather than the whole sequence's keys).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import jax.numpy as jnp
 from jlong.attention.methods.base import SequenceParallelMethod, sum_over_head_stages
 from jlong.attention.methods.ulysses import StagePlan
 from jlong.attention.projection import add_output_bias, project_out
+from jlong.attention.sliding import fits_halos
 from jlong.errors import JlongError
 from jlong.ops.shards import HIDDEN, REPLICATED, TOKENS
 from jlong.ops.zigzag import SequenceLayout, shard_token_index
@@ -94,6 +102,8 @@ def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, axis, size
         sink_logits_U = projection.sink_logits(params, stage * U, U)  # every device attends all U heads
         if axis is None:
             o_BsUd = kernel.local(q_BsUd, k_Bsrd, v_Bsrd, segment_ids_Bs, sink_logits_U)
+        elif kernel.window and fits_halos(x_BsD.shape[1], kernel.window):  # the neighbours' halos, no gather
+            o_BsUd = kernel.ring(q_BsUd, k_Bsrd, v_Bsrd, segment_ids_Bs, sink_logits_U, axis=axis, size=size)
         else:
             o_BsUd = kernel.gathered(q_BsUd, gather(k_Bsrd), gather(v_Bsrd), segment_ids_Bs, k_segment_ids_BS,
                                      sink_logits_U, axis=axis, size=size)
@@ -111,4 +121,4 @@ def _gather_sequence(x_Bs, *, axis):
     return jax.lax.all_gather(x_Bs, axis, axis=1, tiled=True)
 
 
-ALLGATHER = AllGather("allgather", sliding_windows=False, sinks=True)  # its gathered windows have no bands
+ALLGATHER = AllGather("allgather", sinks=True)
