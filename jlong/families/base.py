@@ -207,11 +207,12 @@ class Family:
             return model.num_hidden_layers
         return self.layer_types(model).count(spec.layer_type)
 
-    def stack_index(self, model: ModelConfig, spec: ParamSpec, layer: int) -> int:
-        """Where layer `layer` (which has the parameter) is in the parameter's stack."""
-        if spec.layer_type is None:
+    def stack_index(self, model: ModelConfig, layer_type: str | None, layer: int) -> int:
+        """Where layer `layer` is in the stack of an array stacked over the layers of `layer_type` (None: every
+        layer), such as a parameter only those layers have."""
+        if layer_type is None:
             return layer
-        return self.layer_types(model)[:layer].count(spec.layer_type)
+        return self.layer_types(model)[:layer].count(layer_type)
 
     def layer_runs(self, model: ModelConfig) -> list[tuple[str, int]]:
         """The layers as runs of one type, first to last: (type, layers)."""

@@ -39,7 +39,7 @@ import numpy as np
 from jlong.ops.head_stages import sum_over_head_stages
 from jlong.errors import JlongError
 from jlong.linear_attention import gated_delta
-from jlong.linear_attention.ring import halo, ring_rule
+from jlong.linear_attention.ring import halo, last_tail, ring_rule
 from jlong.ops import adapted
 from jlong.ops.layers import rms_norm
 from jlong.ops.tiling import join_tiles, split_tiles, tiles_gradient_into, varying_like
@@ -150,7 +150,8 @@ def _l2_normed(x):
 
 
 def gated_deltanet_on_device(p, x_BsD, segment_ids_BS, *, layer: GatedDeltaNet, plan: HeadPlan,
-                             to_heads: Callable, to_sequence: Callable, device, ring=(None, 1), tile: int = 0):
+                             to_heads: Callable, to_sequence: Callable, device, ring=(None, 1), tile: int = 0,
+                             keep_state: bool = False):
     """x + Gated DeltaNet(x) for one device's tokens x [B, s, D], summed over
     the plan's head stages; `to_heads` and `to_sequence` exchange [B, s, N, d]
     <-> [B, S, N/C, d] over the sp group (identity on one device); `device`
@@ -158,12 +159,15 @@ def gated_deltanet_on_device(p, x_BsD, segment_ids_BS, *, layer: GatedDeltaNet, 
     [B, S] (None: one document); `ring` is (the ring's mesh axis or None,
     its size): with a ring, the group holds its rank's two zigzag chunks
     (`jlong.linear_attention.ring`); `tile`: the tokens of the output's
-    norm and projection computed at a time (0: all), as the MLP's."""
+    norm and projection computed at a time (0: all), as the MLP's.
+
+    With `keep_state` (a sampler's prefill), also what decoding on from the
+    sequence's end needs for this device's heads, per stage (`gated_deltanet_step`):
+    the rule's final state and the convolution's inputs of the last taps - 1
+    tokens (zeros where they belong to an earlier document)."""
     tile = tile or x_BsD.shape[1]
     values_of, keys_of = jnp.asarray(plan.value_heads_of()), jnp.asarray(plan.key_heads_of())
     n, r = plan.value_heads_per_stage, plan.key_slots
-    w_q, w_k, w_v = adapted.on_outputs(layer.split_heads, p["gdn_qkv"])
-    taps_q, taps_k, taps_v = layer.split_heads(p["gdn_conv"])
     if segment_ids_BS is None:
         segment_ids_BS = jnp.zeros((x_BsD.shape[0], x_BsD.shape[1] * plan.devices), jnp.int32)  # the group's tokens
     rule = gated_delta.rule(layer.kernel, interpret=layer.interpret)
@@ -174,46 +178,134 @@ def gated_deltanet_on_device(p, x_BsD, segment_ids_BS, *, layer: GatedDeltaNet, 
         own_keys = jax.lax.dynamic_slice_in_dim(keys, device * r, r)
         # One projection of the normed input for the stage's heads of every device: q, k, v, b, a and z,
         # a tile at a time, x's gradient added into the stages' sink in place (`tiles_gradient_into`).
-        one_head_each = functools.partial(adapted.on_outputs, lambda w: w[..., None])  # [D, Hv] -> [D, Hv, 1]
-        matrices = {"q": (w_q, keys), "k": (w_k, keys), "v": (w_v, values), "z": (p["gdn_z"], values),
-                    "b": (one_head_each(p["gdn_b"]), values), "a": (one_head_each(p["gdn_a"]), values)}
-        taken = {name: adapted.on_outputs(functools.partial(jnp.take, indices=index, axis=1), w)
-                 for name, (w, index) in matrices.items()}
-        widths = [math.prod(w.shape[1:]) for w in taken.values()]
-        flat = [adapted.on_outputs(lambda w: w.reshape(w.shape[0], -1), w) for w in taken.values()]
-        weights = varying_like({"norm": p["attn_norm"], "proj": adapted.concatenate(flat, axis=1)}, x_input_BsD)
+        projection = _Projection.of(p, layer, keys, values)
+        weights = varying_like(projection.weights, x_input_BsD)
 
         def normed_projection(w, x_tile, _):
             return adapted.matmul(rms_norm(x_tile, w["norm"], layer.norm_eps), w["proj"], inputs=1)
 
         tokens = jnp.zeros(x_input_BsD.shape[:2], jnp.int32)
         projected, sink_BsD = tiles_gradient_into(normed_projection, tile, weights, x_input_BsD, tokens, sink_BsD)
-        parts = jnp.split(projected, np.cumsum(widths)[:-1], axis=-1)
-        q, k, v, z, b, a = (t.reshape(*t.shape[:2], *w.shape[1:]) for t, w in zip(parts, taken.values()))
+        q, k, v, z, b, a = projection.split(projected)
         q, k, v = (to_heads(t) for t in (q, k, v))
         b, a = (to_heads(t)[..., 0] for t in (b, a))
-        taps = (jnp.take(taps_q, own_keys, axis=1), jnp.take(taps_k, own_keys, axis=1),
-                jnp.take(taps_v, own_values, axis=1))
-        beta = jax.nn.sigmoid(b.astype(jnp.float32))
-        a_log, dt_bias = (jnp.take(p[name], own_values).astype(jnp.float32) for name in ("gdn_a_log", "gdn_dt_bias"))
-        g = -jnp.exp(a_log) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias)
+        taps = _own_taps(p, layer, own_keys, own_values)
+        g, beta = _decay_and_beta(p, own_values, a, b)
         if ring[0] is None:
-            q, k, v = (_conv_and_silu(t, w, segment_ids_BS) for t, w in zip((q, k, v), taps))
-            o, _ = rule(*_normed_qk(q, k), v, g, beta, segment_ids_BS)
+            convolved = [_conv_and_silu(t, w, segment_ids_BS) for t, w in zip((q, k, v), taps)]
+            o, final_state = rule(*_normed_qk(*convolved[:2]), convolved[2], g, beta, segment_ids_BS)
+            tails = [_document_tail(t, segment_ids_BS, taps[0].shape[0] - 1) for t in (q, k, v)]
         else:
-            o = _on_ring(rule, (q, k, v), taps, g, beta, segment_ids_BS, ring)
+            o, final_state, tails = _on_ring(rule, (q, k, v), taps, g, beta, segment_ids_BS, ring)
         o_BsHd = to_sequence(o.astype(x_input_BsD.dtype))
         w_out = adapted.on_inputs(functools.partial(jnp.take, indices=values, axis=0), p["gdn_out"])
-
-        def output(o_tile, z_tile):  # out_proj(norm(o) x SiLU(z)) of the stage's heads, a tile at a time
-            gated = rms_norm(o_tile, p["gdn_norm"], layer.norm_eps).astype(jnp.float32)
-            gated = (gated * jax.nn.silu(z_tile.astype(jnp.float32))).astype(o_tile.dtype)
-            return adapted.matmul(gated, w_out, inputs=2)
-
-        return _by_tiles(output, tile, o_BsHd, z), sink_BsD
+        y_BsD = _by_tiles(functools.partial(_gated_output, p, layer, w_out), tile, o_BsHd, z)
+        if not keep_state:
+            return y_BsD, sink_BsD
+        return y_BsD, sink_BsD, _kept(final_state, tails)
 
     return sum_over_head_stages(stage_output, x_BsD, plan.stages, policy=jax.checkpoint_policies.nothing_saveable,
-                                unroll=False, add_to_input=True)
+                                unroll=False, add_to_input=True, kept=keep_state)
+
+
+def gated_deltanet_step(p, x_B1D, kept: dict, *, layer: GatedDeltaNet, plan: HeadPlan, device):
+    """One token per sequence through this device's heads of the layer,
+    continuing from `kept` (what `gated_deltanet_on_device` kept, or this
+    step's last result): (their part of the layer's output [B, 1, D], the
+    residual not added; summed over the sp devices it is the layer's
+    output), what they keep now). The recurrent form of the rule: the state
+    updated by the token, as `gated_delta.recurrent` does."""
+    values_of, keys_of = plan.value_heads_of(), plan.key_heads_of()
+    n, r = plan.value_heads_per_stage, plan.key_slots
+    outputs, new = [], []
+    for stage in range(plan.stages):
+        own_values = jax.lax.dynamic_slice_in_dim(jnp.asarray(values_of[stage]), device * n, n)
+        own_keys = jax.lax.dynamic_slice_in_dim(jnp.asarray(keys_of[stage]), device * r, r)
+        projection = _Projection.of(p, layer, own_keys, own_values)
+        normed = rms_norm(x_B1D, projection.weights["norm"], layer.norm_eps)
+        q, k, v, z, b, a = projection.split(adapted.matmul(normed, projection.weights["proj"], inputs=1))
+        b, a = b[..., 0], a[..., 0]
+        taps = _own_taps(p, layer, own_keys, own_values)
+        tails = [kept[name][stage] for name in CONV_INPUTS]
+        windows = [jnp.concatenate([jnp.swapaxes(tail, 1, 2).astype(t.dtype), t], axis=1)
+                   for tail, t in zip(tails, (q, k, v))]  # [B, taps, heads, d]
+        q, k, v = (jax.nn.silu(jnp.einsum("btcd,tcd->bcd", w, w_taps))[:, None]
+                   for w, w_taps in zip(windows, taps))
+        q, k = _normed_qk(q, k)
+        g, beta = _decay_and_beta(p, own_values, a, b)
+        o, state = gated_delta.recurrent(q, k, v, g, beta, initial_state=kept["state"][stage])
+        w_out = adapted.on_inputs(functools.partial(jnp.take, indices=own_values, axis=0), p["gdn_out"])
+        outputs.append(_gated_output(p, layer, w_out, o.astype(x_B1D.dtype), z))
+        new.append(_kept(state, [w[:, 1:] for w in windows]))
+    return sum(outputs), jax.tree.map(lambda *each: jnp.stack(each), *new)
+
+
+CONV_INPUTS = ("conv_q", "conv_k", "conv_v")  # the convolution's inputs of the last taps - 1 tokens, by stream
+
+
+def _kept(state_BHkv, tails):
+    """What decoding needs of one stage's heads: the rule's state [B, heads, dk, dv] (float32) and the
+    convolution's inputs of q, k, v over the last taps - 1 tokens, each [B, heads, taps - 1, d] (heads
+    second, as the state's, so that one layout splits every entry over the sp devices)."""
+    return {"state": state_BHkv.astype(jnp.float32),
+            **{name: jnp.swapaxes(t, 1, 2) for name, t in zip(CONV_INPUTS, tails)}}
+
+
+def _document_tail(x_BSHd, segment_ids_BS, width: int):
+    """The last `width` tokens of x [B, S, heads, d], zeros where they are of an earlier document than the
+    last token's (the convolution reads nothing across a document start)."""
+    tail = x_BSHd[:, -width:]
+    same = segment_ids_BS[:, -width:] == segment_ids_BS[:, -1:]
+    return tail * same[..., None, None].astype(tail.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Projection:
+    """One projection of the normed input to q, k, v, z, b and a of some heads:
+    each part's matrix [D, heads, d] taken from the layer's, and all of them
+    side by side (`weights["proj"]`, [D, N]), with the input norm's weight."""
+
+    parts: tuple  # the parts' matrices, in the order q, k, v, z, b, a
+    weights: dict
+
+    @classmethod
+    def of(cls, p, layer: GatedDeltaNet, keys, values) -> _Projection:
+        """For the key heads `keys` (q's and k's) and the value heads `values` (v's, z's, b's, a's)."""
+        w_q, w_k, w_v = adapted.on_outputs(layer.split_heads, p["gdn_qkv"])
+        one_head_each = functools.partial(adapted.on_outputs, lambda w: w[..., None])  # [D, Hv] -> [D, Hv, 1]
+        matrices = ((w_q, keys), (w_k, keys), (w_v, values), (p["gdn_z"], values),
+                    (one_head_each(p["gdn_b"]), values), (one_head_each(p["gdn_a"]), values))
+        parts = tuple(adapted.on_outputs(functools.partial(jnp.take, indices=index, axis=1), w)
+                      for w, index in matrices)
+        flat = [adapted.on_outputs(lambda w: w.reshape(w.shape[0], -1), w) for w in parts]
+        return cls(parts, {"norm": p["attn_norm"], "proj": adapted.concatenate(flat, axis=1)})
+
+    def split(self, projected_BsN):
+        """[B, s, N] -> q, k, v, z [B, s, heads, d] and b, a [B, s, heads, 1]."""
+        widths = [math.prod(w.shape[1:]) for w in self.parts]
+        pieces = jnp.split(projected_BsN, np.cumsum(widths)[:-1], axis=-1)
+        return tuple(t.reshape(*t.shape[:2], *w.shape[1:]) for t, w in zip(pieces, self.parts))
+
+
+def _own_taps(p, layer: GatedDeltaNet, own_keys, own_values):
+    """The convolution's taps [taps, heads, d] of q's and k's key heads `own_keys` and v's value heads `own_values`."""
+    taps_q, taps_k, taps_v = layer.split_heads(p["gdn_conv"])
+    return (jnp.take(taps_q, own_keys, axis=1), jnp.take(taps_k, own_keys, axis=1),
+            jnp.take(taps_v, own_values, axis=1))
+
+
+def _decay_and_beta(p, own_values, a, b):
+    """The log decay g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) of the value heads
+    `own_values`, in float32 (`a`, `b`: [..., heads])."""
+    a_log, dt_bias = (jnp.take(p[name], own_values).astype(jnp.float32) for name in ("gdn_a_log", "gdn_dt_bias"))
+    return -jnp.exp(a_log) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias), jax.nn.sigmoid(b.astype(jnp.float32))
+
+
+def _gated_output(p, layer: GatedDeltaNet, w_out, o, z):
+    """out_proj(norm(o) x SiLU(z)) of some heads, `w_out` their rows of the output projection."""
+    gated = rms_norm(o, p["gdn_norm"], layer.norm_eps).astype(jnp.float32)
+    gated = (gated * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
+    return adapted.matmul(gated, w_out, inputs=2)
 
 
 def _by_tiles(fn, tile: int, *arrays):
@@ -236,14 +328,15 @@ def _normed_qk(q, k):
 
 
 def _on_ring(rule, qkv, taps, g, beta, segment_ids_BS, ring):
-    """The rule's output [B, S/R, H, dv] for the ring rank's two zigzag
-    chunks: each chunk's convolution continues from the tokens before it and
-    its rule from the state before it."""
+    """(the rule's output [B, S/R, H, dv] for the ring rank's two zigzag
+    chunks, the sequence's final state, the convolution's inputs of its last
+    taps - 1 tokens): each chunk's convolution continues from the tokens
+    before it and its rule from the state before it."""
     axis, size = ring
     pieces = lambda t: t.reshape(t.shape[0], 2, t.shape[1] // 2, *t.shape[2:])  # noqa: E731
     segments = pieces(segment_ids_BS)
     width = taps[0].shape[0] - 1
-    convolved = []
+    convolved, tails = [], []
     for x, w in zip(qkv, taps):
         x = pieces(x)
         before, before_segments = halo(x, segments, width, axis, size)
@@ -251,10 +344,13 @@ def _on_ring(rule, qkv, taps, g, beta, segment_ids_BS, ring):
         joined_segments = jnp.concatenate([before_segments, segments], axis=2)
         out = jax.vmap(_conv_and_silu, in_axes=(1, None, 1), out_axes=1)(joined, w, joined_segments)
         convolved.append(out[:, :, width:])
+        tail, tail_segments = last_tail(x, segments, width, axis, size)
+        tails.append(_document_tail(tail, tail_segments, width))
     q, k, v = convolved
     q, k = _normed_qk(q, k)
-    o = ring_rule(rule, q, k, v, pieces(g), pieces(beta), segments, before_segments[..., -1], axis=axis, size=size)
-    return o.reshape(o.shape[0], -1, *o.shape[3:])
+    o, final_state = ring_rule(rule, q, k, v, pieces(g), pieces(beta), segments, before_segments[..., -1],
+                               axis=axis, size=size)
+    return o.reshape(o.shape[0], -1, *o.shape[3:]), final_state, tails
 
 
 def conv_flops_per_token(layer_channels: int, taps: int) -> float:

@@ -57,10 +57,19 @@ def halo(x_B2cNd, segment_ids_B2c, width: int, axis: str, size: int):
     return jnp.moveaxis(tails[before], 0, 1), jnp.moveaxis(tail_segments[before], 0, 1)
 
 
+def last_tail(x_B2cNd, segment_ids_B2c, width: int, axis: str, size: int):
+    """The sequence's last `width` tokens (of its last chunk, held by ring
+    rank 0) and their segment ids, the same on every rank: [B, width, N, d], [B, width]."""
+    x_2BwNd = jnp.moveaxis(x_B2cNd[:, :, -width:], 1, 0)
+    seg_2Bw = jnp.moveaxis(segment_ids_B2c[:, :, -width:], 1, 0)
+    return tuple(_gathered_by_chunk(t, axis, size)[-1] for t in (x_2BwNd, seg_2Bw))
+
+
 def ring_rule(kernel, q, k, v, g, beta, segment_ids, segment_before, *, axis: str, size: int):
-    """The rule's output for this rank's two pieces ([B, 2, c, ...] each), as
-    if the whole sequence ran on one device. `segment_before` [B, 2] is the
-    segment of the token before each piece."""
+    """(the rule's output for this rank's two pieces ([B, 2, c, ...] each), as
+    if the whole sequence ran on one device; the state after the sequence's
+    last token, the same on every rank). `segment_before` [B, 2] is the segment of the
+    token before each piece."""
     B, _, c, H, dv = v.shape
     dk = k.shape[-1]
     piece = lambda t, i: t[:, i]  # noqa: E731
@@ -75,7 +84,7 @@ def ring_rule(kernel, q, k, v, g, beta, segment_ids, segment_before, *, axis: st
 
     summaries = _gathered_by_chunk(jnp.stack([summary(0), summary(1)]), axis, size)  # [2R, B, H, dk, dk + dv]
     incoming = [jnp.zeros((B, H, dk, dv), jnp.float32)]
-    for chunk in range(2 * size - 1):  # static: 2R - 1 steps of S_in(c + 1) = M_c S_in(c) + S_0(c)
+    for chunk in range(2 * size):  # static: 2R steps of S_in(c + 1) = M_c S_in(c) + S_0(c), the last the final state
         M, S0 = summaries[chunk, ..., :dk], summaries[chunk, ..., dk:]
         incoming.append(M @ incoming[-1] + S0)
     incoming = jnp.stack(incoming)
@@ -84,4 +93,4 @@ def ring_rule(kernel, q, k, v, g, beta, segment_ids, segment_before, *, axis: st
         o, _ = kernel(piece(q, i), piece(k, i), piece(v, i), piece(g, i), piece(beta, i), piece(segment_ids, i),
                       incoming[chunk], segment_before[:, i])
         outputs.append(o)
-    return jnp.stack(outputs, axis=1)
+    return jnp.stack(outputs, axis=1), incoming[-1]

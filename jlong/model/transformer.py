@@ -31,6 +31,7 @@ from jlong.families.base import FULL_ATTENTION, shortest_period
 from jlong.linear_attention import gated_delta
 from jlong.lora.nf4 import dequantize, is_quantized
 from jlong.lora.targets import LoraSettings, adapted_layer, adapter_specs
+from jlong.model.layer_io import LayerIO
 from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy, token_scores
 from jlong.model.preference import document_logps, dpo_loss, present_pairs
 from jlong.model.remat import remat_policy, scan_layers, scan_periods
@@ -241,7 +242,20 @@ class Transformer(nnx.Module):
         """(`hidden_states`, the routing statistics of its mixture-of-experts
         layers: each entry of `jlong.moe.routing`'s dict stacked over them, or
         None for a model without)."""
-        config, options = self.config, self.options
+        hidden_BSD, routing, _ = self.run_layers(tokens_BS, segment_ids_BS, positions_BS)
+        return hidden_BSD, routing
+
+    def run_layers(self, tokens_BS, segment_ids_BS=None, positions_BS=None, *, options: ForwardOptions | None = None,
+                   layer_io: LayerIO | None = None):
+        """(the final-normed hidden states, the routing statistics, what the
+        layers wrote through `layer_io`), run with `options` (default: the
+        model's own).
+
+        `layer_io` (a sampler's caches, `jlong.model.layer_io`) hands each
+        layer its slice of arrays stacked over the layers of a type, through
+        the sequence-parallel method the layer runs with; what the method
+        wrote comes back per layer type, stacked over those layers in order."""
+        config, options = self.config, options or self.options
         constrain = options.shards.constrain
         dtype = jnp.dtype(options.compute_dtype)
         embed_VD = constrain(self.embed.get_value().astype(dtype), ("vocab", "embed"))
@@ -250,6 +264,9 @@ class Transformer(nnx.Module):
 
         specs = layer_specs(config, self.lora)
         layer_axes = {name: spec.axes for name, spec in specs.items()}
+        io_inputs = layer_io.inputs if layer_io else {}
+        layer_type_of = {**{name: spec.layer_type for name, spec in specs.items()},
+                         **{name: kind for name, (kind, _) in io_inputs.items()}}
 
         def in_compute_layout(w, axes):
             """Cast, then constrain to the compute layout: under FSDP this is where
@@ -261,58 +278,76 @@ class Transformer(nnx.Module):
 
         def layer_under(layer_options: ForwardOptions):
             def one_layer(x_BSD, params):
-                params = {name: in_compute_layout(w, layer_axes[name]) for name, w in params.items()}
+                inputs = {name: w for name, w in params.items() if name in io_inputs}
+                params = {name: in_compute_layout(w, layer_axes[name]) for name, w in params.items()
+                          if name not in io_inputs}
                 if self.lora:
                     params = adapted_layer(params, self.lora)
-                out = family.block(params, x_BSD, positions_BS, segment_ids_BS, config, layer_options)
-                return out if isinstance(out, tuple) else (out, None)  # (x, routing statistics) from a MoE layer
+                run_options, written = layer_options, None
+                if layer_io:
+                    method = layer_io.method_for(layer_options, inputs)
+                    run_options = dataclasses.replace(layer_options, sequence_parallel=method)
+                out = family.block(params, x_BSD, positions_BS, segment_ids_BS, config, run_options)
+                x_BSD, statistics = out if isinstance(out, tuple) else (out, None)  # statistics from a MoE layer
+                if layer_io:
+                    written = method.written
+                return x_BSD, (statistics, written)
 
             return one_layer
 
-        stacked = self.layers.arrays()
+        stacked = {**self.layers.arrays(), **{name: array for name, (_, array) in io_inputs.items()}}
 
-        def of_group(group: LayerGroup):  # each parameter's layers in the group: [repeats, per period, ...]
+        def of_group(group: LayerGroup):  # each array's layers in the group: [repeats, per period, ...]
             types = {o.layer_type for o in group.period}
             layers = {}
             for name, w in stacked.items():
-                if specs[name].layer_type not in (None, *types):
+                kind = layer_type_of[name]
+                if kind not in (None, *types):
                     continue
-                count = sum(specs[name].layer_type in (None, o.layer_type) for o in group.period) * group.repeats
-                first = family.stack_index(config, specs[name], group.first)
+                count = sum(kind in (None, o.layer_type) for o in group.period) * group.repeats
+                first = family.stack_index(config, kind, group.first)
                 layers[name] = jax.tree.map(  # leaf by leaf: a 4-bit weight is codes and scales
                     lambda a: (a if count == a.shape[0] else a[first:first + count]).reshape(
                         group.repeats, count // group.repeats, *a.shape[1:]), w)
             return layers
 
         routing = []  # each MoE layer's statistics, stacked over the layers of a loop
+        written = {}  # layer type -> what its layers wrote through layer_io, in layer order
         for group in layer_groups(config, options):
             layers = of_group(group)
             if len(group.period) == 1:  # a run of one type
                 [run_options] = group.period
-                x_BSD, statistics = scan_layers(
+                x_BSD, (statistics, wrote) = scan_layers(
                     layer_under(run_options), x_BSD, jax.tree.map(lambda w: w[:, 0], layers),
                     remat_policy(run_options.remat), run_options.layers_per_checkpoint)
                 routing.append(statistics)
+                written.setdefault(run_options.layer_type, []).append(wrote)
             else:
-                x_BSD, statistics = scan_periods(
+                x_BSD, outs = scan_periods(
                     [layer_under(o) for o in group.period], x_BSD, layers,
-                    [remat_policy(o.remat) for o in group.period], self._slots(group, specs),
+                    [remat_policy(o.remat) for o in group.period], self._slots(group, layer_type_of),
                     group.period[0].layers_per_checkpoint)
-                routing += statistics
+                routing += [statistics for statistics, _ in outs]
+                for kind in {o.layer_type for o in group.period}:
+                    wrote = [w for o, (_, w) in zip(group.period, outs) if o.layer_type == kind]
+                    written.setdefault(kind, []).append(jax.tree.map(  # [repeats, per period] -> layer order
+                        lambda *each: jnp.stack(each, 1).reshape(-1, *each[0].shape[1:]), *wrote))
         routing = [statistics for statistics in routing if statistics is not None]
         routing = jax.tree.map(lambda *each: jnp.concatenate(each), *routing) if routing else None
-        return family.final_norm(x_BSD, self.final_norm.get_value(), config, options), routing
+        written = {kind: jax.tree.map(lambda *each: jnp.concatenate(each), *runs)
+                   for kind, runs in written.items() if layer_io}
+        return family.final_norm(x_BSD, self.final_norm.get_value(), config, options), routing, written
 
     @staticmethod
-    def _slots(group: LayerGroup, specs: dict[str, ParamSpec]) -> list[dict[str, int]]:
+    def _slots(group: LayerGroup, layer_type_of: dict[str, str | None]) -> list[dict[str, int]]:
         """For each layer of the period, the index of its entry in each
-        parameter's per-period stack (the parameters it has)."""
+        stacked array's per-period stack (the arrays it has)."""
         slots = []
         for i, layer_options in enumerate(group.period):
             kind = layer_options.layer_type
             earlier = [o.layer_type for o in group.period[:i]]
-            slots.append({name: i if spec.layer_type is None else earlier.count(kind)
-                          for name, spec in specs.items() if spec.layer_type in (None, kind)})
+            slots.append({name: i if of_type is None else earlier.count(kind)
+                          for name, of_type in layer_type_of.items() if of_type in (None, kind)})
         return slots
 
     def output_embedding(self):

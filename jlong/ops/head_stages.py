@@ -12,10 +12,14 @@ import jax
 import jax.numpy as jnp
 
 
-def sum_over_head_stages(stage_output, x_BsD, num_stages: int, *, policy, unroll: bool, add_to_input: bool):
+def sum_over_head_stages(stage_output, x_BsD, num_stages: int, *, policy, unroll: bool, add_to_input: bool,
+                         kept: bool = False):
     """Sum over stages of stage_output(x, sink, stage) -> (out [B, s, D], sink),
     added into x itself (`add_to_input`) or into a zero-filled sum; each
     stage is rematerialised keeping what the checkpoint `policy` saves.
+    With `kept`, stage_output also returns what a stage keeps (a sampler's
+    state of its heads: `jlong.generation`), and the result is (the sum,
+    what each stage kept, stacked over the stages).
 
     The projections read x without differentiating it; the stages pass a
     gradient sink along instead (x's value, otherwise unused), into whose
@@ -30,8 +34,8 @@ def sum_over_head_stages(stage_output, x_BsD, num_stages: int, *, policy, unroll
     @functools.partial(jax.checkpoint, policy=policy)
     def add_stage(carry, stage):
         y_BsD, sink_BsD = carry
-        out_BsD, sink_BsD = stage_output(x_input_BsD, sink_BsD, stage)
-        return (y_BsD + out_BsD, sink_BsD), None
+        out_BsD, sink_BsD, *keep = stage_output(x_input_BsD, sink_BsD, stage)
+        return (y_BsD + out_BsD, sink_BsD), (keep[0] if kept else None)
 
     # With `add_to_input` the stages add into the residual stream itself (no
     # zero-filled sum, which XLA would share between the forward and backward
@@ -47,8 +51,11 @@ def sum_over_head_stages(stage_output, x_BsD, num_stages: int, *, policy, unroll
     # 1M tokens), so it stays the default.
     carry = (x_BsD if add_to_input else jnp.zeros_like(x_BsD), x_BsD)
     if unroll:
+        keeps = []
         for stage in range(num_stages):
-            carry, _ = add_stage(carry, stage)
-        return carry[0]
-    (y_BsD, _), _ = jax.lax.scan(add_stage, carry, jnp.arange(num_stages))
-    return y_BsD
+            carry, keep = add_stage(carry, stage)
+            keeps.append(keep)
+        y_BsD, keeps = carry[0], (jax.tree.map(lambda *each: jnp.stack(each), *keeps) if kept else None)
+    else:
+        (y_BsD, _), keeps = jax.lax.scan(add_stage, carry, jnp.arange(num_stages))
+    return (y_BsD, keeps) if kept else y_BsD

@@ -34,14 +34,19 @@ class Shards(Protocol):
 
     @property
     def all_axes(self) -> tuple[str, ...]:
-        """Every mesh axis: a sum over the whole batch runs over all of them."""
+        """The mesh axes a sum over the whole batch runs over."""
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        """Every axis of the mesh, of one device or more."""
 
     def constrain(self, x, axes: Axes):
         """x pinned to its compute placement."""
 
-    def map(self, fn: Callable, in_axes: tuple[Axes, ...], out_axes: Axes) -> Callable:
+    def map(self, fn: Callable, in_axes: tuple[Axes, ...], out_axes: Axes | tuple[Axes, ...]) -> Callable:
         """`fn` on each device's shard: arguments and result split by their
-        logical axes (`REPLICATED` for whole ones)."""
+        logical axes (`REPLICATED` for whole ones); a tuple of results by a
+        tuple of axes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +54,7 @@ class OneDevice:
     """Unsharded: every array whole, per-device code run on the whole array."""
 
     all_axes: tuple[str, ...] = ()
+    mesh_axes: tuple[str, ...] = ()
 
     def size(self, axis: str) -> int:
         return 1

@@ -58,6 +58,12 @@ LOGICAL_AXES: dict[str, AxisRule] = {
     "layers": AxisRule(GATHERED_AT_COMPUTE),  # the scan over layers takes one at a time
     "documents": AxisRule(GATHERED_AT_COMPUTE),  # a row's preference documents (`jlong.model.preference`)
     "lora_rank": AxisRule(GATHERED_AT_COMPUTE),  # a LoRA adapter's rank (`jlong.lora`): a few dozen, never split
+    # A sampler's caches (`jlong.generation`): the cached tokens split as the sequence was, and a linear-attention
+    # layer's state by the heads each sp device ran (Ulysses' head layout).
+    "cached_tokens": AxisRule(at_compute=("ring", "sp")),
+    "sp_heads": AxisRule(at_compute="sp"),
+    "head_stages": AxisRule(GATHERED_AT_COMPUTE),
+    "window": AxisRule(GATHERED_AT_COMPUTE),  # a sliding window's cached tokens, whole on each device
 }
 
 
@@ -69,9 +75,16 @@ def _rule(axis: str) -> AxisRule:
         raise ValueError(f"unknown logical axis {axis!r}; the placement table has {', '.join(LOGICAL_AXES)}") from None
 
 
-def compute_spec(axes: Axes) -> PartitionSpec:
-    """The PartitionSpec of an array with these logical axes while computing."""
-    return PartitionSpec(*(_rule(axis).at_compute for axis in axes))
+def _mesh_axes(axis: str) -> tuple[str, ...]:
+    """The mesh axes logical axis `axis` is split over at compute."""
+    at_compute = _rule(axis).at_compute
+    return () if at_compute is None else (at_compute,) if isinstance(at_compute, str) else at_compute
+
+
+def compute_spec(axes: Axes, whole: Axes = ()) -> PartitionSpec:
+    """The PartitionSpec of an array with these logical axes while computing
+    (the axes in `whole` unsplit)."""
+    return PartitionSpec(*(None if axis in whole else _rule(axis).at_compute for axis in axes))
 
 
 def rest_spec(shape: tuple[int, ...], axes: Axes, num_devices: int) -> PartitionSpec:
@@ -111,9 +124,12 @@ def replicated(mesh) -> NamedSharding:
 @dataclasses.dataclass(frozen=True)
 class MeshShards:
     """A mesh as the model sees it (`jlong.ops.shards.Shards`): each device
-    holds a shard of the batch and of the sequence, placed by the table."""
+    holds a shard of the batch and of the sequence, placed by the table;
+    logical axes in `whole` stay unsplit (a sampler's decode step: one token
+    per sequence, every device of a sequence holding it)."""
 
     mesh: jax.sharding.Mesh
+    whole: Axes = ()
 
     def size(self, axis: str) -> int:
         return self.mesh.shape.get(axis, 1)
@@ -123,12 +139,27 @@ class MeshShards:
 
     @property
     def all_axes(self) -> tuple[str, ...]:
+        """The mesh axes a sum over the whole batch runs over: all but those only the axes kept whole split."""
+        kept_whole = {axis for name in self.whole for axis in _mesh_axes(name)}
+        return tuple(axis for axis in self.mesh.axis_names if axis not in kept_whole)
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
         return tuple(self.mesh.axis_names)
 
     def constrain(self, x, axes: Axes):
-        return jax.lax.with_sharding_constraint(x, compute_sharding(self.mesh, axes))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, compute_spec(axes, self.whole)))
 
-    def map(self, fn, in_axes: tuple[Axes, ...], out_axes: Axes):
-        return jax.shard_map(
-            fn, mesh=self.mesh, in_specs=tuple(compute_spec(a) for a in in_axes), out_specs=compute_spec(out_axes)
-        )
+    def map(self, fn, in_axes: tuple, out_axes):
+        """`fn` per device; each argument's and result's logical axes, or a
+        tuple or dict of them for a tuple or dict of arrays."""
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=tuple(self._specs(a) for a in in_axes),
+                             out_specs=self._specs(out_axes))
+
+    def _specs(self, axes):
+        """PartitionSpecs for logical axes: one array's (a tuple of names), or a tuple or dict of such."""
+        if isinstance(axes, dict):
+            return {key: self._specs(a) for key, a in axes.items()}
+        if all(isinstance(name, str) for name in axes):
+            return compute_spec(axes, self.whole)
+        return tuple(self._specs(a) for a in axes)

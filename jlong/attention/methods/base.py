@@ -121,10 +121,12 @@ class SequenceParallelMethod:
         raise JlongError(f"attention.sp_method={self.name} does not run linear-attention (Gated DeltaNet) layers, "
                          f"which model.family={config.model.family} has: use attention.sp_method=ulysses")
 
-    def linear_attention(self, params, x_BSD, segment_ids_BS, *, layer, shards, tile=0, stages=1):
+    def linear_attention(self, params, x_BSD, segment_ids_BS, *, layer, shards, tile=0, stages=1,
+                         keep_state=False):
         """x + the linear-attention layer `layer` (a `GatedDeltaNet`) of x [B, S, D];
         its per-token output projection `tile` tokens at a time on each device (0:
-        all), its heads in up to `stages` stages (`GatedDeltaNet.head_plan`)."""
+        all), its heads in up to `stages` stages (`GatedDeltaNet.head_plan`). With
+        `keep_state`, (that, what decoding on from the sequence's end needs)."""
         raise JlongError(f"attention.sp_method={self.name} does not run linear-attention (Gated DeltaNet) layers")
 
     def attention(self, params, x_BSD, positions_BS, segment_ids_BS, *, projection, heads, kernel, shards,

@@ -65,6 +65,10 @@ from jlong.ops.zigzag import SequenceLayout, shard_token_index
 if TYPE_CHECKING:
     from jlong.config import Config
 
+# What a linear-attention layer keeps for decoding (`gated_deltanet_on_device`): per head stage, each device's
+# heads' entries, the heads split over the sp devices as Ulysses split them.
+KEPT_STATE = ("head_stages", "batch", "sp_heads")
+
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
     """Which heads each stage and device work on (all static)."""
@@ -237,11 +241,13 @@ class Ulysses(SequenceParallelMethod):
     def check_linear_attention(self, config: Config, layer) -> None:
         layer.head_plan(config.mesh.sp)
 
-    def linear_attention(self, params, x_BSD, segment_ids_BS, *, layer, shards, tile=0, stages=1):
+    def linear_attention(self, params, x_BSD, segment_ids_BS, *, layer, shards, tile=0, stages=1,
+                         keep_state=False):
         """x + the linear-attention layer of x: its heads exchanged all-to-all
         over sp, each device running the sp group's tokens for its heads;
         with a ring, the state and the convolution's halo passed between
-        the ring's ranks (`jlong.linear_attention.ring`)."""
+        the ring's ranks (`jlong.linear_attention.ring`). With `keep_state`,
+        (that, what decoding on needs of each device's heads: `KEPT_STATE`)."""
         sp_axis, ring = shards.axis("sp"), (shards.axis("ring"), shards.size("ring"))
         plan = layer.head_plan(shards.size("sp"), stages)
         to_heads = functools.partial(_exchange, axis=sp_axis, split=2, concat=1)
@@ -249,11 +255,16 @@ class Ulysses(SequenceParallelMethod):
 
         def run(params, x_BsD, segment_ids_Bs):
             device = 0 if sp_axis is None else jax.lax.axis_index(sp_axis)
-            return gated_deltanet_on_device(params, x_BsD, _gather_sequence(segment_ids_Bs, sp_axis), layer=layer,
-                                            plan=plan, to_heads=to_heads, to_sequence=to_sequence, device=device,
-                                            ring=ring, tile=tile)
+            out = gated_deltanet_on_device(params, x_BsD, _gather_sequence(segment_ids_Bs, sp_axis), layer=layer,
+                                           plan=plan, to_heads=to_heads, to_sequence=to_sequence, device=device,
+                                           ring=ring, tile=tile, keep_state=keep_state)
+            if keep_state and "ring" in shards.mesh_axes:  # the same on every ring rank: one value of the ring
+                y_BsD, kept = out
+                return y_BsD, jax.tree.map(lambda x: jax.lax.pmax(x, "ring"), kept)  # the max of equals is each
+            return out
 
-        return shards.map(run, (REPLICATED, HIDDEN, TOKENS), HIDDEN)(params, x_BSD, segment_ids_BS)
+        out_axes = (HIDDEN, KEPT_STATE) if keep_state else HIDDEN
+        return shards.map(run, (REPLICATED, HIDDEN, TOKENS), out_axes)(params, x_BSD, segment_ids_BS)
 
     def attention(self, params, x_BSD, positions_BS, segment_ids_BS, *, projection, heads, kernel, shards,
                   unroll_stages=False, add_to_input=True):
