@@ -10,12 +10,18 @@ forward + backward; each kernel's error against a float32 reference.
 
 jax and PyTorch each run in a child process of their own (one after the
 other, so neither holds GPU memory the other needs); the parent writes
-`kernel-race.json` and `kernel-race.md` in DIR (default experiments/results).
+`kernel-race.json` and `kernel-race.md` in DIR (default experiments/results),
+and on a GPU `kernel-runs.json` beside them: which of jlong's GPU kernels ran
+there (`jlong.kernel_runs`: `auto` picks no kernel that record lacks, and
+the planner names every kernel it prices without one). Each jlong row names
+the GPU kernels its compiled program ran (`gpu_kernels`; a row that did not
+compile names those its registry entry runs).
 FLA is imported from wherever Python finds `fla` (the device wheels' README
 says how to carry it). Rows a framework could not run say "not run"; a
 kernel that fails says "failed" with its error, and the race goes on.
 
-- Gated DeltaNet (bf16 q, k, v; float32 log decays g and write strengths
+- Gated DeltaNet (every GPU rule of `gated_delta.KERNELS` and the chunked
+  XLA one; bf16 q, k, v; float32 log decays g and write strengths
   beta; q and k unit-norm, no scale: FLA's `scale=1`, its L2 norm off): B=1,
   T in 8,192 / 32,768 / 131,072, 16 heads of 128, and Qwen3.5-27B's heads on
   one of 8 sp devices (2 key and 6 value heads of 128) at 131,072. Errors
@@ -56,6 +62,8 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
 from common import RESULTS, commit, markdown_table, median_seconds, portable, today  # noqa: E402
+
+from jlong import kernel_runs  # noqa: E402
 
 GATED_DELTA_SHAPES = [  # (label, B, T, Hk, H, D)
     ("16 heads", 1, 8_192, 16, 16, 128),
@@ -132,10 +140,10 @@ def pass_error(pass_: str, got, forward_reference, backward_references) -> float
 
 
 def row(kernel, impl, pass_, shape, *, status="ok", tokens_per_s=None, tflops=None, error=None, seconds=None,
-        note=None) -> dict:
+        note=None, gpu_kernels=()) -> dict:
     found = {"kernel": kernel, "impl": impl, "pass": pass_, "shape": shape, "status": status,
              "tokens_per_s": tokens_per_s, "tflops": tflops, "max_rel_error": error, "seconds": seconds,
-             "note": note}
+             "note": note, "gpu_kernels": sorted(gpu_kernels)}
     if STREAM is not None:  # each row as it is measured: a part stopped by its time limit keeps what it had
         with STREAM.open("a") as out:
             out.write(json.dumps(found) + "\n")
@@ -147,9 +155,20 @@ STREAM: Path | None = None  # a part's rows file (`workdir/PART.jsonl`)
 STARTED = time.perf_counter()
 
 
-def failed(kernel, impl, pass_, shape, exc) -> dict:
+def failed(kernel, impl, pass_, shape, exc, gpu_kernels=()) -> dict:
     message = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-    return row(kernel, impl, pass_, shape, status="failed", note=f"{type(exc).__name__}: {message}")
+    return row(kernel, impl, pass_, shape, status="failed", note=f"{type(exc).__name__}: {message}",
+               gpu_kernels=gpu_kernels)
+
+
+def compiled(fn, *args):
+    """`fn` (jitted) compiled for `args`, and the names of jlong's GPU kernels its program runs (none on the
+    CPU, where they are interpreted): the race times this very program."""
+    from jlong.planner.hlo import parse_module
+    from jlong.planner.pricing import gpu_kernels_in
+
+    program = fn.lower(*args).compile()
+    return program, gpu_kernels_in(parse_module(program.as_text()))
 
 
 # ---------------------------------------------------------------- the jax part
@@ -168,8 +187,8 @@ def jax_part(rehearse: bool, quick: bool, workdir: Path, tiles: Path | None = No
     import jax.numpy as jnp
     import numpy as np
 
-    from jlong.linear_attention import gated_delta, gated_delta_mosaic, gated_delta_triton
-    from jlong.moe import grouped_matmul_mosaic, grouped_matmul_triton
+    from jlong.linear_attention import gated_delta, gated_delta_triton
+    from jlong.moe import grouped_matmul, grouped_matmul_mosaic, grouped_matmul_triton
 
     settings = _set_tiles(tiles, {"grouped_matmul": grouped_matmul_triton,
                                   "grouped_matmul_weight_gradient": grouped_matmul_triton,
@@ -186,9 +205,8 @@ def jax_part(rehearse: bool, quick: bool, workdir: Path, tiles: Path | None = No
 
     median = functools.partial(median_seconds, repeats=repeats)
     rows, rates = [], []
-    kernels = {"jlong:triton": lambda *a, **kw: gated_delta_triton.triton(*a, interpret=interpret, **kw),
-               "jlong:mosaic": lambda *a, **kw: gated_delta_mosaic.mosaic(*a, interpret=interpret, **kw),
-               "jlong:chunked": gated_delta.chunked}
+    raced = [name for name in gated_delta.KERNELS if name in gated_delta.GPU_KERNELS or name == "chunked"]
+    kernels = {f"jlong:{name}": gated_delta.rule(name, interpret=interpret) for name in raced}
     for index, (label, B, T, Hk, H, D) in enumerate(GATED_DELTA_REHEARSAL if rehearse else gated_delta_shapes(quick)):
         shape = {"B": B, "T": T, "H": H, "Hk": Hk, "D": D, "label": label}
         q, k, v, g, beta, do = gated_delta_inputs(B, T, Hk, H, D)
@@ -207,17 +225,19 @@ def jax_part(rehearse: bool, quick: bool, workdir: Path, tiles: Path | None = No
             forward = jax.jit(lambda *a, rule=rule: rule(*a[:5])[0])
             # o with the gradients: a training step needs it (PyTorch computes FLA's either way)
             both = jax.jit(lambda *a, rule=rule: _gated_delta_outputs(rule, a[:5], a[5]))
-            for pass_, fn in (("fwd", forward), ("fwd+bwd", both)):
+            for pass_, jitted in (("fwd", forward), ("fwd+bwd", both)):
+                ran = gated_delta.GPU_KERNEL_NAMES.get(impl.removeprefix("jlong:"), ())  # until compiled
                 try:
+                    fn, ran = compiled(jitted, *args)
                     seconds = median(fn, *args)
                     error = None
                     if reference is not None:
                         got = jax.block_until_ready(fn(*args))  # nothing queued behind it
                         error = pass_error(pass_, got if pass_ == "fwd" else got[1:], reference[0], reference[1:])
                     rows.append(row("gated_delta", impl, pass_, shape, tokens_per_s=B * T / seconds, error=error,
-                                    seconds=seconds))
+                                    seconds=seconds, gpu_kernels=ran))
                 except Exception as exc:  # noqa: BLE001 (a failing kernel is a row, the race goes on)
-                    rows.append(failed("gated_delta", impl, pass_, shape, exc))
+                    rows.append(failed("gated_delta", impl, pass_, shape, exc, ran))
         if on_gpu and T == 32_768:
             rates.extend(_recurrence_rates(bf16, f32, cotangent, shape, median))
     for label, M, K, N, G, topk in GROUPED_REHEARSAL if rehearse else grouped_shapes(quick):
@@ -227,10 +247,11 @@ def jax_part(rehearse: bool, quick: bool, workdir: Path, tiles: Path | None = No
             shape = {"M": M, "K": K, "N": N, "G": G, "k": topk, "label": label, "rows": distribution}
             sizes = group_sizes(M, G, distribution)
             reference = _grouped_reference(xb, wb, dyb, sizes)
-            for impl, module in (("jlong:triton", grouped_matmul_triton), ("jlong:mosaic", grouped_matmul_mosaic)):
-                product = functools.partial(module.grouped_matmul, interpret=interpret)
-                rows.extend(_matmul_rows("grouped_matmul", impl, product, (xb, wb, jnp.asarray(sizes)), dyb,
-                                         shape, 2.0 * M * K * N, reference, median))
+            for name in (n for n in grouped_matmul.KERNELS if n in grouped_matmul.GPU_KERNELS):
+                product = grouped_matmul.matmul(name, interpret=interpret)
+                rows.extend(_matmul_rows("grouped_matmul", f"jlong:{name}", product, (xb, wb, jnp.asarray(sizes)), dyb,
+                                         shape, 2.0 * M * K * N, reference, median,
+                                         grouped_matmul.GPU_KERNEL_NAMES[name]))
         dense_shape = {"M": M, "K": K, "N": N, "label": label}
         rows.extend(_matmul_rows("dense_gemm", "jax", lambda x, w: x @ w, (xb, wb[0]), dyb, dense_shape,
                                  2.0 * M * K * N, None, median))
@@ -336,8 +357,9 @@ def _grouped_reference(x, w, dy, sizes):
     return y[real], dx[real], dw  # windows back to rows in order: groups are consecutive
 
 
-def _matmul_rows(kernel, impl, product, args, dy, shape, flops, reference, median) -> list[dict]:
-    """Rows of `product(x, w, *rest)` forward and forward + backward (dx, dw from the cotangent dy)."""
+def _matmul_rows(kernel, impl, product, args, dy, shape, flops, reference, median, gpu_kernels=()) -> list[dict]:
+    """Rows of `product(x, w, *rest)` forward and forward + backward (dx, dw from the cotangent dy);
+    `gpu_kernels` those a row names where its program did not compile."""
     import jax
 
     def outputs(dy, x, w, *rest):
@@ -348,17 +370,19 @@ def _matmul_rows(kernel, impl, product, args, dy, shape, flops, reference, media
     both = jax.jit(outputs)
     args = (dy, *args)  # the cotangent an argument, not a constant compiled in
     rows = []
-    for pass_, fn, count in (("fwd", forward, 1), ("fwd+bwd", both, 3)):
+    for pass_, jitted, count in (("fwd", forward, 1), ("fwd+bwd", both, 3)):
+        ran = gpu_kernels
         try:
+            fn, ran = compiled(jitted, *args)
             seconds = median(fn, *args)
             error = None
             if reference is not None:
                 got = jax.block_until_ready(fn(*args))  # nothing queued behind it (pallas_calls)
                 error = pass_error(pass_, got, reference[0], reference)
             rows.append(row(kernel, impl, pass_, shape, tflops=count * flops / seconds / 1e12, error=error,
-                            seconds=seconds))
+                            seconds=seconds, gpu_kernels=ran))
         except Exception as exc:  # noqa: BLE001
-            rows.append(failed(kernel, impl, pass_, shape, exc))
+            rows.append(failed(kernel, impl, pass_, shape, exc, ran))
     return rows
 
 
@@ -668,8 +692,17 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kernel-race.json").write_text(json.dumps(report, indent=1) + "\n")
     (args.out / "kernel-race.md").write_text(markdown(report))
+    if not report["rehearsal"]:
+        (args.out / kernel_runs.RECORD_NAME).write_text(json.dumps(runs_record(report), indent=1) + "\n")
     print(markdown(report))
     return 0
+
+
+def runs_record(report: dict) -> dict:
+    """The record of which of jlong's GPU kernels ran on this GPU (`jlong.kernel_runs`), from the rows."""
+    return kernel_runs.record(report["rows"], lambda row: row.get("gpu_kernels", []), commit=report["commit"],
+                              device=report["device"].get("name") or report["device"].get("kind"),
+                              date=report["date"], race="kernel-race.json")
 
 
 def produced_by(report: dict) -> str:
@@ -728,6 +761,10 @@ def markdown(report: dict) -> str:
         head += ["", "jlong's kernels ran at: " + "; ".join(
             f"{kernel} " + ", ".join(f"{k}={v}" for k, v in settings.items()) for kernel, settings in
             report["tiles"].items()) + "."]
+    if not report["rehearsal"]:
+        ran = sorted(kernel_runs.from_record(runs_record(report), kernel_runs.RECORD_NAME).kernels)
+        head += ["", f"jlong's GPU kernels this run records as run on the GPU ({kernel_runs.RECORD_NAME}: `auto` "
+                 "picks no others): " + (", ".join(ran) or "none") + "."]
     if report["rates"]:
         head += ["", "The gated delta rules' recurrence kernels alone (what the planner prices them at):", "",
                  markdown_table(["kernel", "seconds", "TFLOP/s", "share of bf16 peak"],

@@ -17,6 +17,7 @@ from test_gated_delta_triton import SEGMENTS, _state, assert_the_rings_call_is_t
 from test_qwen3_5 import _rule_inputs, _tiny
 
 from jlong.errors import JlongError
+from jlong.kernel_runs import KernelRuns
 from jlong.linear_attention import gated_delta, gated_delta_mosaic
 from jlong.planner import pricing
 from jlong.planner.memory import compile_train_step
@@ -84,10 +85,12 @@ def test_widths_the_kernels_cannot_take_are_one_line():
 
 
 @pytest.mark.fast
-def test_it_is_registered_and_auto_picks_it_on_gpus_only_without_the_triton_rule():
+def test_it_is_registered_and_auto_picks_it_on_gpus_once_it_alone_has_run_on_one():
     assert gated_delta.KERNELS["mosaic"] is gated_delta_mosaic.mosaic
     assert gated_delta.rule("mosaic", interpret=True).keywords == {"interpret": True}
-    assert gated_delta.kernel_for("gpu") == ("triton" if "triton" in gated_delta.KERNELS else "mosaic")
+    mosaic_ran = KernelRuns(frozenset(gated_delta.GPU_KERNEL_NAMES["mosaic"]))
+    assert gated_delta.kernel_for("gpu", mosaic_ran) == "mosaic"
+    assert gated_delta.kernel_for("cpu", mosaic_ran) == "chunked"
 
 
 @pytest.mark.fast

@@ -16,9 +16,11 @@ from helpers import H100, needs_gpu_compiler, small_config
 from test_qwen3_5 import _rule_inputs
 
 from jlong.errors import JlongError
+from jlong.kernel_runs import KernelRuns
 from jlong.linear_attention import chunk_terms_triton, chunks, gated_delta, gated_delta_triton
 from jlong.ops.pallas_calls import TRITON_CALL
 from jlong.planner import pricing
+from jlong.planner.cost_report import format_cost
 from jlong.planner.hlo import parse_module
 from jlong.planner.memory import compile_train_step
 from jlong.planner.step_cost import step_cost
@@ -203,8 +205,10 @@ def test_the_chunk_terms_take_chunks_of_a_power_of_two_of_16_or_more_only(chunk)
 
 
 @fast
-def test_the_registry_runs_it_interpreted_where_asked_and_auto_picks_it_on_gpus():
-    assert gated_delta.kernel_for("gpu") == "triton" and gated_delta.kernel_for("cpu") == "chunked"
+def test_the_registry_runs_it_interpreted_where_asked_and_auto_picks_it_on_gpus_once_its_kernels_ran_on_one():
+    every_kernel_ran = KernelRuns(frozenset(gated_delta.GPU_KERNEL_NAMES["triton"]))
+    assert gated_delta.kernel_for("gpu", every_kernel_ran) == "triton"
+    assert gated_delta.kernel_for("cpu", every_kernel_ran) == "chunked"
     q, k, v, g, beta = _rule_inputs(B=1, S=64, dv=16)
     _close(gated_delta.rule("triton", interpret=True)(q, k, v, g, beta), gated_delta.recurrent(q, k, v, g, beta))
     assert gated_delta.rule("chunked", interpret=True) is gated_delta.chunked
@@ -225,47 +229,51 @@ def test_the_kernels_calls_are_priced_at_their_recurrences_flops():
         assert pricing.kernel_flops(TRITON_CALL, attributes, dims, (BH, n, C, dv)) == \
             (flops, "gated delta")
         assert gated_delta_triton.call_flops("other", attributes, dims, ()) is None
-    # The outputs' kernel, o = qr S + a v_new: 2 C (dk + C) per chunk and value column, priced as the GEMMs
-    # XLA ran those products as.
+    # The outputs' kernel, o = qr S + a v_new: 2 C (dk + C) per chunk and value column, a kind of its own (never
+    # run on a GPU: priced at a measured sibling's rate).
     attributes = f'name = "{gated_delta_triton.OUTPUTS}", num_stages = 3'
     dims = [[BH, n, C, dk], [BH, n, C, C], [BH, n, dk, dv], [BH, n, C, dv]]
     assert pricing.kernel_flops(TRITON_CALL, attributes, dims, (BH, n, C, dv)) == (
-        BH * n * dv * 2 * C * (dk + C), "matmul")
+        BH * n * dv * 2 * C * (dk + C), "gated delta outputs")
     assert gated_delta_triton.call_flops(TRITON_CALL, attributes, dims, ()) is None
     # The chunk terms, per value head and chunk of 64: ten blocks of 16 x 16 on and below the diagonal, each
     # with four products (N's and a's of width dk, w's of dk, u's of dv), and the inverse's: four blocks'
     # four doublings of two products and the substitution's ten products of sums and six of the diagonal
-    # blocks' inverses, 48 products of 16 x 16 blocks. Priced as the GEMMs XLA ran them as.
+    # blocks' inverses, 48 products of 16 x 16 blocks. A kind of their own, as the gradient's.
     B, T, H, Hk = 2, n * C, 24, 12
     attributes = f'name = "{chunk_terms_triton.FORWARD_NAME}", num_stages = 1'
     dims = [[B, T, Hk, dk], [B, T, Hk, dk], [B, T, H, dv], [B, T, H], [B, T, H], [B, T], [B, T]]
     assert pricing.kernel_flops(TRITON_CALL, attributes, dims, (B, H, n, C, dv)) == (
-        B * H * n * (10 * 2 * 16**2 * (3 * dk + dv) + 48 * 2 * 16**3), "matmul")
+        B * H * n * (10 * 2 * 16**2 * (3 * dk + dv) + 48 * 2 * 16**3), "gated delta chunk terms")
     # The chunk terms' gradient: per value head and chunk, C^2 (16 dk + 6 dv) in its products of width dk
-    # and dv, 8 C dk dv in the terms' gradients from the states' and 4 C^3 in the inverse's gradient, priced
-    # as the GEMMs XLA ran them as. Its operands: q, k [B, T, Hk, dk], v [B, T, H, dv], g, beta [B, T, H],
+    # and dv, 8 C dk dv in the terms' gradients from the states' and 4 C^3 in the inverse's gradient. Its
+    # operands: q, k [B, T, Hk, dk], v [B, T, H, dv], g, beta [B, T, H],
     # seg, prev [B, T], the inverses [B, H, n, C, C], then the recurrence's.
     attributes = f'name = "{chunk_terms_triton.BACKWARD_NAME}", num_stages = 1'
     dims = [[B, T, Hk, dk], [B, T, Hk, dk], [B, T, H, dv], [B, T, H], [B, T, H], [B, T], [B, T], [B, H, n, C, C]]
     assert pricing.kernel_flops(TRITON_CALL, attributes, dims, ()) == (
-        B * H * n * (C**2 * (16 * dk + 6 * dv + 4 * C) + 8 * C * dk * dv), "matmul")
+        B * H * n * (C**2 * (16 * dk + 6 * dv + 4 * C) + 8 * C * dk * dv), "gated delta chunk terms")
     assert chunk_terms_triton.call_flops(TRITON_CALL, f'name = "{gated_delta_triton.OUTPUTS}", num_stages = 3',
                                          dims, ()) is None
 
 
 @needs_gpu_compiler
 def test_a_qwen3_5_step_compiles_for_h100s_with_the_triton_rule_priced():
-    """XLA:GPU, deviceless: `auto` runs the Triton rule on a GPU, on Ulysses x ring (its own chunks and the
-    ring's float32 calls); its kernels' calls are priced at their FLOPs, none unpriced."""
-    config = small_config("model.preset=tiny-qwen3.5", "model.num_hidden_layers=4", "train.seq_len=2048", "train.batch_size=1",
-                          "mesh.ring=2", "mesh.sp=4")
+    """XLA:GPU, deviceless: the Triton rule (by name) on Ulysses x ring (its own chunks and the ring's float32
+    calls); its kernels' calls are priced at their FLOPs, none unpriced, and the plan names the kernels the
+    committed race record says never ran on a GPU (the outputs' and the chunk terms')."""
+    config = small_config("model.preset=tiny-qwen3.5", "model.num_hidden_layers=4", "train.seq_len=2048",
+                          "train.batch_size=1", "mesh.ring=2", "mesh.sp=4", "kernels.gated_delta=triton")
     step = compile_train_step(config, H100)
     hlo = step.text
-    for name in (gated_delta_triton.FORWARD, gated_delta_triton.BACKWARD, gated_delta_triton.OUTPUTS,
-                 chunk_terms_triton.FORWARD_NAME, chunk_terms_triton.BACKWARD_NAME):
+    unraced = (gated_delta_triton.OUTPUTS, chunk_terms_triton.FORWARD_NAME, chunk_terms_triton.BACKWARD_NAME)
+    for name in (gated_delta_triton.FORWARD, gated_delta_triton.BACKWARD, *unraced):
         assert hlo.count(f'"{name}"') > 0, name
     cost = step_cost(step)
     assert not cost.unpriced_custom_calls and cost.time_by_kind["gated delta"] > 0
+    assert sorted(cost.unmeasured_kernels) == sorted(unraced)
+    report = format_cost(cost)
+    assert "never run on a GPU" in report and all(name in report for name in unraced)
 
 
 @needs_gpu_compiler

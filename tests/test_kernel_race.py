@@ -40,6 +40,7 @@ def test_the_rehearsal_races_jlongs_kernels_and_marks_the_anchors_not_run(tmp_pa
     ours = [r for r in rows if r["impl"].startswith("jlong:") or r["impl"] == "jax"]
     assert {(r["kernel"], r["impl"]) for r in ours} >= {("gated_delta", "jlong:triton"), ("gated_delta", "jlong:mosaic"),
                                                        ("gated_delta", "jlong:chunked"),
+                                                       ("gated_delta", "jlong:triton_recurrence"),
                                                        ("grouped_matmul", "jlong:triton"), ("grouped_matmul", "jlong:mosaic"),
                                                        ("dense_gemm", "jax")}
     assert all(r["status"] == "ok" for r in ours) and {r["pass"] for r in ours} == {"fwd", "fwd+bwd"}
@@ -49,6 +50,7 @@ def test_the_rehearsal_races_jlongs_kernels_and_marks_the_anchors_not_run(tmp_pa
     anchors = [r for r in rows if r["impl"] in ("fla", "torch")]
     assert anchors and all(r["status"] == "not run" for r in anchors)
     assert "| gated_delta | jlong:triton | fwd+bwd |" in (tmp_path / "kernel-race.md").read_text()
+    assert not (tmp_path / "kernel-runs.json").exists(), "interpreted on the CPU, no kernel ran on a GPU"
 
 
 @pytest.mark.fast

@@ -21,17 +21,22 @@ Everything is computed in float32.
 `triton` (`jlong.linear_attention.gated_delta_triton`) is the same chunked
 form as a GPU runs it fast (`jlong.linear_attention.chunk_recurrence`): the
 chunks' terms for all chunks at once, the recurrence from chunk to chunk in
-one Pallas Triton kernel per pass (listed while jax has Pallas' Triton
-backend). `mosaic` (`gated_delta_mosaic`) runs that recurrence in Pallas
-Mosaic GPU kernels for Hopper (TMA and wgmma; bf16 terms, key and value
-widths multiples of 64): what GPUs run once the Triton backend is gone.
+one Pallas Triton kernel per pass, the terms, their gradient and the
+outputs in Pallas Triton kernels too; `triton_recurrence` is its recurrence
+kernels alone, the terms and outputs batched XLA products (both listed
+while jax has Pallas' Triton backend). `mosaic` (`gated_delta_mosaic`) runs
+that recurrence in Pallas Mosaic GPU kernels for Hopper (TMA and wgmma;
+bf16 terms, key and value widths multiples of 64): what GPUs run once the
+Triton backend is gone.
 
 `recurrent` is the rule token by token (a `lax.scan` over tokens): the
 reference tests compare the chunked forms with.
 
 `KERNELS` holds them by name (setting `kernels.gated_delta`); `kernel_for`
-is what `auto` picks on a platform, and `rule` a kernel ready to call there
-(a GPU kernel on the CPU runs in its interpreter).
+is what `auto` picks on a platform: on a GPU the first of `GPU_PREFERENCE`
+whose GPU kernels have all run on a GPU (`jlong.kernel_runs`; the others
+are chosen by name only); `rule` a kernel ready to call there (a GPU kernel
+on the CPU runs in its interpreter).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jlong import kernel_runs
 from jlong.linear_attention import gated_delta_mosaic
 from jlong.linear_attention.chunks import chunk_terms, over_blocks, segment_before_first
 from jlong.ops.pallas_calls import has_pallas_triton
@@ -111,31 +117,44 @@ def recurrent(q, k, v, g, beta, segment_ids=None, initial_state=None, segment_be
 
 
 KERNELS = {"chunked": chunked, "recurrent": recurrent, "mosaic": gated_delta_mosaic.mosaic}
-GPU_KERNELS = frozenset({"triton", "mosaic"})  # written for a GPU; `interpret=True` runs them anywhere
+# Written for a GPU; `interpret=True` runs them anywhere.
+GPU_KERNELS = frozenset({"triton", "triton_recurrence", "mosaic"})
 # GPU kernels a model runs on GPUs only: jax's Mosaic GPU interpreter calls back to the host, which the
 # model's checkpoints refuse. The rule alone runs interpreted anywhere up to `chunk_recurrence.BLOCK` tokens
 # (longer sequences run block by block under a checkpoint); in float32 it runs no kernel at all.
 GPU_ONLY_IN_MODELS = frozenset({"mosaic"})
+# The GPU kernels each of KERNELS runs, by their names in a compiled program (the others run XLA's alone).
+GPU_KERNEL_NAMES = {"mosaic": (gated_delta_mosaic.FORWARD, gated_delta_mosaic.BACKWARD)}
+# What `auto` runs on a GPU: the first of these whose GPU kernels have all run on a GPU.
+GPU_PREFERENCE = ("triton", "triton_recurrence", "mosaic", "chunked")
 # (call_flops, kind) of the GPU kernels' custom calls, for the planner
 PRICED_CALLS = ((gated_delta_mosaic.call_flops, "gated delta (mosaic)"),)
 # Functions giving the (IEEE, three-TF32) FLOPs of the products a Triton kernel's call takes in float32
 # whatever its operands' dtype, for the planner (None: not that kernel's call)
 FLOAT32_FLOPS = ()
-if has_pallas_triton():  # a jax without Pallas' Triton backend runs the Mosaic GPU rule
+if has_pallas_triton():  # the Triton kernels, while jax has Pallas' Triton backend
     from jlong.linear_attention import chunk_terms_triton, gated_delta_triton
 
     KERNELS["triton"] = gated_delta_triton.triton
-    PRICED_CALLS = ((gated_delta_triton.call_flops, "gated delta"), (gated_delta_triton.outputs_call_flops, "matmul"),
-                    (chunk_terms_triton.call_flops, "matmul"), *PRICED_CALLS)
+    KERNELS["triton_recurrence"] = gated_delta_triton.triton_recurrence
+    _RECURRENCE = (gated_delta_triton.FORWARD, gated_delta_triton.BACKWARD)
+    GPU_KERNEL_NAMES |= {"triton": (*_RECURRENCE, gated_delta_triton.OUTPUTS, chunk_terms_triton.FORWARD_NAME,
+                                    chunk_terms_triton.BACKWARD_NAME),
+                         "triton_recurrence": _RECURRENCE}
+    PRICED_CALLS = ((gated_delta_triton.call_flops, "gated delta"),
+                    (gated_delta_triton.outputs_call_flops, "gated delta outputs"),
+                    (chunk_terms_triton.call_flops, "gated delta chunk terms"), *PRICED_CALLS)
     FLOAT32_FLOPS = (chunk_terms_triton.float32_flops,)
 
 
-def kernel_for(platform: str) -> str:
-    """The kernel `auto` runs on `platform` ("gpu" or "cpu"): the raced Triton rule while jax has Pallas'
-    Triton backend, the Mosaic GPU one after."""
+def kernel_for(platform: str, runs: kernel_runs.KernelRuns | None = None) -> str:
+    """The kernel `auto` runs on `platform` ("gpu" or "cpu"): on a GPU the first of `GPU_PREFERENCE` listed
+    here whose GPU kernels have all run on a GPU (`runs`, by default the committed record); `chunked`
+    elsewhere."""
     if platform != "gpu":
         return "chunked"
-    return "triton" if "triton" in KERNELS else "mosaic"
+    runs = runs or kernel_runs.recorded()
+    return next(name for name in GPU_PREFERENCE if name in KERNELS and runs.ran(GPU_KERNEL_NAMES.get(name, ())))
 
 
 def rule(name: str, *, interpret: bool = False):

@@ -153,6 +153,8 @@ def _outputs(qr, a, states, v_new, interpret):
 
 
 triton = rule(_forward, _backward, _outputs, chunk_terms_triton.forward, chunk_terms_triton.backward)
+# The recurrence kernels alone, XLA's batched products around them: what the H200 race of b6e22e7 ran.
+triton_recurrence = rule(_forward, _backward)
 
 
 def call_flops(target: str, attributes: str, operand_dims: list, result_dims: tuple) -> float | None:

@@ -46,6 +46,12 @@ def format_cost(cost: StepCost | None) -> str:
                           for target, entry in cost.unpriced_custom_calls.items())
         lines.append(f"  custom calls the planner cannot price, counted at their memory traffic only (their FLOPs "
                      f"are missing, so the time is a lower bound): {calls}")
+    if cost.unmeasured_kernels:
+        kernels = ", ".join(f"{name} x {entry['calls']:,.0f} (as {entry['priced_as']}, "
+                            f"{cost.efficiency.of_kind(entry['priced_as']):g})"
+                            for name, entry in cost.unmeasured_kernels.items())
+        lines.append(f"  GPU kernels never run on a GPU (no race recorded for them), priced without a measurement at "
+                     f"a measured sibling's rate, so the time rests on them untested: {kernels}")
     if cost.unknown_trip_loops:
         lines.append(f"  {cost.unknown_trip_loops} loops have a trip count the compiler cannot know; each is counted "
                      "once, so the time is a lower bound")

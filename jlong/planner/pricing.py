@@ -8,10 +8,11 @@ import collections
 import dataclasses
 import math
 
+from jlong import kernel_runs
 from jlong.attention.kernels import price_custom_call
 from jlong.attention.step import CallCost
 from jlong.errors import JlongError
-from jlong.linear_attention import gated_delta
+from jlong.linear_attention import gated_delta, gated_delta_mosaic
 from jlong.moe import grouped_matmul
 from jlong.ops.pallas_calls import TRITON_FLOAT32_PRODUCT_COST, TRITON_IEEE_PRODUCT_COST, triton_kernel_name
 from jlong.planner.hlo import Computation, HloModule, Instruction
@@ -21,6 +22,9 @@ from jlong.planner.targets import GpuModel
 # jlong's GPU kernels, each with its FLOPs from its custom call and the kind of kernel it is priced as
 # (the kind's efficiency in `Efficiency`).
 KERNEL_PRICES = (*grouped_matmul.PRICED_CALLS, *gated_delta.PRICED_CALLS)
+# Every GPU kernel jlong registers, by its name in a compiled program.
+GPU_KERNEL_NAMES = frozenset(name for registry in (grouped_matmul, gated_delta)
+                             for names in registry.GPU_KERNEL_NAMES.values() for name in names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +42,14 @@ class Efficiency:
     # backward, 45 together (94 GFLOP in 2.08 ms; a training step runs both). Latency, not the tensor cores,
     # bounds them: one chunk after another.
     gated_delta: float = 0.046
+    # Not measured: the Triton gated delta rule's outputs kernel (o = qr S + a v_new) has never run on a GPU.
+    # Priced at its measured sibling's rate: the grouped matmul's above, the other Triton kernel of tiled
+    # products over independent programs. A race that runs it on a GPU measures its own.
+    gated_delta_outputs: float = 0.23
+    # Not measured: the Triton gated delta rule's chunk terms kernels (the terms and their gradient) have never
+    # run on a GPU. Priced at their measured sibling's rate: the same rule's recurrence kernels above, the other
+    # Triton kernels of small per-chunk products (16-row blocks, a triangular inverse, loops over the widths).
+    gated_delta_chunk_terms: float = 0.046
     # a stated default, not yet measured: the Mosaic GPU grouped matmul has not been raced. The first Triton
     # kernel's measured rate at Qwen3-30B-A3B's expert shapes on an H100 (132-152 TFLOP/s, gpu-truth.md), as an
     # untuned kernel's.
@@ -76,6 +88,15 @@ class Efficiency:
     def describe(self) -> str:
         return ", ".join(f"{f.name} {getattr(self, f.name):g}" for f in dataclasses.fields(self))
 
+    def of_kind(self, kind: str) -> float:
+        """The share of the bf16 peak a kernel of `kind` (as the planner sorts kernels) reaches; 1 for other
+        kernels, bound by their memory traffic."""
+        return {"matmul": self.gemm, "grouped matmul": self.grouped_matmul,
+                "grouped matmul (mosaic)": self.grouped_matmul_mosaic, "gated delta": self.gated_delta,
+                "gated delta outputs": self.gated_delta_outputs,
+                "gated delta chunk terms": self.gated_delta_chunk_terms,
+                "gated delta (mosaic)": self.gated_delta_mosaic}.get(kind, 1.0)
+
 
 @dataclasses.dataclass
 class Tally:
@@ -92,6 +113,8 @@ class Tally:
     unknown_trip_loops: int = 0
     # Custom calls of a kind the planner cannot price (a Pallas or Triton kernel, say): target -> [calls, bytes].
     unpriced: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(lambda: [0.0, 0.0]))
+    # jlong's GPU kernels that have never run on a GPU: name -> [calls, the kind they are priced as].
+    unmeasured: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(lambda: [0.0, ""]))
 
     def add(self, other: Tally, times: float = 1.0) -> None:
         self.time_s += other.time_s * times
@@ -106,6 +129,9 @@ class Tally:
         for target, (calls, moved) in other.unpriced.items():
             self.unpriced[target][0] += calls * times
             self.unpriced[target][1] += moved * times
+        for name, (calls, kind) in other.unmeasured.items():
+            self.unmeasured[name][0] += calls * times
+            self.unmeasured[name][1] = kind
 
 
 # Instructions that launch nothing: bookkeeping, aliases, and the waits of async pairs.
@@ -123,10 +149,13 @@ _ELEMENTWISE_FREE = _NO_KERNEL | {"broadcast", "reshape", "transpose", "copy", "
 
 class Pricer:
     """Prices one launched instruction of a module on `gpu`: its seconds, and
-    its FLOPs, bytes and collective traffic added to a `Tally`."""
+    its FLOPs, bytes and collective traffic added to a `Tally`; jlong's GPU
+    kernels that `runs` does not count as run on a GPU are tallied by name."""
 
-    def __init__(self, module: HloModule, gpu: GpuModel, efficiency: Efficiency, node_of: list[int]):
+    def __init__(self, module: HloModule, gpu: GpuModel, efficiency: Efficiency, node_of: list[int],
+                 runs: kernel_runs.KernelRuns | None = None):
         self.module, self.gpu, self.eff, self.node_of = module, gpu, efficiency, node_of
+        self.runs = runs or kernel_runs.recorded()
 
     def price(self, inst: Instruction, computation: Computation, tally: Tally) -> tuple[str, float]:
         """(stream kind, seconds) of one launched instruction; adds its counts to `tally`."""
@@ -157,13 +186,13 @@ class Pricer:
         tally.hbm_bytes += hbm
         tally.flops["matmul"] += flops.matmul
         tally.flops["other"] += flops.other
-        efficiency = {"matmul": self.eff.gemm, "grouped matmul": self.eff.grouped_matmul,
-                      "grouped matmul (mosaic)": self.eff.grouped_matmul_mosaic,
-                      "gated delta": self.eff.gated_delta,
-                      "gated delta (mosaic)": self.eff.gated_delta_mosaic}.get(kind, 1.0)
-        rate = self.gpu.peak_bf16_flops * efficiency
+        rate = self.gpu.peak_bf16_flops * self.eff.of_kind(kind)
         if op == "custom-call":
             rate /= _product_cost(inst, computation, flops.matmul)
+            name = gpu_kernel_name((inst.attribute("custom_call_target") or "").strip('"'), inst.attributes)
+            if name is not None and not self.runs.ran([name]):
+                tally.unmeasured[name][0] += 1
+                tally.unmeasured[name][1] = kind
         seconds = max(flops.total / rate, hbm / (self.gpu.hbm_bytes_per_s * self.eff.hbm))
         tally.busy_s[kind] += seconds
         return "compute", seconds
@@ -335,6 +364,23 @@ def kernel_flops(target: str, attributes: str, operand_dims: list, result_dims: 
         if (flops := call_flops(target, attributes, operand_dims, result_dims)) is not None:
             return flops, kind
     return None
+
+
+def gpu_kernel_name(target: str, attributes: str) -> str | None:
+    """The name of the jlong GPU kernel a custom call runs, from its target and attributes as the HLO text
+    prints them (a Pallas Triton kernel's name, or a Mosaic GPU kernel's, which jax's lowering puts in the
+    call's op_name); None for any other call."""
+    if target == gated_delta_mosaic.MOSAIC_CALL:  # every Mosaic GPU kernel's call
+        return next((name for name in GPU_KERNEL_NAMES if f"/{name}/" in (attributes or "")), None)
+    name = triton_kernel_name(target, attributes)
+    return name if name in GPU_KERNEL_NAMES else None
+
+
+def gpu_kernels_in(module: HloModule) -> set[str]:
+    """The names of the jlong GPU kernels a compiled program runs."""
+    return {name for computation in module.computations.values() for inst in computation.instructions
+            if inst.opcode == "custom-call" and (name := gpu_kernel_name(
+                (inst.attribute("custom_call_target") or "").strip('"'), inst.attributes)) is not None}
 
 
 def _kernel_flops(inst: Instruction, computation: Computation) -> tuple[float, str] | None:

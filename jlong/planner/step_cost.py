@@ -27,8 +27,12 @@ their trip counts. Each is priced on a roofline of the target GPU:
   report says so; a conditional costs its costliest branch (the ring
   kernel's block skipping is counted as if no block were skipped);
 - a custom call is priced when its kind is known (cuDNN attention, cuBLAS
-  gemms); any other (a Pallas or Triton kernel) is counted at its memory
-  traffic only, and the report names it with its calls and bytes.
+  gemms, jlong's own GPU kernels at their kinds' efficiencies); any other (a
+  Pallas or Triton kernel) is counted at its memory traffic only, and the
+  report names it with its calls and bytes;
+- one of jlong's GPU kernels that has never run on a GPU (no race recorded
+  for it: `jlong.kernel_runs`) is priced at a measured sibling's rate, and
+  the report names it: the estimate rests on a kernel nobody has timed.
 
 FLOPs are counted per device: a dot is 2 x output elements x contracted
 size; a cuDNN forward 4 x B x H x Sq x Skv x d, its backward 10 x (five
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jlong.kernel_runs import KernelRuns
 from jlong.planner.flops import model_flops_per_token
 from jlong.planner.hlo import HloModule
 from jlong.planner.memory import CompiledStep
@@ -75,6 +80,8 @@ class StepCost:
     kernels: float
     unknown_trip_loops: int
     unpriced_custom_calls: dict  # target -> {"calls", "bytes"}: kernels priced at their memory traffic only
+    # jlong's GPU kernels never run on a GPU -> {"calls", "priced_as"}: priced at a measured sibling's rate
+    unmeasured_kernels: dict
     efficiency: Efficiency
 
     @property
@@ -116,10 +123,11 @@ def cost_dict(cost: StepCost | None) -> dict:
 
 
 def estimate(module: HloModule, *, gpu: GpuModel, efficiency: Efficiency, node_of: list[int], tokens_per_step: int,
-             model_flops_per_device: float) -> StepCost:
+             model_flops_per_device: float, runs: KernelRuns | None = None) -> StepCost:
     """Prices a compiled program on `gpu`; `node_of[p]` is the node of the
-    device that runs partition p."""
-    tally = ScheduleWalk(module, Pricer(module, gpu, efficiency, node_of)).run(module.entry)
+    device that runs partition p; `runs` says which of jlong's GPU kernels
+    have run on a GPU (the committed record by default)."""
+    tally = ScheduleWalk(module, Pricer(module, gpu, efficiency, node_of, runs)).run(module.entry)
     time_by_kind = {key: value for key, value in tally.busy_s.items() if value}
     time_by_kind.update({f"waiting for {key}": value for key, value in tally.waited_s.items() if value})
     return StepCost(
@@ -139,6 +147,8 @@ def estimate(module: HloModule, *, gpu: GpuModel, efficiency: Efficiency, node_o
         unknown_trip_loops=tally.unknown_trip_loops,
         unpriced_custom_calls={target: {"calls": calls, "bytes": moved}
                                for target, (calls, moved) in sorted(tally.unpriced.items())},
+        unmeasured_kernels={name: {"calls": calls, "priced_as": kind}
+                            for name, (calls, kind) in sorted(tally.unmeasured.items())},
         efficiency=efficiency,
     )
 
