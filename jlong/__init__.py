@@ -1,7 +1,8 @@
 """jlong: long-context training of Llama- and Qwen-style transformers in JAX.
 
 For scripts and notebooks (docs/python.md): `jlong.load_config`,
-`jlong.plan`, `jlong.maxlen`, `jlong.train`, `jlong.evaluate`; models:
+`jlong.plan`, `jlong.maxlen`, `jlong.train`, `jlong.evaluate`,
+`jlong.generate`; models:
 `jlong.from_hf`, `jlong.to_hf`, `jlong.Transformer`; the program the loop
 runs and the planner compiles: `jlong.TrainProgram`.
 
@@ -22,6 +23,7 @@ _EXPORTS = {
     "maxlen": "jlong.api",
     "train": "jlong.api",
     "evaluate": "jlong.api",
+    "generate": "jlong.api",
     "from_hf": "jlong.hf",
     "to_hf": "jlong.hf",
     "ForwardOptions": "jlong.model.transformer",

@@ -146,6 +146,24 @@ def train(config: ConfigLike, overrides: Sequence[str] = (), *, until_step: int 
     return train_loop(resolved, until_step=until_step)
 
 
+def generate(config: ConfigLike, overrides: Sequence[str] = (), *, prompts: str | Path, out: str | Path | None = None,
+             checkpoint: str | Path | None = None, tokenizer: str | Path | None = None, max_new_tokens: int = 256,
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, num_samples: int = 1, seed: int = 0,
+             stop_ids: Sequence[int] = ()) -> list[dict]:
+    """`jlong generate`: one record per prompt of the `prompts` file and sample, in prompt order then sample
+    order (`completion_ids`, `logprobs`, `finish_reason`, ...), also written to `out` when given."""
+    from jlong.completions import GenerateRequest, checked_request, generate as run
+
+    request = GenerateRequest(
+        prompts=str(prompts), out=None if out is None else str(out), checkpoint=None if checkpoint is None else str(
+            checkpoint), tokenizer=None if tokenizer is None else str(tokenizer), max_new_tokens=max_new_tokens,
+        temperature=temperature, top_p=top_p, top_k=top_k, num_samples=num_samples, seed=seed,
+        stop_ids=tuple(stop_ids))
+    checked = checked_request(config_of(config, overrides, check_stages=False), request)
+    start_backends(cpu_devices=checked.config.mesh.size)
+    return run(checked, request, progress=False)
+
+
 def evaluate(config: ConfigLike, checkpoint: str | Path, overrides: Sequence[str] = ()) -> dict:
     """`jlong eval`: the loss by position on eval.path (or eval.mix) and passkey retrieval
     of a checkpoint (a jlong checkpoint directory or a Hugging Face one), on

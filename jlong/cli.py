@@ -1,4 +1,4 @@
-"""The `jlong` command line: train, eval, plan, maxlen, convert, verify, prepare.
+"""The `jlong` command line: train, eval, generate, plan, maxlen, convert, verify, prepare.
 
 Every user error ends as one line on stderr and exit status 2, before any
 compilation and without a traceback.
@@ -127,6 +127,39 @@ def build_parser() -> argparse.ArgumentParser:
         "searching for the longest length: each is planned once, and the fastest that fits both budgets wins",
     )
     maxlen.set_defaults(handler=_maxlen)
+
+    generate = commands.add_parser(
+        "generate", help="complete prompts with the model, on the config's mesh",
+        description="Completes each prompt of --prompts (JSON Lines: prompt_ids, or prompt as text or a conversation "
+        "rendered with the tokenizer's chat template) --num-samples times on the config's mesh: the prefill is the "
+        "training forward (the same attention method and kernels), decoding one token per sequence against caches "
+        "split as the sequence is. Writes one JSON line per prompt and sample to --out (index, sample, "
+        "prompt_tokens, completion_ids, logprobs, finish_reason, completion with a tokenizer, and the prompt's other "
+        "fields), as they come. A prompt plus --max-new-tokens must fit train.seq_len. Stops a sequence at the "
+        "checkpoint's eos_token_id (generation_config.json or config.json) and at each --stop-id.",
+    )
+    _config_arguments(generate)
+    generate.add_argument("--prompts", required=True, help="a JSON Lines file of prompts (Parquet or a datasets "
+                          "directory too)")
+    generate.add_argument("--out", required=True, help="the JSON Lines file to write (never written over)")
+    generate.add_argument("--checkpoint", help="weights: a jlong checkpoint or run directory (a LoRA run's adapters "
+                          "over its base), or a Hugging Face directory; default: the config's (model.hf_path, "
+                          "train.init_from, or a preset's random start)")
+    generate.add_argument("--tokenizer", help="a tokenizer directory (or tokenizer.json): text prompts, "
+                          "conversations, and the completions' text")
+    generate.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per completion at most "
+                          "(default: 256)")
+    generate.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default: 1)")
+    generate.add_argument("--top-p", type=float, default=1.0, help="keep the most likely tokens whose probability "
+                          "reaches p (default: 1, all)")
+    generate.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: 0, all)")
+    generate.add_argument("--num-samples", type=int, default=1, help="completions per prompt, sharing its prefill "
+                          "(default: 1)")
+    generate.add_argument("--seed", type=int, default=0, help="the draws' seed: the same seed gives the same "
+                          "samples on any mesh (default: 0)")
+    generate.add_argument("--stop-id", type=int, action="append", default=[], dest="stop_ids",
+                          help="a token id that ends a completion (repeatable), besides the checkpoint's eos ids")
+    generate.set_defaults(handler=_generate)
 
     convert = commands.add_parser(
         "convert", help="Hugging Face checkpoint <-> jlong parameters; a LoRA run's adapters -> PEFT",
@@ -324,6 +357,21 @@ def _eval(args) -> int:
             print(f"wrote {path}")
         if earlier:
             print(earlier)
+    return 0
+
+
+def _generate(args) -> int:
+    from jlong.completions import GenerateRequest, checked_request, generate
+    from jlong.config import load_config
+
+    request = GenerateRequest(
+        prompts=args.prompts, out=args.out, checkpoint=args.checkpoint, tokenizer=args.tokenizer,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        num_samples=args.num_samples, seed=args.seed, stop_ids=tuple(args.stop_ids))
+    checked = checked_request(load_config(args.config, args.overrides, check_stages=False), request)
+    start_backends(cpu_devices=checked.config.mesh.size)
+    records = generate(checked, request)
+    print(f"wrote {len(records):,} completions to {args.out}")
     return 0
 
 

@@ -48,3 +48,21 @@ def _note(config_path: Path, what: str) -> None:
     if (str(config_path), what) not in _noted:
         _noted.add((str(config_path), what))
         print(f"jlong: {config_path}: {what}", file=sys.stderr)
+
+
+def hf_stop_ids(path: str | Path) -> tuple[int, ...]:
+    """The end-of-sequence ids generation stops at, as transformers' `generate` takes them: the checkpoint's
+    generation_config.json `eos_token_id` (one id or a list), else its config.json's (an image-text
+    checkpoint's text model's too); () where neither names one."""
+    for name in ("generation_config.json", "config.json"):
+        file = Path(path) / name
+        if not file.is_file():
+            continue
+        try:
+            found = json.loads(file.read_text())
+        except json.JSONDecodeError as err:
+            raise JlongError(f"cannot parse {file}: {err.msg} at line {err.lineno}") from None
+        eos = found.get("eos_token_id", (found.get("text_config") or {}).get("eos_token_id"))
+        if eos is not None:
+            return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return ()

@@ -80,6 +80,61 @@ def rows(source: Path, fields: tuple[str, ...], hint: str) -> Iterator[tuple[tup
         raise JlongError(f"{str(source)!r} holds no records: give JSON Lines, Parquet or a 'datasets' directory")
 
 
+def whole_records(source: Path) -> Iterator[tuple[dict, str]]:
+    """(every field of a record, where it was read) of each record of a JSON
+    Lines, Parquet or `datasets` source (a file or a datasets directory), in order."""
+    if source.is_dir():
+        if not _is_saved_dataset(source):
+            raise JlongError(f"{str(source)!r} is a directory but no 'datasets' directory (save_to_disk)")
+        columns = _saved_dataset_columns(source)
+    elif source.suffix in PARQUET:
+        import pyarrow.parquet as pq
+
+        try:
+            columns = pq.ParquetFile(source).schema_arrow.names
+        except Exception as err:  # pyarrow's errors for a file that is not Parquet
+            raise JlongError(f"cannot read {str(source)!r} as Parquet ({err})") from None
+    elif source.suffix in JSON_LINES:
+        yield from _json_lines_whole(source)
+        return
+    elif not source.exists():
+        raise JlongError(f"{str(source)!r} does not exist")
+    else:
+        raise JlongError(f"{str(source)!r} holds no records: give JSON Lines (.jsonl), Parquet or a 'datasets' "
+                         "directory")
+    for values, where in rows(source, tuple(columns), ""):
+        yield dict(zip(columns, values)), where
+
+
+def _json_lines_whole(path: Path) -> Iterator[tuple[dict, str]]:
+    try:
+        with path.open(encoding="utf-8", errors="replace") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                where = f"{str(path)!r} line {number}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise JlongError(f"{where} is not JSON ({err.msg})") from None
+                if not isinstance(record, dict):
+                    raise JlongError(f"{where} is not a JSON object")
+                yield record, where
+    except OSError as err:
+        raise JlongError(f"cannot read {str(path)!r}: {err.strerror or err}") from None
+
+
+def _saved_dataset_columns(path: Path) -> list[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise JlongError(f"{str(path)!r} is a 'datasets' directory: pip install datasets") from None
+    try:
+        return datasets.load_from_disk(str(path)).column_names
+    except Exception as err:  # datasets raises several kinds for a damaged directory
+        raise JlongError(f"cannot load {str(path)!r} with datasets.load_from_disk ({err})") from None
+
+
 def _is_saved_dataset(path: Path) -> bool:
     return (path / "dataset_info.json").is_file() or (path / "state.json").is_file()
 

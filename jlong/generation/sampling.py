@@ -49,9 +49,14 @@ class SamplingSettings:
 
 def row_keys(seed: int, prompt_indices, sample_indices) -> np.ndarray:
     """[R, 2] uint32: each sequence's key, from the seed, its prompt's index and its sample's."""
-    base = jax.random.PRNGKey(seed)
-    keys = [jax.random.fold_in(jax.random.fold_in(base, int(p)), int(s)) for p, s in zip(prompt_indices, sample_indices)]
-    return np.asarray(jnp.stack(keys), np.uint32)
+    keys = _row_keys(jax.random.PRNGKey(seed), np.asarray(prompt_indices, np.uint32),
+                     np.asarray(sample_indices, np.uint32))
+    return np.asarray(keys, np.uint32)
+
+
+@jax.jit
+def _row_keys(base, prompts, samples):
+    return jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(base, p), s))(prompts, samples)
 
 
 def allowed_logits(logits_RV, settings: dict):
