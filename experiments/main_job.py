@@ -27,9 +27,9 @@ from common import ROOT, invocation, machine, publish, today  # noqa: E402
 TRAINED = re.compile(r"trained steps 1-(\d+) of \d+ in ([\d.,]+) s")
 
 
-def readme_command() -> str:
-    """The first bash block of the README's "Two commands on a fresh machine"."""
-    text = (ROOT / "README.md").read_text()
+def readme_command(clone: Path) -> str:
+    """The first bash block of the clone's README, under "Two commands on a fresh machine"."""
+    text = (clone / "README.md").read_text()
     section = text[text.index("## Two commands on a fresh machine"):]
     return re.search(r"```bash\n(.+?)\n```", section, re.DOTALL).group(1).strip()
 
@@ -37,13 +37,13 @@ def readme_command() -> str:
 def main(argv=None) -> int:
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
                           check=True).stdout.strip()
-    command = readme_command()
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         clone = Path(tmp) / "jlong"
         started = time.perf_counter()
         subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(ROOT), str(clone)], check=True)
         subprocess.run(["git", "checkout", "--quiet", head], cwd=clone, check=True)
+        command = readme_command(clone)
         env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "XLA_FLAGS")}
         run = subprocess.run(["bash", "-c", command], cwd=clone, env=env, capture_output=True, text=True)
         seconds = time.perf_counter() - started
