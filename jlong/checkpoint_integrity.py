@@ -66,7 +66,7 @@ def record_files(step_dir: Path, process: int, process_count: int) -> None:
     """Lists the size and CRC-32 of each file `process` wrote into `step_dir`."""
     names = [f.relative_to(step_dir) for f in sorted(step_dir.rglob("*")) if f.is_file()]
     mine = [n for n in names if not n.name.startswith("jlong_files") and writer_of(n, process_count) == process]
-    sums = _checksums([step_dir / n for n in mine])
+    sums = checksums([step_dir / n for n in mine])
     files = {str(n): [(step_dir / n).stat().st_size, crc] for n, crc in zip(mine, sums)}
     listed = {"checksum": "crc32", "files": files}
     if process == 0:
@@ -80,6 +80,21 @@ def has_checksums(step_dir: Path) -> bool:
         return "checksum" in json.loads((step_dir / FILE_LIST).read_text())
     except (OSError, ValueError):
         return False
+
+
+def listed_files(step_dir: Path) -> dict[str, list] | None:
+    """Every file the step's processes listed, with its size and CRC-32 when
+    written (None: the step has no complete lists with checksums)."""
+    try:
+        first = _read_list(step_dir, 0)
+        if "checksum" not in first:
+            return None
+        files = dict(first["files"])
+        for writer in range(1, first["processes"]):
+            files.update(_read_list(step_dir, writer)["files"])
+    except (OSError, ValueError):
+        return None
+    return files
 
 
 def find_damage(step_dir: Path, reader: int = 0, readers: int = 1) -> str | None:
@@ -166,7 +181,7 @@ def _size_damage(step_dir: Path, files: dict) -> str | None:
 
 def _checksum_damage(step_dir: Path, files: dict) -> str | None:
     names = list(files)
-    for name, now in zip(names, _checksums([step_dir / n for n in names], _crc32_or_error)):
+    for name, now in zip(names, checksums([step_dir / n for n in names], _crc32_or_error)):
         if isinstance(now, OSError):
             return f"{name} cannot be read ({now.strerror or now})"
         if now != files[name][1]:
@@ -189,7 +204,7 @@ def _crc32_or_error(path: Path) -> str | OSError:
         return err
 
 
-def _checksums(paths: list[Path], checksum=_crc32) -> list:
+def checksums(paths: list[Path], checksum=_crc32) -> list:
     """`checksum` of each file (the CRC-32 as 8 hex digits), several files at a time."""
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         return list(pool.map(checksum, paths))

@@ -5,6 +5,7 @@ with full fine-tuning (reference log-probabilities in the batch) and with
 LoRA (the base with the adapters off, in the same step)."""
 
 import math
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -175,25 +176,41 @@ def _dpo_run(tmp_path, data, *overrides):
                       "train.lr=1e-3", *overrides)
 
 
-def test_full_fine_tuning_computes_its_reference_once_and_starts_at_log_2(tmp_path, preference_file):
+def test_full_fine_tuning_computes_its_reference_once_and_starts_at_log_2(tmp_path, preference_file, capsys):
     """The initial model's log-probabilities are computed before step 1 and
     kept beside the pairs: step 1's loss is log 2 (the policy is the
-    reference), a second run reads them, a run of another model is refused."""
-    from jlong.errors import JlongError
-    from jlong.training.loop import train
-    from jlong.eval.preference import cache_path
+    reference), and a second run reads them. The same file prepared again
+    at the same path, chosen and rejected swapped, gets its own reference
+    (the key holds the arrays' digest): log 2 again, not the stale values."""
+    from test_preference_data import _jsonl, string_pairs
 
-    records = train(_dpo_run(tmp_path / "first", preference_file))
+    from jlong.data.prepare import prepare
+    from jlong.data.reference_cache import cache_path
+    from jlong.training.loop import train
+
+    data = tmp_path / "pairs.npy"
+    for prepared in preference_file.parent.glob("pairs.*"):
+        if prepared != cache_path(preference_file):
+            shutil.copy(prepared, tmp_path / prepared.name)
+    records = train(_dpo_run(tmp_path / "first", data))
     np.testing.assert_allclose(records[0]["loss"], math.log(2), rtol=1e-5)
     assert abs(records[0]["rewards/margins"]) < 1e-5 and records[0]["pairs"] > 0
-    config = _dpo_run(tmp_path / "second", preference_file)
-    cache = cache_path(config.data.path)
-    assert cache.is_file()
+    cache = cache_path(data)
     before = cache.read_bytes()
-    again = train(config)
+    again = train(_dpo_run(tmp_path / "second", data))
     assert [r["loss"] for r in again] == [r["loss"] for r in records] and cache.read_bytes() == before
-    with pytest.raises(JlongError, match="holds the reference log-probabilities of another model or file"):
-        train(_dpo_run(tmp_path / "third", preference_file, "model.hidden_size=32"))
+
+    for prepared in tmp_path.glob("pairs.*"):  # prepared again: prepare never writes over a corpus
+        if prepared != cache:
+            prepared.unlink()
+    swapped = [{**r, "chosen": r["rejected"], "rejected": r["chosen"]} for r in string_pairs(40, words=(2, 6))]
+    prepare(str(data), [str(_jsonl(tmp_path / "swapped.jsonl", swapped))],
+            tokenizer_path=str(preference_file.parent / "tokenizer"), preference=True)
+    capsys.readouterr()
+    records = train(_dpo_run(tmp_path / "third", data))
+    assert "holds the reference log-probabilities of other data: this run computes its own" in capsys.readouterr().out
+    np.testing.assert_allclose(records[0]["loss"], math.log(2), rtol=1e-5)
+    assert abs(records[0]["rewards/margins"]) < 1e-5 and all(math.isfinite(r["loss"]) for r in records)
 
 
 def test_jlong_eval_reports_trls_metrics_on_held_out_pairs(tmp_path, preference_file):

@@ -66,13 +66,26 @@ class PreferencePairs(RowSampler):
     def epoch(self, number: int) -> tuple[np.ndarray, np.ndarray]:
         """Pass `number`: its pairs in order, and where each of its rows starts in that order (then the end)."""
         order = self.kept[np.random.default_rng([self.seed, number, _ORDER_STREAM]).permutation(len(self.kept))]
+        return order, self._row_starts(order)
+
+    def _row_starts(self, order: np.ndarray) -> np.ndarray:
+        """Where each row starts in `order` (then its end): the next pairs while they fit whole, at most
+        most_pairs of them."""
         ends = np.concatenate([[0], np.cumsum(self.lengths[order])])
         firsts, first = [0], 0
-        while first < len(order):  # the next pairs while they fit whole, at most most_pairs of them
+        while first < len(order):
             last = int(np.searchsorted(ends, ends[first] + self.width, side="right")) - 1
             first = min(last, first + self.most_pairs)
             firsts.append(first)
-        return order, np.asarray(firsts, np.int64)
+        return np.asarray(firsts, np.int64)
+
+    def rows_of_pairs(self, pairs: np.ndarray) -> list[np.ndarray]:
+        """Some of the pairs that fit a row, packed into rows as a pass packs them, in the first pass's
+        order: each row's pairs (all the kept pairs: the first pass's rows)."""
+        first_pass = self.epoch(0)[0]
+        order = first_pass[np.isin(first_pass, pairs)]
+        firsts = self._row_starts(order)
+        return [order[a:b] for a, b in zip(firsts[:-1], firsts[1:])]
 
     def rows_per_epoch(self, number: int) -> int:
         return len(self.epoch(number)[1]) - 1
@@ -92,22 +105,36 @@ class PreferencePairs(RowSampler):
 
     def spans(self, i: int) -> list[tuple[int, int]]:
         """The row's pairs' spans of the tokens (padding follows them)."""
-        return [(int(self.starts[p]), int(self.starts[p] + self.lengths[p])) for p in self.pairs_of(i)]
+        return self._spans(self.pairs_of(i))
 
-    def _padding(self, i: int) -> int:
-        return self.width - sum(b - a for a, b in self.spans(i))
+    def _spans(self, pairs: np.ndarray) -> list[tuple[int, int]]:
+        return [(int(self.starts[p]), int(self.starts[p] + self.lengths[p])) for p in pairs]
+
+    def _padding(self, pairs: np.ndarray) -> int:
+        return self.width - int(self.lengths[pairs].sum())
 
     def row(self, i: int) -> np.ndarray:
-        return np.concatenate([super().row(i), np.full(self._padding(i), self.pad_id, np.int32)])
+        return self.row_of(self.pairs_of(i))
+
+    def row_of(self, pairs: np.ndarray) -> np.ndarray:
+        """[S + 1] the ids of a row of `pairs` (in that order), then padding."""
+        ids = [np.asarray(self.tokens[a:b], np.int32) for a, b in self._spans(pairs)]
+        return np.concatenate([*ids, np.full(self._padding(pairs), self.pad_id, np.int32)])
 
     def trained_row(self, i: int) -> np.ndarray:
-        return np.concatenate([super().trained_row(i), np.zeros(self._padding(i), bool)])
+        pairs = self.pairs_of(i)
+        trained = [self.tokens.trained(slice(a, b)) for a, b in self._spans(pairs)]
+        return np.concatenate([*trained, np.zeros(self._padding(pairs), bool)])
 
     def slot_row(self, i: int) -> np.ndarray:
-        """[S + 1] each id's completion slot: 2p (chosen) or 2p + 1 (rejected) of the row's p-th pair, else -1."""
+        return self.slot_row_of(self.pairs_of(i))
+
+    def slot_row_of(self, pairs: np.ndarray) -> np.ndarray:
+        """[S + 1] each id's completion slot in a row of `pairs`: 2p (chosen) or 2p + 1 (rejected) of its p-th
+        pair, else -1."""
         slots = np.full(self.width, -1, np.int32)
         filled = 0
-        for p, pair in enumerate(self.pairs_of(i)):
+        for p, pair in enumerate(pairs):
             start, rejected, length = (int(a[pair]) for a in (self.starts, self.rejected, self.lengths))
             trained = self.tokens.trained(slice(start, start + length))
             which = np.where(np.arange(start, start + length) < rejected, 2 * p, 2 * p + 1)

@@ -18,7 +18,7 @@ from jlong.data.sources import TokenFile, document_structure
 from jlong.errors import JlongError
 from jlong.eval import passkey
 from jlong.eval.positions import loss_by_position
-from jlong.eval.preference import held_out_metrics
+from jlong.eval.preference import held_out_metrics, held_out_reference
 from jlong.attention.methods import method_of
 from jlong.planner.memory_choice import frugal
 from jlong.program.train_program import TrainProgram
@@ -235,13 +235,16 @@ def evaluate(config: Config, checkpoint: str, mesh, inputs: tuple | None = None)
     (`inputs`: what `eval_inputs` gave, when the caller checked them first)."""
     held, made = inputs or eval_inputs(config)
     program = TrainProgram(config, mesh)
+    preference = config.train.objective == "dpo" and config.eval.path  # held-out preference pairs, TRL's metrics
+    # Full fine-tuning's reference before the checkpoint's weights: computing it reads the starting weights.
+    reference = held_out_reference(program, say=lambda _: None) if preference and not program.lora else None
     params, step = load_params(program, checkpoint)
     evaluator = Evaluator(program)
     result = {"checkpoint": str(checkpoint), "step": step, "seq_len": config.train.seq_len}
+    if preference:
+        result["preference"] = held_out_metrics(program, params, reference)
     if held is not None:
         result.update(position_losses(evaluator, params, held))
-    if config.train.objective == "dpo" and config.eval.path:  # held-out preference pairs, TRL's metrics
-        result["preference"] = held_out_metrics(program, params, say=lambda _: None)
     result["passkey"] = passkey_accuracy(evaluator, params, made)
     result["not_evaluated"] = not_evaluated(config)
     return result

@@ -32,7 +32,7 @@ from jlong.program.initial_weights import InitialWeights, check_init_from, load_
 from jlong.training.metric_sinks import check_available
 from jlong.program.optimizer import learning_rate
 from jlong.training.preemption import StopRequests
-from jlong.eval.preference import reference_logps
+from jlong.eval.preference import from_starting_weights, reference_logps
 from jlong.program.train_program import TrainProgram
 from jlong.training.progress import Progress
 from jlong.training.report import nothing_to_do, summary
@@ -186,12 +186,12 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
                               run_record=config_to_dict(config)) if config.checkpoint.dir else None
     stops = stop_requests or StopRequests.installed()
     try:
+        if config.train.objective == "dpo":  # before any weights are on the devices: no second copy for the reference
+            _use_dpo_reference([(each.config, inputs[each.number][0]) for each in stages])
         run = start(stage.config, make_mesh(stage.config.mesh), checkpoints, last, initial, staged=staged)
         if run.step >= last:
             _say(nothing_to_do(config, run.step, until_step))
             return []
-        if config.train.objective == "dpo":
-            _use_dpo_reference(run, [(each.config.data.path, inputs[each.number][0]) for each in stages])
         if run_dir:
             for line in run_dir.start(resumed_at=run.step):
                 _say(line)
@@ -237,17 +237,20 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
             checkpoints.close()
 
 
-def _use_dpo_reference(run: Started, stage_data: list[tuple[object, Batches]]) -> None:
+def _use_dpo_reference(stage_data: list[tuple[Config, Batches]]) -> None:
     """Says which reference a DPO run uses; with full fine-tuning, gives each
-    stage's batches (of its data.path) their pairs' reference log-probabilities, computed once."""
-    for path, batches in stage_data:
-        _say(describe_pairs(batches.source, path))  # how many pairs fill the rows, and how many are skipped
-    if not run.program.reference_in_batch:
+    stage's batches (of its data.path) their pairs' reference log-probabilities,
+    read from the cache beside the file or computed with the starting weights.
+    The longest rows go first: the pairs they compute serve shorter rows too."""
+    for config, batches in stage_data:
+        _say(describe_pairs(batches.source, config.data.path))  # how many pairs fill the rows, and how many are skipped
+    if stage_data[0][0].lora:
         _say("DPO's reference: the base model, the adapters off, in the same step (no second copy)")
         return
-    initial = run.params if run.step == 0 else None  # the initial weights are run.params only before step 1
-    for path, batches in stage_data:
-        batches.use_reference(reference_logps(run.program, batches.source, path, initial, _say))
+    for config, batches in sorted(stage_data, key=lambda each: -each[0].train.seq_len):
+        source = batches.source
+        batches.use_reference(reference_logps(config, source, config.data.path, from_starting_weights(config, source),
+                                              _say))
 
 
 def routing_watch(config: Config) -> RoutingWatch | None:
