@@ -29,6 +29,7 @@ import io
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -191,14 +192,22 @@ class Checkpoints:
     def meta(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
-    def restore(self, step: int, abstract_params, abstract_opt_state=None):
+    def restore(self, step: int, abstract_params, abstract_opt_state=None, say: Callable[[str], None] | None = None):
         """(params, opt_state) of step `step`, refused in one line when a file
-        of it changed after it was written (checked before anything is read)."""
+        of it changed after it was written (checked before anything is read);
+        a step whose files were never listed is said through `say` (by
+        default on stderr) and read unchecked."""
         damage = self._damage(step)
         if damage:
             raise JlongError(f"checkpoint step {step} in {str(self.directory)!r} is damaged ({damage}); nothing was "
                              f"read from it ('jlong verify {self.directory}' checks every step)")
+        if not has_checksums(self.directory / str(step)):
+            (say or stderr_note)(self._unchecked(step))
         return self._restore(step, abstract_params, abstract_opt_state)
+
+    def _unchecked(self, step: int) -> str:
+        return (f"checkpoint step {step} in {str(self.directory)!r} has no checksums of its files (written before "
+                "jlong kept them, or its save was cut short): restored without checking its bytes")
 
     def _restore(self, step: int, abstract_params, abstract_opt_state=None):
         items = {"params": ocp.args.StandardRestore(abstract_params)}
@@ -222,8 +231,7 @@ class Checkpoints:
             if isinstance(restored, tuple):
                 self._say_set_aside(set_aside, f"resuming from step {step}", say)
                 if not has_checksums(self.directory / str(step)):
-                    say(f"checkpoint step {step} in {str(self.directory)!r} has no checksums of its files (written "
-                        "before jlong kept them, or its save was cut short): restored without checking its bytes")
+                    say(self._unchecked(step))
                 if note := self.failed_save_note(step):
                     say(note)
                 return step, *restored
@@ -297,6 +305,14 @@ class Checkpoints:
     def close(self):
         if not self.failed:  # after a failed write, closing would wait on writer threads that went wrong
             self.manager.close()
+
+
+def stderr_note(text: str) -> None:
+    """A note on stderr, from the first process."""
+    import jax
+
+    if jax.process_index() == 0:
+        print(f"jlong: note: {text}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -431,7 +447,7 @@ def convert(source: str | Path, destination: str | Path, *, param_dtype: str = "
     # Whole on this process's first device, whatever mesh wrote the checkpoint.
     here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), nnx.to_pure_dict(state))
-    params, _ = checkpoints.restore(step, shapes)
+    params, _ = checkpoints.restore(step, shapes, say=say)
     nnx.replace_by_pure_dict(state, params)
     to_hf(nnx.merge(graphdef, state), destination)
     checkpoints.close()
@@ -466,7 +482,7 @@ def _convert_lora(checkpoints: Checkpoints, step: int, meta: dict, model: ModelC
     if merge and not (Path(hf_path) / "config.json").is_file():
         raise JlongError(f"--merge: the base of {where}, model.hf_path {str(hf_path)!r}, is not a Hugging Face "
                          "checkpoint (no config.json there); restore it, or convert without --merge")
-    adapters = _restored_adapters(checkpoints, step, model, lora)
+    adapters = _restored_adapters(checkpoints, step, model, lora, say)
     if not merge:
         written = peft_format.write_adapters(destination, adapters, model, lora, hf_path, param_dtype)
         if note := peft_format.peft_caveat(model, lora):
@@ -484,7 +500,8 @@ def _convert_lora(checkpoints: Checkpoints, step: int, meta: dict, model: ModelC
     return sorted(destination.iterdir())
 
 
-def _restored_adapters(checkpoints: Checkpoints, step: int, model: ModelConfig, lora) -> dict[str, np.ndarray]:
+def _restored_adapters(checkpoints: Checkpoints, step: int, model: ModelConfig, lora,
+                       say: Callable[[str], None]) -> dict[str, np.ndarray]:
     """A LoRA run's adapters, {name: float32 array}, checked against what its meta says they adapt."""
     import jax
 
@@ -503,5 +520,5 @@ def _restored_adapters(checkpoints: Checkpoints, step: int, model: ModelConfig, 
     abstract = {"layers": {path.removeprefix("layers/"): jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype),
                                                                               sharding=here)
                            for path, (shape, dtype) in saved.items()}}
-    params, _ = checkpoints.restore(step, abstract)
+    params, _ = checkpoints.restore(step, abstract, say=say)
     return {name: np.asarray(value, np.float32) for name, value in params["layers"].items()}

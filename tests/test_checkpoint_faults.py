@@ -131,6 +131,26 @@ def test_a_checkpoint_from_before_checksums_restores_and_says_so_once(tmp_path, 
 
 
 @pytest.mark.fast
+def test_restoring_a_step_without_a_file_list_says_so(tmp_path, capsys):
+    """What convert, train.init_from and eval read (`Checkpoints.restore`), as a resume does: a step
+    whose files were never listed reads unchecked, and says it, on stderr unless told where."""
+    model = small_config().model
+    checkpoints = Checkpoints(tmp_path)
+    checkpoints.save(3, {"w": jnp.arange(4.0)}, model=model)
+    (tmp_path / "3" / FILE_LIST).unlink()
+    abstract = {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}
+    said = []
+    params, _ = checkpoints.restore(3, abstract, say=said.append)
+    assert said == [f"checkpoint step 3 in {str(tmp_path)!r} has no checksums of its files (written before jlong "
+                    "kept them, or its save was cut short): restored without checking its bytes"]
+    assert jnp.array_equal(params["w"], jnp.arange(4.0))
+    capsys.readouterr()
+    checkpoints.restore(3, abstract)
+    assert capsys.readouterr().err == f"jlong: note: {said[0]}\n"
+    checkpoints.close()
+
+
+@pytest.mark.fast
 def test_a_save_that_fails_in_jlong_says_so_cleans_up_and_is_recalled_by_the_next_run(tmp_path):
     """A zero-size array, which orbax refuses to write: not the disk's
     fault, so no advice to free space; the temporary step is removed, and
