@@ -103,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print one JSON object (bytes)")
     plan.add_argument("--eval", action="store_true", help="plan the eval program (the forward pass of jlong eval and "
                       "train.eval_every) instead of the train step; memory only, no step cost")
+    plan.add_argument("--generate", action="store_true", help="plan generation (jlong generate) instead of the train "
+                      "step: the caches' bytes per device, the prefill's and a decode call's peaks, their estimated "
+                      "times on GPU targets, and the longest prompt that fits")
+    plan.add_argument("--prompt-tokens", type=int, help="with --generate: each prompt's tokens (default: half of "
+                      "train.seq_len)")
+    plan.add_argument("--new-tokens", type=int, default=256, help="with --generate: new tokens per prompt (default: "
+                      "256)")
+    plan.add_argument("--batch", type=int, default=1, help="with --generate: prompts generated together "
+                          "(default: 1)")
     plan.set_defaults(handler=_plan)
 
     maxlen = commands.add_parser(
@@ -385,6 +394,8 @@ def _plan(args) -> int:
     config = load_config(args.config, args.overrides)
     efficiency = _efficiency(args)
     target = _plan_target(config, args)
+    if args.generate:
+        return _plan_generation(config, target, efficiency, args)
     stages = stage_runs(config)
     say = _progress(args.json)
     planned = []
@@ -423,6 +434,28 @@ def _plan(args) -> int:
 
         sys.stdout.flush()
         raise over_budget_error(result, stage.config)
+    return 0
+
+
+def _plan_generation(config, target, efficiency, args) -> int:
+    import json
+
+    from jlong.planner.generation import format_generation_plan, plan_generation
+    from jlong.planner.memory_choice import frugal
+
+    config = frugal(config)  # nothing is kept for a backward pass
+    prompt_tokens = args.prompt_tokens or config.train.seq_len // 2
+    say = _progress(args.json)
+    say(f"compiling the prefill and a decode call for {config.mesh.size} devices, {prompt_tokens:,}-token prompts, "
+        f"with {target.compiler()}, then two more lengths for the longest prompt ...")
+    planned = plan_generation(config, target, prompt_tokens=prompt_tokens, new_tokens=args.new_tokens,
+                              batch=args.batch, efficiency=efficiency)
+    print(json.dumps(planned.as_dict()) if args.json else format_generation_plan(planned, config))
+    if not planned.fits:
+        sys.stdout.flush()
+        raise JlongError(f"generation needs {planned.device_total / 2**30:.2f} GiB per device, over the budget of "
+                         f"{planned.budget / 2**30:.2f} GiB: shorter prompts, fewer at a time, or more devices "
+                         "(mesh.sp)")
     return 0
 
 

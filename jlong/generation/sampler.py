@@ -83,7 +83,8 @@ class Sampler:
             program.options, shards=MeshShards(self.mesh, whole=("seq",)), remat="none", remat_segments=(),
             layers_per_checkpoint=1, mlp_tile=0, loss_tile=0)
         self._prefill: dict[int, Callable] = {}
-        self._decode = jax.jit(self._decode_steps, static_argnums=(2, 3), donate_argnums=(1,))
+        # (parameters, state, steps, samples per prompt) -> the state `steps` tokens on, updated in place
+        self.decode = jax.jit(self._decode_steps, static_argnums=(2, 3), donate_argnums=(1,))
 
     # -- lengths
 
@@ -132,11 +133,11 @@ class Sampler:
         prompts = prompts + [[0]] * filler
         P = self.padded_length(max(len(p) for p in prompts), request.max_new_tokens)
         batch = PromptBatch.of(prompts, P)
-        caches, logits = self._prefill_program(P)(params, self._placed(batch.arrays()))
+        caches, logits = self.prefill_program(P)(params, self._placed(batch.arrays()))
         state = self._start(batch, caches, logits, request, indices + [0] * filler, active=count)
         steps, told = 0, 0
         while steps < request.max_new_tokens:
-            state = self._decode(params, state, STEPS_PER_CALL, N)
+            state = self.decode(params, state, STEPS_PER_CALL, N)
             steps += STEPS_PER_CALL
             done = np.asarray(jax.device_get(state["done"]))
             if on_tokens:
@@ -163,7 +164,9 @@ class Sampler:
 
     # -- the prefill
 
-    def _prefill_program(self, P: int):
+    def prefill_program(self, P: int):
+        """The jitted prefill of batches of padded length P: (parameters, the batch's arrays in the model's
+        layout) -> (each layer type's caches, each prompt's next-token logits [B, V])."""
         if P not in self._prefill:
             at_length = with_values(self.config, train={"seq_len": P})
             options = ForwardOptions.for_training(at_length, MeshShards(self.mesh), self.mesh.devices.flat[0].platform)
@@ -188,43 +191,65 @@ class Sampler:
     # -- the decode state
 
     def _start(self, batch: PromptBatch, caches: dict, logits, request: Request, indices: list[int], active: int):
-        """The decode loop's state after the prefill: the caches (the prompt's, and empty slots for the new
-        tokens; per-sample copies where the samples' paths part), each row's next position, its key."""
+        """The decode loop's state after the prefill, placed on the mesh."""
+        rows = self.host_rows(batch, request, indices, active)
+        shardings = self.state_shardings(jax.eval_shape(self.initial_state, caches, logits, rows))
+        return jax.jit(self.initial_state, out_shardings=shardings, donate_argnums=(0,))(caches, logits, rows)
+
+    def host_rows(self, batch: PromptBatch, request: Request, indices: list[int], active: int) -> dict:
+        """What the decode state takes from the host: per row (prompt x sample) its key, position and whether it
+        is a filler, the request's settings, and the slot positions of the prompt cache."""
         N, B = request.num_samples, len(indices)
         R, M = B * N, self.new_slots(request.max_new_tokens)
         rows = lambda x: np.repeat(x, N, axis=0)  # noqa: E731  [B, ...] -> [R, ...], sample-minor
         slot_positions = batch.slot_positions()
-        state = {
-            "logits": jnp.repeat(logits, N, axis=0),
+        return {
             "keys": row_keys(request.seed, rows(np.asarray(indices)), np.tile(np.arange(N), B)),
             "position": rows(batch.lengths),
             "done": rows(np.arange(B) >= active),
-            "made": np.zeros(R, np.int32),
-            "step": np.int32(0),
             "max_new": np.int32(request.max_new_tokens),
             "padded_length": np.int32(batch.padded_length),
             "stop_ids": np.asarray(request.stop_ids or (-1,), np.int32),
-            "tokens": np.zeros((R, M), np.int32),
-            "logprobs": np.zeros((R, M), np.float32),
             "settings": request.settings.as_arrays(),
+            "new_positions": np.full((R, M), -1, np.int32),
+            "prompt_positions": self.layout.lay_out(slot_positions),
+            "window_positions": {window: rows(window_slot_positions(slot_positions, window))
+                                 for window in sorted(self.family.windows(self.config.model))},
+        }
+
+    def initial_state(self, caches: dict, logits, rows: dict) -> dict:
+        """The decode loop's state after the prefill: the caches (the prompt's, and empty slots for the new
+        tokens; per-sample copies where the samples' paths part), each row's next logits, key and position."""
+        R, M = rows["new_positions"].shape
+        N = R // logits.shape[0]
+        state = {
+            "logits": jnp.repeat(logits, N, axis=0),
+            "made": jnp.zeros(R, jnp.int32),
+            "step": jnp.int32(0),
+            "tokens": jnp.zeros((R, M), jnp.int32),
+            "logprobs": jnp.zeros((R, M), jnp.float32),
             "caches": {},
-            "positions": {"new": np.full((R, M), -1, np.int32)},
+            "positions": {"new": rows["new_positions"]},
+            **{key: rows[key] for key in ("keys", "position", "done", "max_new", "padded_length", "stop_ids",
+                                          "settings")},
         }
         for kind, written in caches.items():
             if kind == LINEAR_ATTENTION:  # [layers, stages, B, ...] -> per sample
                 state["caches"].update({f"{kind}/{name}": jnp.repeat(a, N, axis=2) for name, a in written.items()})
             elif window := self.family.attention_window(self.config.model, kind):
                 state["caches"].update({f"{kind}/{name}": jnp.repeat(a, N, axis=1) for name, a in written.items()})
-                state["positions"][f"window{window}"] = rows(window_slot_positions(slot_positions, window))
+                state["positions"][f"window{window}"] = rows["window_positions"][window]
             else:
                 L, _, _, K, d = written["k"].shape
                 state["caches"].update({f"{kind}/{name}": written[name] for name in ("k", "v")})
-                state["caches"].update({f"{kind}/new_{name}": np.zeros((L, R, M, K, d), written[name].dtype)
+                state["caches"].update({f"{kind}/new_{name}": jnp.zeros((L, R, M, K, d), written[name].dtype)
                                         for name in ("k", "v")})
-                state["positions"]["prompt"] = self.layout.lay_out(slot_positions)
-        return jax.device_put(state, self._state_shardings(state))
+                state["positions"]["prompt"] = rows["prompt_positions"]
+        return state
 
-    def _state_shardings(self, state: dict):
+    def state_shardings(self, state: dict):
+        """Where each entry of a decode state lives: caches split as the sequence is (a window's and a linear
+        layer's as the prefill left them), rows over data x fsdp, settings whole."""
         mesh = self.mesh
 
         def of(axes):
