@@ -45,6 +45,9 @@ from jlong.errors import JlongError, RunFailure
 from jlong.files import free_name, write_atomically
 from jlong.jax_startup import quiet_native_stderr
 
+# In a LoRA run's checkpoint meta, beside its lora section: where its base was read, and that base's digest.
+BASE_DIGEST = "base_digest"
+LORA_BASE_KEYS = ("hf_path", BASE_DIGEST)
 RUN_RECORD = "jlong_run.yaml"  # in the checkpoint directory: the config of the run that writes there
 FAILED_SAVE = "jlong_failed_save.json"  # in the checkpoint directory: the step and cause of a save that failed
 # How long a failed read or write waits for orbax's other threads to finish reporting it.
@@ -459,8 +462,30 @@ def lora_of(meta: dict, model: ModelConfig):
     from jlong.config.schema import LoraConfig
     from jlong.lora.targets import lora_settings
 
-    section = LoraConfig.model_validate({k: v for k, v in meta["lora"].items() if k != "hf_path"})
+    section = LoraConfig.model_validate({k: v for k, v in meta["lora"].items() if k not in LORA_BASE_KEYS})
     return lora_settings(section, model)
+
+
+def lora_base_digest(hf_path: str | None) -> str | None:
+    """The digest of a LoRA run's base (`jlong.digests.hf_digest`; None for a base made from the seed)."""
+    from jlong.digests import hf_digest
+
+    return hf_digest(hf_path) if hf_path else None
+
+
+def check_lora_base(meta: dict, hf_path: str | None, where: str, remedy: str,
+                    say: Callable[[str], None]) -> str | None:
+    """The digest of the LoRA base at `hf_path` now, refused in one line (naming `where`, then `remedy`)
+    when the run that wrote the checkpoint (`meta`) adapted a base of other files there; a checkpoint
+    that recorded none is said through `say`."""
+    recorded, now = (meta.get("lora") or {}).get(BASE_DIGEST), lora_base_digest(hf_path)
+    if recorded is None and now is not None:
+        say(f"{where} has no record of its base's files (written before jlong kept one): the base in "
+            f"{str(hf_path)!r} is taken as it is now, unchecked")
+    elif recorded != now:
+        raise JlongError(f"the base model in {str(hf_path)!r} is not the one {where} adapted: its files changed "
+                         f"since (digest {recorded[:12]} then, {(now or 'none')[:12]} now); {remedy}")
+    return now
 
 
 def _convert_lora(checkpoints: Checkpoints, step: int, meta: dict, model: ModelConfig, destination: Path,
@@ -482,6 +507,9 @@ def _convert_lora(checkpoints: Checkpoints, step: int, meta: dict, model: ModelC
     if merge and not (Path(hf_path) / "config.json").is_file():
         raise JlongError(f"--merge: the base of {where}, model.hf_path {str(hf_path)!r}, is not a Hugging Face "
                          "checkpoint (no config.json there); restore it, or convert without --merge")
+    if merge:
+        check_lora_base(meta, hf_path, where, "restore that base to merge into it, or convert without --merge for "
+                        "the PEFT adapters", say)
     adapters = _restored_adapters(checkpoints, step, model, lora, say)
     if not merge:
         written = peft_format.write_adapters(destination, adapters, model, lora, hf_path, param_dtype)

@@ -29,6 +29,7 @@ import numpy as np
 import peft
 import pytest
 import torch
+import yaml
 from helpers import SMALL_MODEL, assert_one_line_error, run_cli
 from hf_models import small_hf_model
 
@@ -277,6 +278,33 @@ def test_convert_writes_peft_adapters_and_a_merged_checkpoint_with_the_runs_logi
                           "is neither a Hugging Face checkpoint (config.json) nor a jlong checkpoint directory")
     assert_one_line_error(run_cli("convert", hf, tmp_path / "other", "--merge"),
                           f"--merge merges a LoRA run's adapters into its base; '{hf}' is a Hugging Face checkpoint")
+
+
+def test_a_changed_base_is_refused_by_a_resume_and_by_merge(lora_run, tmp_path):
+    """The run's checkpoints record its base's digest: over a base whose weights changed since, a resume
+    and `convert --merge` each stop in one line (exit 2), with nothing written."""
+    from safetensors.numpy import load_file, save_file
+
+    ckpt, hf = lora_run["path"] / "ckpt", lora_run["path"] / "hf"
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(config_to_dict(lora_run["config"])))
+    weights = hf / "model.safetensors"
+    original = weights.read_bytes()
+    tensors = load_file(str(weights))
+    name = next(iter(tensors))
+    tensors[name] = tensors[name] + 1
+    contents = sorted((str(p.relative_to(ckpt)), p.stat().st_mtime_ns) for p in ckpt.rglob("*"))
+    try:
+        save_file(tensors, str(weights), metadata={"format": "pt"})
+        assert_one_line_error(run_cli("train", config, "train.steps=2"),
+                              f"the base model in '{hf}' is not the one checkpoint.dir '{ckpt}' (step 1) adapted: "
+                              "its files changed since (digest ")
+        assert_one_line_error(run_cli("convert", ckpt, tmp_path / "merged", "--merge"),
+                              f"the base model in '{hf}' is not the one checkpoint step 1 in '{ckpt}' adapted")
+    finally:
+        weights.write_bytes(original)
+    assert sorted((str(p.relative_to(ckpt)), p.stat().st_mtime_ns) for p in ckpt.rglob("*")) == contents
+    assert not (tmp_path / "merged").exists()
 
 
 @pytest.mark.fast

@@ -10,7 +10,7 @@ import math
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jlong.checkpoint import Checkpoints, saved_steps, weights_kind
+from jlong.checkpoint import Checkpoints, check_lora_base, saved_steps, stderr_note, weights_kind
 from jlong.config import Config
 from jlong.config.stages import config_at_step
 from jlong.data.encoder import Encoder
@@ -217,6 +217,10 @@ def load_params(program: TrainProgram, checkpoint: str) -> tuple[dict, int | str
         checkpoints.check_layout(step, {"params": program.abstract_saved_params},
                                  "evaluate it with the model settings it was trained with (a run's own config is "
                                  "run_dir/config.yaml)")
+        if program.lora:
+            check_lora_base(checkpoints.meta(step), program.config.model.hf_path,
+                            f"checkpoint step {step} in {str(checkpoint)!r}", "restore that base to evaluate it",
+                            stderr_note)
         saved, _ = checkpoints.restore(step, program.abstract_saved_params)
     finally:
         checkpoints.close()

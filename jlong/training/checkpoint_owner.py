@@ -6,7 +6,9 @@ The run that saves into a directory records its config beside the steps
 resumes from them, whatever its run_dir says (a moved run, a new mesh); one
 with other mathematics is refused in one line, and the directory is left
 exactly as it was: `checkpoint.keep` would otherwise delete the earlier
-run's checkpoints as the new run saved its own.
+run's checkpoints as the new run saved its own. A LoRA run's checkpoints
+hold its adapters, not its base: they record the digest of the base's
+files, and a resume over a base whose files changed is refused too.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from jlong.checkpoint import RUN_RECORD, read_run_record, saved_steps
+from jlong.checkpoint import RUN_RECORD, Checkpoints, check_lora_base, lora_base_digest, read_run_record, saved_steps
 from jlong.config import Config, config_to_dict
 from jlong.config.identity import changes
 from jlong.errors import JlongError
@@ -53,3 +55,19 @@ def check_owner(config: Config) -> Owner:
             f"({directory / RUN_RECORD}), or choose a new checkpoint.dir to start over"
         )
     return Owner(trained[-1], None)
+
+
+def check_lora_base_of(config: Config, newest: int, say) -> str | None:
+    """A LoRA run's base digest (None without LoRA, or for a base from the seed), refused in one line when
+    the run resumes (`newest` > 0) over a base whose files changed since its checkpoints were written."""
+    if config.lora is None:
+        return None
+    if not newest:
+        return lora_base_digest(config.model.hf_path)
+    checkpoints = Checkpoints(config.checkpoint.dir)
+    try:
+        meta = checkpoints.meta(newest)
+    finally:
+        checkpoints.close()
+    return check_lora_base(meta, config.model.hf_path, f"checkpoint.dir {config.checkpoint.dir!r} (step {newest})",
+                           "restore that base to resume, or choose a new checkpoint.dir to adapt this one", say)

@@ -21,7 +21,7 @@ from jlong.ops.shards import OneDevice
 from jlong.planner.memory import format_plan, plan_of
 from jlong.planner.memory_choice import choose, frugal
 from jlong.planner.targets import PlanTarget
-from jlong.training.checkpoint_owner import check_owner
+from jlong.training.checkpoint_owner import check_lora_base_of, check_owner
 from jlong.program.initial_weights import check_init_from
 from jlong.training.loop import checked_last_step, run_target
 from jlong.training.metric_sinks import check_available
@@ -38,6 +38,8 @@ def describe(config: Config, until_step: int | None) -> str:
     if config.run_dir:
         RunDir(config)
     done = check_owner(config).newest if config.checkpoint.dir else 0
+    notes = []
+    check_lora_base_of(config, done, notes.append)
     initial = None if done else check_init_from(config)
     devices = jax.devices()
     mesh, train = config.mesh, config.train
@@ -59,6 +61,7 @@ def describe(config: Config, until_step: int | None) -> str:
     ]
     if initial:
         lines.append(f"starting weights: {initial.describe()}, with a fresh optimizer (train.init_from)")
+    lines += notes
     lines += stage_plans(stage_runs(config), run_target(devices), devices)
     return "\n".join(lines)
 

@@ -25,7 +25,8 @@ from jlong.planner.memory import CompiledStep, plan, plan_of
 from jlong.planner.memory_choice import resolve_stages
 from jlong.planner.targets import DEFAULT_HOST_BUDGET_GIB, GIB, PlanTarget, known_gpu, peak_flops_per_device
 from jlong.parallel.placement import make_mesh
-from jlong.training.checkpoint_owner import check_owner
+from jlong.checkpoint import BASE_DIGEST
+from jlong.training.checkpoint_owner import check_lora_base_of, check_owner
 from jlong.training.host_memory import available_bytes, check_host_memory
 from jlong.lora.peft_format import read_adapters
 from jlong.program.initial_weights import InitialWeights, check_init_from, load_initial_weights
@@ -66,6 +67,7 @@ class Started:
     params: dict
     opt_state: object
     step: int  # the last step done (0 for a fresh run)
+    lora_base: str | None = None  # the digest of a LoRA run's base, which its checkpoints record
 
 
 def start(config: Config, mesh, checkpoints: Checkpoints | None, last: int,
@@ -173,6 +175,7 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
         if owner.note:
             _say(owner.note)
     initial = None if resumable else check_init_from(config)  # read only by a run's first session
+    lora_base = check_lora_base_of(config, resumable, _say)
     if any(run.config.chooses_layout for run in stages):  # the planner's choice, before anything is built
         devices = jax.devices()
         stages = resolve_stages(stages, run_target(devices), devices, say=_say)
@@ -189,6 +192,7 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
         if config.train.objective == "dpo":  # before any weights are on the devices: no second copy for the reference
             _use_dpo_reference([(each.config, inputs[each.number][0]) for each in stages])
         run = start(stage.config, make_mesh(stage.config.mesh), checkpoints, last, initial, staged=staged)
+        run.lora_base = lora_base
         if run.step >= last:
             _say(nothing_to_do(config, run.step, until_step))
             return []
@@ -334,7 +338,8 @@ def _save(config: Config, checkpoints: Checkpoints, run: Started, stage: int | N
     if stage is not None:
         extra["stage"] = stage
     if config.lora:  # the adapters alone are saved: what they adapt, for resuming and `jlong convert`
-        extra["lora"] = {**config.lora.model_dump(mode="json"), "hf_path": config.model.hf_path}
+        extra["lora"] = {**config.lora.model_dump(mode="json"), "hf_path": config.model.hf_path,
+                         BASE_DIGEST: run.lora_base}
     checkpoints.save(run.step, run.program.saved(run.params), run.opt_state, model=config.model, extra=extra)
 
 
