@@ -142,6 +142,22 @@ def test_the_report_writes_what_it_summarises(tmp_path):
 
 
 @pytest.mark.fast
+def test_a_dpo_evaluation_leads_with_its_objectives_measures():
+    """The held-out pairs' DPO loss and TRL's metrics first; the next-token loss of the same files after,
+    named as what it is."""
+    preference = {"pairs": 64, "rewards/chosen": 0.25, "rewards/rejected": -0.5, "rewards/accuracies": 0.875,
+                  "rewards/margins": 0.75, "logps/chosen": -20.0, "logps/rejected": -30.0, "loss": 0.4}
+    shown = report.summary({"checkpoint": "ck", "step": 3, "seq_len": 768, "loss": 9.375, "tokens": 500,
+                            "loss_by_position": [{"start": 0, "end": 768, "tokens": 500, "loss": 9.375}],
+                            "preference": preference, "passkey": []}).splitlines()
+    assert shown[1] == ("held-out preference pairs (64), the policy against the run's reference: DPO loss 0.4000, "
+                        "rewards/chosen 0.2500, rewards/rejected -0.5000, rewards/accuracies 0.8750, rewards/margins "
+                        "0.7500, logps/chosen -20.0000, logps/rejected -30.0000")
+    assert shown[2] == ("next-token loss of the held-out completions (not DPO's objective) 9.3750 "
+                        "(perplexity 11,789.92) over 500 tokens; by position:")
+
+
+@pytest.mark.fast
 def test_eval_names_what_it_leaves_out():
     config = load_config(None, [*BYTES, "train.seq_len=256"])  # a byte-level prompt takes 173 tokens
     assert not_evaluated(config) == [

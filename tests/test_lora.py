@@ -174,6 +174,16 @@ def test_a_config_without_lora_reads_back_without_it():
     assert config_from_dict(config_to_dict(adapted)).lora == adapted.lora
 
 
+@pytest.mark.fast
+def test_lora_from_a_jlong_checkpoint_names_the_route_that_works():
+    """train.init_from is not a LoRA base; the refusal says how to adapt a model jlong trained."""
+    with pytest.raises(JlongError) as refused:
+        load_config(None, [*SMALL_MODEL, *LORA, "train.init_from=runs/long/checkpoints"])
+    assert str(refused.value).endswith("To adapt a model jlong trained, convert its checkpoint to a Hugging Face "
+                                       "directory ('jlong convert CHECKPOINT_DIR HF_DIR') and set "
+                                       "model.hf_path=HF_DIR in place of train.init_from")
+
+
 def test_a_qlora_run_trains_through_the_compiled_step(tmp_path):
     """`jlong train`'s path (the step compiled ahead of time, then run on the
     arrays init made): the 4-bit codes travel packed two to a byte."""

@@ -248,6 +248,8 @@ def test_convert_writes_peft_adapters_and_a_merged_checkpoint_with_the_runs_logi
     result = run_cli("convert", ckpt, tmp_path / "adapter")
     assert result.returncode == 0, result.stderr
     assert "a PEFT LoRA adapter directory: adapter_config.json, adapter_model.safetensors" in result.stdout
+    modes = {path.name: path.stat().st_mode & 0o777 for path in (tmp_path / "adapter").iterdir()}
+    assert modes["adapter_model.safetensors"] == modes["adapter_config.json"], modes  # the umask's, not 0600
     settings = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (settings["r"], settings["lora_alpha"], settings["base_model_name_or_path"]) == (RANK, ALPHA, str(hf))
     base = transformers.Qwen3ForCausalLM.from_pretrained(hf).eval()

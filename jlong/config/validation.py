@@ -125,8 +125,10 @@ def _check_lora(config: Config) -> None:
         raise JlongError("memory.optimizer_offload keeps every parameter's AdamW state in host memory; a LoRA run "
                          "trains only its adapters, whose state is small: drop memory.optimizer_offload")
     if config.train.init_from:
-        raise JlongError("train.init_from starts every weight; a LoRA run's frozen base is model.hf_path "
-                         "(or the seed) and its adapters start from lora.init_from: drop train.init_from")
+        raise JlongError("train.init_from starts every weight; a LoRA run's frozen base is model.hf_path (or the "
+                         "seed) and its adapters start from lora.init_from. To adapt a model jlong trained, convert "
+                         "its checkpoint to a Hugging Face directory ('jlong convert CHECKPOINT_DIR HF_DIR') and set "
+                         "model.hf_path=HF_DIR in place of train.init_from")
 
 
 def _check_batch_split(config: Config) -> None:

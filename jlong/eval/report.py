@@ -49,17 +49,20 @@ def passkey_grid(cells: list[dict]) -> tuple[list[int], list[float], dict]:
 def summary(result: dict) -> str:
     which = "Hugging Face weights" if result["step"] == "hf" else f"step {result['step']}"
     lines = [f"checkpoint {result['checkpoint']} ({which}) at seq_len {result['seq_len']:,}"]
+    preference = result.get("preference")
+    if preference:  # a DPO run: its objective's measures first
+        lines.append(f"held-out preference pairs ({preference['pairs']:,}), the policy against the run's reference: "
+                     f"DPO loss {preference['loss']:.4f}, "
+                     + ", ".join(f"{key} {preference[key]:.4f}" for key in preference if "/" in key))
     if "loss" in result:
-        lines.append(f"held-out loss {result['loss']:.4f} (perplexity {perplexity(result['loss']):,.2f}) over "
+        what = "next-token loss of the held-out completions (not DPO's objective)" if preference else "held-out loss"
+        lines.append(f"{what} {result['loss']:.4f} (perplexity {perplexity(result['loss']):,.2f}) over "
                      f"{result['tokens']:,} tokens; by position:")
         lines += [f"  [{b['start']:>9,}, {b['end']:>9,})  loss {b['loss']:.4f}  ({b['tokens']:,} tokens)"
                   for b in result["loss_by_position"]]
         if "loss_by_source" in result:
             sources = result["loss_by_source"].items()
             lines.append("by source: " + ", ".join(f"{name} {loss:.4f}" for name, loss in sources))
-    if preference := result.get("preference"):
-        lines.append(f"held-out preference pairs ({preference['pairs']:,}): DPO loss {preference['loss']:.4f}, "
-                     + ", ".join(f"{key} {preference[key]:.4f}" for key in preference if "/" in key))
     if result["passkey"]:
         lines.append("passkey accuracy (rows: depth; columns: length):")
         lengths, depths, cell = passkey_grid(result["passkey"])

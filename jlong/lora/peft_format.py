@@ -30,6 +30,7 @@ import numpy as np
 
 from jlong.errors import JlongError
 from jlong.families import family_of
+from jlong.files import with_normal_permissions
 from jlong.lora.targets import INPUT_AXES, LoraSettings, hf_modules
 
 CONFIG_FILE = "adapter_config.json"
@@ -116,6 +117,7 @@ def write_adapters(directory: str | Path, adapters: dict[str, np.ndarray], model
     kind = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     tensors = {key: value.astype(kind) for key, value in peft_tensors(adapters, model, lora).items()}
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    with_normal_permissions(directory / WEIGHTS_FILE)  # safetensors writes it readable by its owner only
     (directory / CONFIG_FILE).write_text(json.dumps(peft_config(model, lora, base), indent=2) + "\n")
     return sorted(directory.iterdir())
 
