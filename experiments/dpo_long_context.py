@@ -24,13 +24,15 @@ Each seed runs, through jlong:
    log-probabilities that the objective takes) under the fine-tuned
    weights (the reference) and the DPO weights (the policy).
 
-Reported per depth over the seeds (the mean, and the lowest and highest
-seed's): TRL's `rewards/accuracies` (the share of pairs whose implicit
-reward beta (log pi - log ref) is higher for the chosen completion than
-for the rejected one; before DPO the policy is the reference, every reward
-is 0 and no pair counts), `rewards/margins`, and the share of pairs that
-each model itself gives the faithful answer the higher log-probability
-(chance: 0.5).
+Reported per depth and over all held-out pairs, over the seeds (the mean,
+and the lowest and highest seed's): first the share of pairs that each
+model itself gives the faithful answer the higher log-probability (chance:
+0.5), before DPO (the fine-tuned model) and after; then TRL's
+`rewards/accuracies` after DPO (the share of pairs whose implicit reward
+beta (log pi - log ref) is higher for the chosen completion than for the
+rejected one: 0 before DPO by construction, where the policy is the
+reference, every reward is 0 and a tie does not count) and
+`rewards/margins`.
 
     python experiments/dpo_long_context.py [--seeds 0 1 2] [--sft-steps 600] [--dpo-steps 100]
 
@@ -136,11 +138,6 @@ def run_seed(seed: int, tokenizer: Path, held_out: Path, args) -> dict:
                            f"checkpoint.dir={root / name / 'ckpt'}", *overrides])
 
     run("sft", *SFT, f"data.path={chats}", f"train.steps={args.sft_steps}")
-    if not (root / "dpo" / "ckpt").exists():
-        # The reference cache beside the pairs names the model and train.seed, not train.init_from's weights:
-        # a DPO run starting afresh computes its reference from this seed's fine-tuned weights, never an
-        # earlier invocation's.
-        pairs.with_suffix(".reference-logps.npz").unlink(missing_ok=True)
     run("dpo", *DPO, f"data.path={pairs}", f"train.steps={args.dpo_steps}", f"train.init_from={root / 'sft' / 'ckpt'}")
     scorer = HeldOut(held_out)
     reference, policy = scorer.logps(root / "sft" / "ckpt"), scorer.logps(root / "dpo" / "ckpt")
@@ -149,6 +146,7 @@ def run_seed(seed: int, tokenizer: Path, held_out: Path, args) -> dict:
         rows = slice(number * args.trials, (number + 1) * args.trials)
         by_depth[depth] = {"before": pair_scores(reference[rows], reference[rows]),
                            "after": pair_scores(policy[rows], reference[rows])}
+    by_depth["all"] = {"before": pair_scores(reference, reference), "after": pair_scores(policy, reference)}
     records = [json.loads(line) for line in (root / "dpo" / "metrics.jsonl").read_text().splitlines()]
     files = {"sft": chats, "dpo": pairs, "held_out": held_out}
     return {"held_out": by_depth, "document_tokens": {name: document_tokens(path) for name, path in files.items()},
@@ -235,16 +233,22 @@ def report(results: dict, args, minutes: dict, total: float, load: list[float]) 
         low, high = (f([results[s]["document_tokens"][name][i] for s in seeds]) for f, i in ((min, 0), (max, 1)))
         tokens[name] = f"{low}" if low == high else f"{low}-{high}"
 
-    def cells(when: str, key: str) -> str:
-        return " | ".join(spread([results[s]["held_out"][d][when][key] for s in seeds]) for d in DEPTHS)
+    columns = [*DEPTHS, "all"]
 
-    rows = [("rewards/accuracies before DPO (the policy is the reference)", "before", "rewards/accuracies"),
+    def held_out(when: str, key: str, column) -> list[float]:
+        return [results[s]["held_out"][column][when][key] for s in seeds]
+
+    rows = [("the fine-tuned model (before DPO) prefers the faithful answer", "before", "prefers_chosen"),
+            ("the DPO model prefers the faithful answer", "after", "prefers_chosen"),
             ("rewards/accuracies after DPO", "after", "rewards/accuracies"),
-            ("rewards/margins after DPO", "after", "rewards/margins"),
-            ("the fine-tuned model prefers the faithful answer", "before", "prefers_chosen"),
-            ("the DPO model prefers the faithful answer", "after", "prefers_chosen")]
-    table = ["| held-out pairs, the code at | " + " | ".join(f"{d:.0%} of the prompt" for d in DEPTHS) + " |",
-             "|---|" + "---|" * len(DEPTHS), *(f"| {label} | {cells(when, key)} |" for label, when, key in rows)]
+            ("rewards/margins after DPO", "after", "rewards/margins")]
+    table = ["| held-out pairs, the code at | " + " | ".join(f"{d:.0%} of the prompt" for d in DEPTHS)
+             + f" | all {len(DEPTHS) * args.trials} pairs |", "|---|" + "---|" * len(columns),
+             *(f"| {label} | " + " | ".join(spread(held_out(when, key, c)) for c in columns) + " |"
+               for label, when, key in rows)]
+    headline = (f"The preference for the faithful answer on all {len(DEPTHS) * args.trials} held-out pairs: "
+                f"{spread(held_out('before', 'prefers_chosen', 'all'))} before DPO (the fine-tuned model), "
+                f"{spread(held_out('after', 'prefers_chosen', 'all'))} after.")
     training = ["| DPO training batches | loss | " + " | ".join(TRL_METRICS) + " |", "|---|" + "---|" * 7]
     for label, key in (("step 1", "dpo_first_step"), ("last 10 steps", "dpo_last_steps")):
         training.append(f"| {label} | " + " | ".join(spread([results[s][key][k] for s in seeds])
@@ -258,7 +262,7 @@ def report(results: dict, args, minutes: dict, total: float, load: list[float]) 
                                                                  "trained and evaluated on the CPU")
     lr = next(o.split("=")[1] for o in DPO if o.startswith("train.lr="))
     text = (
-        f"# DPO at long context, on the CPU mesh (measured)\n\n{where} {total:.1f} minutes in all "
+        f"# DPO at long context, on the CPU mesh (measured)\n\n{headline}\n\n{where} {total:.1f} minutes in all "
         f"({', '.join(f'seed {s}: {m:.1f}' for s, m in minutes.items())}), beside other work on the machine "
         f"(the load average over a minute: {load[0]:.1f} at the start, {load[1]:.1f} at the end).\n\n"
         "The tiny model of configs/tiny.yaml (2 layers of 128) with experiments/chat_finetune.py's byte-level "
@@ -277,11 +281,11 @@ def report(results: dict, args, minutes: dict, total: float, load: list[float]) 
         f"Held-out pairs: {args.trials} for each depth of the code, the user turn {HELD_OUT_TURN} bytes "
         f"(documents of {tokens['held_out']} tokens, several times the fine-tuning's), the same pairs for every "
         "seed; each completion's log-probability summed as the objective sums it, under the fine-tuned weights "
-        "(the reference) and the DPO weights (the policy). rewards/accuracies is TRL's: the share of pairs "
-        "whose reward beta (log pi - log ref) is higher for the chosen answer (before DPO every reward is 0, so "
-        "it is 0); \"prefers\" is the share whose faithful answer the model itself gives the higher "
-        f"log-probability (chance 0.5). The mean over seeds {', '.join(map(str, seeds))}, then [the lowest, the "
-        "highest] seed's:\n\n" + "\n".join(table) + "\n\n"
+        "(the reference) and the DPO weights (the policy). \"prefers\" is the share of pairs whose faithful "
+        "answer the model itself gives the higher log-probability (chance 0.5); rewards/accuracies is TRL's: the "
+        "share of pairs whose reward beta (log pi - log ref) is higher for the chosen answer (before DPO every "
+        "reward is 0 and a tie does not count, so it is 0 there by construction). The mean over seeds "
+        f"{', '.join(map(str, seeds))}, then [the lowest, the highest] seed's:\n\n" + "\n".join(table) + "\n\n"
         "DPO's own metrics on its training batches (8 pairs a step; the mean over the seeds, then [the lowest, "
         "the highest] seed's):\n\n" + "\n".join(training) + "\n\n"
         "The completion is the answer digit, <|im_end|> and the newline after it (TRL's completion: everything "

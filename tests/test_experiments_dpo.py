@@ -1,5 +1,6 @@
 """experiments/dpo_long_context.py rehearsed end to end with a few steps: two
-seeds of fine-tuning, DPO and held-out scoring write the results file; DPO's
+seeds of fine-tuning, DPO and held-out scoring write the results file, led
+by the preference for the faithful answer before and after DPO; DPO's
 step 1 is log 2 with no reward (the reference is the fine-tuned model), and
 the experiment's held-out scoring equals jlong's own pass over the pairs
 (`jlong.eval.preference.pair_logps`, what `jlong eval` runs)."""
@@ -24,14 +25,19 @@ def test_dpo_long_context_rehearsed(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     text = (out / "dpo-long-context.md").read_text()
     assert "--runs=DIR --out=DIR" in text and str(tmp_path) not in text
-    table = [line for line in text.splitlines() if line.startswith("| rewards/accuracies")]
-    assert len(table) == 2 and table[0].count("0.00 [0.00, 0.00]") == 3, table
+    assert text.splitlines()[2].startswith("The preference for the faithful answer on all 12 held-out pairs: ")
+    table = [line for line in text.splitlines() if "prefers the faithful answer" in line]
+    assert len(table) == 2 and all(line.count("[") == 4 for line in table), table  # three depths and all pairs
     results = json.loads((out / "dpo-long-context.json").read_text())
     assert sorted(results) == ["seed 0", "seed 1"]
     for seed in results.values():
         first = seed["dpo_first_step"]
         assert abs(first["loss"] - math.log(2)) < 1e-5 and first["rewards/margins"] == 0.0
+        assert sorted(seed["held_out"]) == ["0.1", "0.5", "0.9", "all"]
         assert all(depth["before"]["rewards/margins"] == 0.0 for depth in seed["held_out"].values())
+        whole = seed["held_out"]["all"]["before"]["prefers_chosen"]
+        np.testing.assert_allclose(whole, np.mean([seed["held_out"][d]["before"]["prefers_chosen"]
+                                                   for d in ("0.1", "0.5", "0.9")]))
 
     from jlong.eval.evaluate import load_params
     from jlong.eval.preference import pair_logps
