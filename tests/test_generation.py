@@ -338,3 +338,43 @@ def test_the_checkpoints_eos_ids_stop_generation_beside_the_stop_ids(tmp_path):
     assert checked_request(config, request).stop_ids == (5, 2)
     (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": [90, 91]}))
     assert checked_request(config, request).stop_ids == (5, 90, 91)
+
+
+# -- evaluation by generated answers
+
+
+@pytest.mark.fast
+def test_an_answer_scores_by_exact_match_or_by_the_values_it_holds():
+    from jlong.eval.answers import score
+
+    assert score(" Paris\n", "Paris") == 1.0 and score("Paris, France", "Paris") == 0.0
+    assert score("the keys are 31 and 77", ("31", "77", "42")) == pytest.approx(2 / 3)
+
+
+def test_eval_scores_the_generated_answers(tmp_path):
+    """jlong eval with eval.answers_path: answers set to what the model generates greedily (its text up to the
+    stop id) for two prompts and to something else for the other two score 0.5, per prompt as they should."""
+    import jlong
+
+    config = ["configs/tiny.yaml", ["train.seq_len=128", "attention.block_size=16", "eval.passkey_trials=0",
+                                    "eval.answers_max_new_tokens=12", "eval.stop_ids=[10]", "mesh.fsdp=8",
+                                    "mesh.sp=1", "checkpoint.dir=null"]]
+    prompts = ["def f(x):\n    return", "import os\nimport", "class A:\n    def", "x = [1, 2, 3]\nprint("]
+    base = jlong.load_config(config[0], config[1])
+    program = TrainProgram(base, make_mesh(base.mesh))
+    greedy = Sampler(program).generate(program.init_params(base.train.seed), [list(p.encode()) for p in prompts],
+                                       Request(12, GREEDY, stop_ids=(10,)))
+    texts = [bytes(c.ids[:-1] if c.finish_reason == "stop" else c.ids).decode("utf-8", "replace") for c in greedy]
+    answers = [texts[0], texts[1] + "!", [texts[2][:3], "never-generated"], texts[3]]
+    path = _prompts_file(tmp_path / "answers.jsonl", [{"prompt": p, "answer": a} for p, a in zip(prompts, answers)])
+    checkpoints = tmp_path / "ckpt"
+    from jlong.checkpoint import Checkpoints
+
+    saved = Checkpoints(checkpoints)
+    saved.save(1, program.init_params(base.train.seed), model=base.model)
+    saved.close()
+    result = jlong.evaluate(config[0], checkpoints, [*config[1], f"eval.answers_path={path}"])
+    got = result["answers"]
+    assert got["trials"] == 4 and got["accuracy"] == pytest.approx((1 + 0 + 0.5 + 1) / 4)
+    assert [a["score"] for a in got["answers"]] == [1.0, 0.0, 0.5, 1.0]
+    assert [a["generated"] for a in got["answers"]] == texts

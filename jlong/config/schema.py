@@ -535,8 +535,8 @@ class DataConfig(_Section):
 
 
 class EvalConfig(_Section):
-    """Evaluation (`jlong eval`, train.eval_every, a stage's end): the held-out loss by position and passkey
-    retrieval."""
+    """Evaluation (`jlong eval`, train.eval_every, a stage's end): the held-out loss by position, passkey
+    retrieval, and answers generated for prompts and scored against theirs."""
 
     path: optional(Paths) = None
     """Held-out tokens (a .npy or shards, like data.path) for the loss by position."""
@@ -554,7 +554,18 @@ class EvalConfig(_Section):
     passkey_digits: Annotated[int, BeforeValidator(_key_digits)] = 5
     """The key's length in digits; 1 asks for reach without copying a sequence."""
     tokenizer: optional(Text) = None
-    """A Hugging Face tokenizer.json, or a directory holding one, for the passkey's text; unset: bytes."""
+    """A Hugging Face tokenizer.json, or a directory holding one, for the passkey's text and the answers'
+    prompts (a directory: its chat template renders conversations); unset: bytes."""
+    answers_path: optional(Text) = None
+    """Prompts whose generated answers are scored (RULER-style): JSON Lines (or Parquet, a datasets directory)
+    of `prompt` (text or a conversation) or `prompt_ids`, and `answer`: a string the answer must equal (spaces
+    around it aside), or a list of values it must hold (scored by the share it holds). Each prompt is completed
+    greedily by the sampler (`jlong.generation`) up to `answers_max_new_tokens` or a stop id."""
+    answers_max_new_tokens: PositiveInt = 32
+    """The longest generated answer, in tokens."""
+    stop_ids: sequence_of(NonNegativeInt) = ()
+    """Token ids that end a generated answer, beside the checkpoint's end-of-sequence ids (its
+    generation_config.json or config.json `eos_token_id`)."""
 
     @model_validator(mode="after")
     def _check(self):

@@ -16,7 +16,9 @@ from jlong.config.stages import config_at_step
 from jlong.data.encoder import Encoder
 from jlong.data.sources import TokenFile, document_structure
 from jlong.errors import JlongError
+from jlong.config.huggingface import hf_stop_ids
 from jlong.eval import passkey
+from jlong.eval.answers import answer_accuracy, answer_trials
 from jlong.eval.positions import loss_by_position
 from jlong.eval.preference import held_out_metrics, held_out_reference
 from jlong.attention.methods import method_of
@@ -227,17 +229,20 @@ def load_params(program: TrainProgram, checkpoint: str) -> tuple[dict, int | str
     return (program.with_saved(program.starting_params(), saved) if program.lora else saved), step
 
 
-def eval_inputs(config: Config) -> tuple[np.ndarray | None, list]:
-    """The held-out rows (None without eval.path or eval.mix) and the passkey trials, read and checked."""
-    if not config.eval.held_out and not config.eval.passkey_trials:
-        raise JlongError("nothing to evaluate: set eval.path or eval.mix, or eval.passkey_trials above 0")
-    return (held_out_rows(config) if config.eval.held_out else None), passkey_trials(config)
+def eval_inputs(config: Config) -> tuple[np.ndarray | None, list, tuple | None]:
+    """The held-out rows (None without eval.path or eval.mix), the passkey trials, and the prompts whose
+    generated answers are scored with their encoder (None without eval.answers_path), read and checked."""
+    if not config.eval.held_out and not config.eval.passkey_trials and not config.eval.answers_path:
+        raise JlongError("nothing to evaluate: set eval.path or eval.mix, eval.passkey_trials above 0, or "
+                         "eval.answers_path")
+    answers = answer_trials(config) if config.eval.answers_path else None
+    return (held_out_rows(config) if config.eval.held_out else None), passkey_trials(config), answers
 
 
 def evaluate(config: Config, checkpoint: str, mesh, inputs: tuple | None = None) -> dict:
     """The loss by position on the held-out tokens and the passkey cells, of a checkpoint on `mesh`
     (`inputs`: what `eval_inputs` gave, when the caller checked them first)."""
-    held, made = inputs or eval_inputs(config)
+    held, made, answers = inputs or eval_inputs(config)
     program = TrainProgram(config, mesh)
     preference = config.train.objective == "dpo" and config.eval.path  # held-out preference pairs, TRL's metrics
     # Full fine-tuning's reference before the checkpoint's weights: computing it reads the starting weights.
@@ -250,8 +255,18 @@ def evaluate(config: Config, checkpoint: str, mesh, inputs: tuple | None = None)
     if held is not None:
         result.update(position_losses(evaluator, params, held))
     result["passkey"] = passkey_accuracy(evaluator, params, made)
+    if answers is not None:
+        trials, encoder = answers
+        result["answers"] = answer_accuracy(program, params, trials, encoder, _stop_ids(config, checkpoint))
     result["not_evaluated"] = not_evaluated(config)
     return result
+
+
+def _stop_ids(config: Config, checkpoint: str) -> tuple[int, ...]:
+    """eval.stop_ids and the end-of-sequence ids of the weights' Hugging Face checkpoint (the one evaluated, or
+    the run's model.hf_path)."""
+    hf = checkpoint if checkpoint_kind(checkpoint) == "hf" else config.model.hf_path
+    return tuple(dict.fromkeys((*config.eval.stop_ids, *(hf_stop_ids(hf) if hf else ()))))
 
 
 def perplexity(loss: float) -> float:

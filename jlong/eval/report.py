@@ -68,6 +68,10 @@ def summary(result: dict) -> str:
         lengths, depths, cell = passkey_grid(result["passkey"])
         lines.append("  depth  " + "".join(f"{n:>10,}" for n in lengths))
         lines += ["  " + f"{d:>5.2f}  " + "".join(f"{cell[n, d]:>10.2f}" for n in lengths) for d in depths]
+    if answers := result.get("answers"):
+        lines.append(f"generated answers: accuracy {answers['accuracy']:.3f} over {answers['trials']:,} prompts; by "
+                     "prompt length: " + ", ".join(f"up to {b['up_to']:,} tokens {b['accuracy']:.3f} ({b['trials']})"
+                                                   for b in answers["by_length"]))
     lines += [f"not evaluated: {item['what']} ({item['why']})" for item in result.get("not_evaluated", ())]
     return "\n".join(lines)
 
