@@ -1,5 +1,5 @@
 """Sliding-window attention on a ring: each device's own chunk and the halos
-of its two neighbours, nothing else.
+of its two neighbours, nothing else; and over keys gathered at hand.
 
 A ring rank r holds zigzag chunks r (A, early) and 2R-1-r (B, late), h
 tokens each (`jlong.attention.ring`). When the window w is at most h, a
@@ -20,6 +20,13 @@ tile's last keys, so its call covers that corner alone (w - 1 tokens a side
 for the tile just before), unmasked within the band at their distance;
 tiles wholly out of reach are left out. The backward pass sends each halo's
 key and value gradients back to the rank they came from.
+
+The all-gather method (`jlong.attention.methods.allgather`) holds every
+rank's keys at hand instead, so its window may be of any length: each half
+of a device's chunk attends over itself and over each earlier half chunk
+of the sequence the window reaches, the same tile calls at their distance
+(`sliding_gathered_attention`); a half chunk that would precede the
+sequence's start is skipped at run time.
 """
 
 from __future__ import annotations
