@@ -2,7 +2,7 @@
 command in it (a virtual environment, `pip install -e .`, `jlong prepare` on Python's standard library,
 `jlong train configs/tiny.yaml`), timed from the clone.
 
-    python experiments/main_job.py
+    python experiments/main_job.py [--commit REV]   # default: this checkout's HEAD
 
 Writes experiments/results/main-job.md: the seconds in all (pip's downloads, where not cached, included) and
 of training as `jlong train` reports them, the loss at the first and last step (runs/tiny/metrics.jsonl), the
@@ -11,6 +11,7 @@ machine's load when it started (other work shares a CI machine's cores), and wha
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -35,7 +36,10 @@ def readme_command(clone: Path) -> str:
 
 
 def main(argv=None) -> int:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--commit", default="HEAD", help="the commit to clone and time (default: HEAD)")
+    args = parser.parse_args(argv)
+    head = subprocess.run(["git", "rev-parse", "--short", args.commit], capture_output=True, text=True, cwd=ROOT,
                           check=True).stdout.strip()
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
