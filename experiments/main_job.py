@@ -26,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, invocation, machine, publish, today  # noqa: E402
 
 TRAINED = re.compile(r"trained steps 1-(\d+) of \d+ in ([\d.,]+) s")
+# Lines of the environment, not of jlong: jax's CUDA probe on a CPU machine, pip's notes on its package indexes.
+NOISE = ("WARNING: All log", "I0000", "WARNING: Location")
 
 
 def readme_command(clone: Path) -> str:
@@ -49,9 +51,10 @@ def main(argv=None) -> int:
         subprocess.run(["git", "checkout", "--quiet", head], cwd=clone, check=True)
         command = readme_command(clone)
         env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "XLA_FLAGS")}
-        run = subprocess.run(["bash", "-c", command], cwd=clone, env=env, capture_output=True, text=True)
+        run = subprocess.run(["bash", "-c", command], cwd=clone, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
         seconds = time.perf_counter() - started
-        output = (run.stdout + run.stderr).strip().replace(str(clone), ".")  # no path of this machine
+        output = run.stdout.strip().replace(str(clone), ".")  # no path of this machine
         if run.returncode:
             print(output[-3000:], file=sys.stderr)
             print(f"main_job: the README's command failed (exit status {run.returncode})", file=sys.stderr)
@@ -60,7 +63,7 @@ def main(argv=None) -> int:
         jax_version = subprocess.run([str(clone / ".venv/bin/python"), "-c", "import jax; print(jax.__version__)"],
                                      capture_output=True, text=True, check=True).stdout.strip()
     steps, training = TRAINED.search(output).groups()
-    shown = "\n".join(line for line in output.splitlines() if not line.startswith(("WARNING: All log", "I0000")))
+    shown = "\n".join(line for line in output.splitlines() if not line.startswith(NOISE))
     text = "\n".join([
         "# The README's main job, from a fresh clone (measured)",
         "",
@@ -76,7 +79,7 @@ def main(argv=None) -> int:
         f"{training} s of training, as `jlong train` reports it",
         f"- the loss {losses[0]:.4f} at step 1 -> {losses[-1]:.4f} at step {steps} (runs/tiny/metrics.jsonl)",
         "",
-        "What it printed (the progress bar's lines aside):",
+        "What it printed (jax's and pip's notes on this machine's setup aside):",
         "",
         "```",
         shown,
