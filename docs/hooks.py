@@ -1,6 +1,6 @@
 """mkdocs hooks (mkdocs.yml's `hooks:`): the pages the site builds that are not files of docs/.
 
-- reference/config.md, cli.md, families.md and metrics.md, generated from the code by `jlong.reference` at
+- reference/config.md, cli.md, families.md and metrics.md, generated from the code by `jlong.docgen` at
   every build (nothing generated is committed, so they cannot drift from it);
 - experiments/results/**, every results page and the images and data files beside them, as results/<path>:
   a page of docs/ links to one as `results/<file>.md`, and a results page's own relative links (its images,
@@ -27,7 +27,7 @@ def on_startup(command, dirty) -> None:
 
 
 def on_files(files: Files, config) -> Files:
-    from jlong.reference import PAGES
+    from jlong.docgen import PAGES
 
     for uri, page in PAGES.items():
         files.append(File.generated(config, uri, content=page()))

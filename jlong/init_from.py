@@ -8,21 +8,18 @@ anything is built, and the arrays' layout again as they are read. Anything
 else may differ (the sequence length, RoPE, the mesh, the data): that is
 what continuing a run at a longer context means. Once the run has
 checkpoints of its own, it resumes from those and `init_from` is not read.
+The training program reads the weights (`TrainProgram.load_initial_weights`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from jlong.checkpoint import Checkpoints, saved_steps, weights_kind
 from jlong.config import Config, ModelConfig
 from jlong.config.loading import WEIGHT_DEFINING_FIELDS
 from jlong.errors import JlongError
 from jlong.config.huggingface import read_hf_config
-
-if TYPE_CHECKING:
-    from jlong.program.train_program import TrainProgram
 
 SETTING = "train.init_from"
 
@@ -67,17 +64,3 @@ def _check_same_shapes(saved: dict, model: ModelConfig, path: str) -> None:
     if differing:
         raise JlongError(f"{SETTING} {str(path)!r} holds the weights of another model ({'; '.join(differing[:3])}): "
                          "configure the model it holds (its shapes), or start from other weights")
-
-
-def load_initial_weights(program: TrainProgram, weights: InitialWeights) -> dict:
-    """The starting parameters, read straight into the program's shardings."""
-    if weights.kind == "hf":
-        return program.load_hf_params(weights.path)
-    checkpoints = Checkpoints(weights.path)
-    try:
-        checkpoints.check_layout(weights.step, {"params": program.abstract_params},
-                                 f"{SETTING} needs the weights of the configured model, in train.param_dtype")
-        params, _ = checkpoints.restore(weights.step, program.abstract_params)
-    finally:
-        checkpoints.close()
-    return params

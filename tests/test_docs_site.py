@@ -1,4 +1,4 @@
-"""The documentation site: its reference pages, generated from the code (`jlong.reference`), name every config
+"""The documentation site: its reference pages, generated from the code (`jlong.docgen`), name every config
 field (all sections, list entries included), every `jlong` subcommand and argument, every family and preset
 and every metric; the metric declaration they are written from (`jlong.training.metric_names`) matches what
 real steps write; and the whole site builds with mkdocs --strict (warnings as errors: broken links and
@@ -24,10 +24,10 @@ from helpers import MESH, REPO, SMALL_MODEL, run_config
 from jlong.cli import build_parser
 from jlong.config import load_config, schema
 from jlong.config.registry import FAMILIES
-from jlong.reference import PAGES, cli_page, config_page, families_page, metrics_page
-from jlong.reference.config import ENTRY_MODELS
+from jlong.docgen import PAGES, cli_page, config_page, families_page, metrics_page
+from jlong.docgen.config import ENTRY_MODELS
 from jlong.training import metric_names
-from jlong.training.metric_names import LOGGED, METRICS, PER_SOURCE, undeclared
+from jlong.training.metric_names import LOGGED, METRICS, PER_SOURCE, REWARD_FUNCTIONS, undeclared
 
 # ---------------------------------------------------------------- what the pages must name, from the code
 
@@ -76,7 +76,7 @@ def preset_names() -> list[str]:
 
 def metric_names_to_show() -> list[str]:
     entries = [f"{key}[].{field}" for key, fields in metric_names.ENTRIES.items() for field in fields]
-    return [m.name for m in METRICS] + [p.pattern for p in (*PER_SOURCE, *LOGGED)] + entries
+    return [m.name for m in METRICS] + [p.pattern for p in (*REWARD_FUNCTIONS, *PER_SOURCE, *LOGGED)] + entries
 
 
 # ---------------------------------------------------------------- the checks
@@ -134,7 +134,7 @@ def test_every_schema_field_has_a_description_and_every_model_is_reached():
     assert len(fields) > 120 and "data.mix[].weight" in fields and "stages[].until_step" in fields
     assert [path for path, description in fields.items() if not description] == []
     assert schema_models() - reached == set(), "a model of the schema that no setting reaches: is it a list's " \
-        "entries? (jlong.reference.config.ENTRY_MODELS)"
+        "entries? (jlong.docgen.config.ENTRY_MODELS)"
 
 
 @pytest.mark.fast
@@ -231,11 +231,12 @@ def test_real_steps_write_declared_names_and_every_metric_of_every_step(tmp_path
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("objective", ["lm", "dpo"])
+@pytest.mark.parametrize("objective", ["lm", "dpo", "grpo"])
 @pytest.mark.parametrize("model", ["dense", "moe"])
 def test_the_metrics_a_step_program_returns_are_declared(objective, model):
     """The train step's own metrics (the loss, the gradient's norm, the model's: a mixture of experts' routing,
-    DPO's rewards), read from the step traced for abstract inputs (nothing compiles)."""
+    DPO's rewards, GRPO's clip ratios, entropy and KL), read from the step traced for abstract inputs (nothing
+    compiles)."""
     import jax
 
     from jlong.parallel.placement import make_mesh
@@ -245,6 +246,9 @@ def test_the_metrics_a_step_program_returns_are_declared(objective, model):
                                      "model.num_hidden_layers=1"]}[model]
     if objective == "dpo":
         settings += ["train.objective=dpo", "data.source=tokens", "data.path=pairs.npy", "attention.max_documents=9"]
+    if objective == "grpo":
+        settings += ["train.objective=grpo", "rl.prompts=prompts.jsonl", "rl.rewards=[exact_answer]", "rl.beta=0.1",
+                     "rl.max_new_tokens=16"]
     config = load_config(None, [*SMALL_MODEL, *MESH, *settings])
     program = TrainProgram(config, make_mesh(config.mesh))
     _, _, metrics = jax.eval_shape(program.step, program.abstract_params, program.abstract_opt_state,
@@ -255,6 +259,8 @@ def test_the_metrics_a_step_program_returns_are_declared(objective, model):
         expected |= {"expert_load_max_over_mean", "router_aux_loss"}
     if objective == "dpo":
         expected |= {m.name for m in METRICS if m.when == "train.objective=dpo"}
+    if objective == "grpo":  # the step's own; the rollouts' come from the host (test_grpo checks them)
+        expected |= {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy", "kl"}
     assert set(metrics) == expected
 
 
@@ -306,20 +312,20 @@ def test_the_site_builds_strictly_and_its_reference_pages_name_everything(tmp_pa
 
 @pytest.mark.fast
 def test_nothing_in_jlong_imports_the_reference_generator():
-    """The generator reads jlong; jlong never reads it (imports anywhere in a module counted)."""
+    """The generator (`jlong.docgen`) reads jlong; jlong never reads it (imports anywhere in a module counted)."""
     import ast
 
     importers = []
     for path in (REPO / "jlong").rglob("*.py"):
-        if "reference" in path.relative_to(REPO / "jlong").parts[:1]:
+        if "docgen" in path.relative_to(REPO / "jlong").parts[:1]:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):  # `from jlong import reference` too
+            elif isinstance(node, ast.ImportFrom):  # `from jlong import docgen` too
                 names = [node.module or "", *(f"{node.module}.{alias.name}" for alias in node.names)]
             else:
                 continue
-            if any(name == "jlong.reference" or name.startswith("jlong.reference.") for name in names):
+            if any(name == "jlong.docgen" or name.startswith("jlong.docgen.") for name in names):
                 importers.append(str(path.relative_to(REPO)))
     assert importers == []

@@ -222,7 +222,7 @@ def test_jlong_eval_reports_trls_metrics_on_held_out_pairs(tmp_path, preference_
     config = _dpo_run(tmp_path, preference_file, "lora.rank=4", "train.lr=2e-2", f"eval.path={preference_file}",
                       "eval.passkey_trials=0", "eval.sequences=4")
     program = TrainProgram(config, make_mesh(config.mesh))
-    from jlong.eval.preference import held_out_metrics
+    from jlong.objectives.dpo_reference import held_out_metrics
 
     before = held_out_metrics(program, program.starting_params(), say=lambda _: None)
     assert before["pairs"] > 0 and before["rewards/margins"] == 0.0

@@ -3,7 +3,7 @@ seeds of fine-tuning, DPO and held-out scoring write the results file, led
 by the preference for the faithful answer before and after DPO; DPO's
 step 1 is log 2 with no reward (the reference is the fine-tuned model), and
 the experiment's held-out scoring equals jlong's own pass over the pairs
-(`jlong.eval.preference.pair_logps`, what `jlong eval` runs)."""
+(`jlong.objectives.dpo_reference.pair_logps`, what `jlong eval` runs)."""
 
 import json
 import math
@@ -40,7 +40,7 @@ def test_dpo_long_context_rehearsed(tmp_path):
                                                    for d in ("0.1", "0.5", "0.9")]))
 
     from jlong.eval.evaluate import load_params
-    from jlong.eval.preference import pair_logps
+    from jlong.objectives.dpo_reference import pair_logps
 
     scorer = load_experiment("dpo_long_context").HeldOut(runs / "held-out.npy")
     checkpoint = runs / "seed-0" / "dpo" / "ckpt"

@@ -15,7 +15,7 @@ from jlong.data.sources import Batches
 from jlong.parallel.placement import make_mesh
 from jlong.program.optimizer import learning_rate
 from jlong.program.train_program import TrainProgram
-from jlong.program.initial_weights import check_init_from, load_initial_weights
+from jlong.init_from import check_init_from
 from jlong.training.loop import train
 
 LONGER_ON_A_RING = ["train.seq_len=128", "mesh.fsdp=1", "mesh.ring=2", "mesh.sp=4"]
@@ -33,7 +33,7 @@ def _first_loss_on_one_device(config) -> float:
     """The loss of the starting weights on the run's first batch, on one device."""
     one = load_config(None, ["mesh.fsdp=1", "mesh.ring=1", "mesh.sp=1"], base=config_to_dict(config))
     program = TrainProgram(one, make_mesh(one.mesh, jax.devices()[:1]))
-    params = load_initial_weights(program, check_init_from(one))
+    params = program.load_initial_weights(check_init_from(one))
     return float(jax.jit(program.loss)(params, program.place_batch(Batches.from_config(one).batch(1))))
 
 

@@ -101,7 +101,7 @@ def _fraction(value: Any) -> float:
 
 class _Section(BaseModel):
     # Each field's description is the docstring under it (pydantic's `description`): the configuration
-    # reference (`jlong.reference`) is generated from them.
+    # reference (`jlong.docgen`) is generated from them.
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 
@@ -393,11 +393,75 @@ class TrainConfig(_Section):
     stop when they do not fit."""
     router_aux_loss: Flag = True
     """A mixture of experts adds model.router_aux_loss_coef x the load-balancing loss to its training loss."""
-    objective: choice(Literal["lm", "dpo"]) = "lm"
+    objective: choice(Literal["lm", "dpo", "grpo"]) = "lm"
     """`lm`: next-token cross-entropy; `dpo`: Direct Preference Optimization on preference pairs (`jlong prepare
-    --preference`, data.sampling=pairs) against a reference model (`jlong.model.preference`)."""
+    --preference`, data.sampling=pairs) against a reference policy (`jlong.objectives.dpo`); `grpo`: Group
+    Relative Policy Optimization on rollouts of the `rl` section's prompts (`jlong.objectives.grpo`), which
+    replace the data section."""
     dpo_beta: PositiveNumber = 0.1
     """DPO's beta: how far the policy may move from the reference."""
+
+
+class RLConfig(_Section):
+    """Reinforcement learning (`train.objective: grpo`): the prompts, the reward functions, the rollouts and TRL's
+    GRPO loss, by TRL's names and defaults (`jlong.objectives.grpo`)."""
+
+    prompts: optional(Text) = None
+    """The prompts, in TRL's prompt-only format: JSON Lines, Parquet or a datasets directory of `prompt` (text or a
+    conversation, rendered with data.tokenizer's chat template and its generation prompt) or `prompt_ids`; every
+    other column is passed to the reward functions by name. Each step takes `prompts_per_step` of them in order."""
+    rollouts: optional(Text) = None
+    """Rollouts another engine wrote, in place of jlong's sampler: JSON Lines of `prompt_ids`, `completion_ids`,
+    `logprobs` (the sampler's, of logits / rl.temperature: the old log-probabilities of the ratio, as they
+    stand), `reward` (or one field per function of rl.rewards) and `group`; each step takes `prompts_per_step`
+    groups in file order."""
+    rewards: sequence_of(Text) = ()
+    """Reward functions, called as TRL calls them: `module:function`, `path/to/file.py:function`, or a built-in
+    (`exact_answer`: the final answer against an `answer` column; `think_format`), each giving one float (or
+    None) per completion (`jlong.objectives.rewards`)."""
+    reward_weights: optional(sequence_of(Number)) = None
+    """Each reward function's weight in a completion's reward (default 1 each)."""
+    num_generations: Integer = 8
+    """G: completions per prompt, a group (at least 2)."""
+    prompts_per_step: PositiveInt = 1
+    """Prompts (groups) a step trains on; their G completions each must fit train.batch_size rows of
+    train.seq_len."""
+    max_new_tokens: PositiveInt = 256
+    """The longest completion (TRL's max_completion_length); a prompt plus it must fit train.seq_len."""
+    temperature: PositiveNumber = 1.0
+    """The sampler's temperature; log-probabilities are of logits / temperature, in the rollouts and the loss."""
+    top_p: Annotated[float, BeforeValidator(_fraction)] = 1.0
+    """The sampler's top-p (1: every token)."""
+    top_k: NonNegativeInt = 0
+    """The sampler's top-k (0: every token)."""
+    loss_type: choice(Literal["dapo", "grpo", "dr_grpo", "bnpo"]) = "dapo"
+    """How the per-token loss is normalised, as TRL does on one process: `dapo` and `bnpo` by the batch's
+    completion tokens, `grpo` each completion's mean then their mean, `dr_grpo` by the completions x
+    max_new_tokens."""
+    epsilon: PositiveNumber = 0.2
+    """The ratio's lower clip: 1 - epsilon."""
+    epsilon_high: optional(PositiveNumber) = None
+    """The ratio's upper clip: 1 + epsilon_high (default: epsilon)."""
+    beta: NonNegativeNumber = 0.0
+    """The weight of the k3 estimate of KL to the reference policy (LoRA: the adapters off; otherwise the starting
+    weights, a second copy on the devices); 0: no reference."""
+    scale_rewards: choice(Literal["group", "batch", "none"]) = "group"
+    """Advantages (r - the group's mean) divided by the group's standard deviation, the batch's, or nothing."""
+    num_iterations: PositiveInt = 1
+    """Steps each batch of rollouts serves, against the log-probabilities it was sampled with."""
+    mask_truncated_completions: Flag = False
+    """Completions cut at max_new_tokens (no stop id) carry no loss."""
+    stop_ids: sequence_of(NonNegativeInt) = ()
+    """Token ids that end a completion, beside the checkpoint's end-of-sequence ids."""
+    export_every: NonNegativeInt = 0
+    """Every this many steps, the weights (a LoRA run's merged) as a Hugging Face checkpoint in `export_dir`, for
+    an engine that writes rl.rollouts to reload; 0: never."""
+    export_dir: optional(Text) = None
+    """Where `export_every` writes: the newest export replaces the one before, whole."""
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
 class LoraConfig(_Section):
@@ -476,6 +540,9 @@ class DataConfig(_Section):
     """The training data: synthetic tokens, a token file (or shards), or a weighted mixture of them, and how
     sequences are drawn from it."""
 
+    tokenizer: optional(Text) = None
+    """A tokenizer directory (or tokenizer.json) for what is read as text: GRPO's prompts, completions and reward
+    functions."""
     source: choice(Literal["synthetic", "tokens"]) = "synthetic"
     """`synthetic`: random token ids, nothing to read; `tokens`: token files (`path` or `mix`)."""
     path: optional(Paths) = None
@@ -631,6 +698,8 @@ class Config(_Section):
     """Held-out loss and passkey retrieval."""
     lora: LoraConfig | None = None
     """LoRA / QLoRA fine-tuning; absent: every parameter trains."""
+    rl: RLConfig = Field(default_factory=RLConfig)
+    """Reinforcement learning's prompts, rewards and loss (`train.objective: grpo`)."""
     run_dir: optional(Text) = None
     """The run directory: metrics.jsonl (one JSON object per step), config.yaml, loss.png (the loss of every step
     so far), and tensorboard/ and profile/ when asked for; unset: none is written."""

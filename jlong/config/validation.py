@@ -116,6 +116,28 @@ def _check_objective(config: Config) -> None:
         raise JlongError("data.sampling=pairs reads preference pairs, which train.objective=dpo trains on: set it")
     if dpo and config.data.mix is not None:
         raise JlongError("train.objective=dpo reads one preference file (data.path), not data.mix")
+    if config.train.objective == "grpo":
+        _check_rl(config)
+
+
+def _check_rl(config: Config) -> None:
+    """GRPO's settings among themselves and against the run's length (the prompts' lengths are checked as
+    they are read)."""
+    rl = config.rl
+    if rl.num_generations < 2:
+        raise JlongError(f"rl.num_generations must be at least 2 (a group's advantages compare its completions), "
+                         f"got {rl.num_generations}")
+    if (rl.prompts is None) == (rl.rollouts is None):
+        raise JlongError("train.objective=grpo takes its prompts from rl.prompts (jlong's sampler) or its rollouts "
+                         "from rl.rollouts (another engine's): set one of them")
+    if rl.prompts is not None and not rl.rewards:
+        raise JlongError("rl.prompts are scored by reward functions: set rl.rewards (e.g. [exact_answer] or "
+                         "[my_rewards.py:score])")
+    if rl.max_new_tokens >= config.train.seq_len:
+        raise JlongError(f"rl.max_new_tokens ({rl.max_new_tokens}) leaves no room for a prompt in train.seq_len "
+                         f"({config.train.seq_len})")
+    if rl.export_every and not rl.export_dir:
+        raise JlongError("rl.export_every writes the weights into rl.export_dir: set it")
 
 
 def _check_lora(config: Config) -> None:

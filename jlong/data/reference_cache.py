@@ -5,7 +5,7 @@
 The file holds each pair's (chosen, rejected) sums, which pairs have them
 (`computed`), and the key they were made under (the digests of the file's
 arrays and of the weights, the model and the compute dtype:
-`jlong.eval.preference.reference_key`). A run computes the pairs its rows
+`jlong.objectives.dpo_reference.reference_key`). A run computes the pairs its rows
 hold that the file lacks, so a later run at a longer train.seq_len adds
 the pairs that fit only its rows. Values under another key are never read:
 a run under another key computes its own and replaces them.

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from jlong.reference.cli import cli_page
-from jlong.reference.config import config_page
-from jlong.reference.families import families_page
-from jlong.reference.metrics import metrics_page
+from jlong.docgen.cli import cli_page
+from jlong.docgen.config import config_page
+from jlong.docgen.families import families_page
+from jlong.docgen.metrics import metrics_page
 
 PAGES: dict[str, Callable[[], str]] = {
     "reference/config.md": config_page,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from jlong.reference.markdown import GENERATED, anchored, code, paragraph, table
+from jlong.docgen.markdown import GENERATED, anchored, code, paragraph, table
 
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, tuple[argparse.ArgumentParser, str]]:

@@ -23,7 +23,7 @@ from pydantic_core import PydanticUndefined
 from jlong.config import schema
 from jlong.config import types as config_types
 from jlong.options import REMAT_NAMES
-from jlong.reference.markdown import GENERATED, anchored, code, paragraph, table
+from jlong.docgen.markdown import GENERATED, anchored, code, paragraph, table
 
 # Lists in the schema whose items are checked against a model of their own (mappings in the schema's types).
 ENTRY_MODELS: dict[str, type[BaseModel]] = {"data.mix": schema.MixSource, "eval.mix": schema.CorpusEntry}
@@ -96,7 +96,7 @@ def _kind_of_steps(steps: list, where: str) -> Kind:
             inner = _kind_of_steps(_closure(step)["steps"], where)
             return Kind(f"list of {_plural(inner.type)}", f"each {inner.allowed}" if inner.allowed else "")
         else:
-            raise ValueError(f"{where}: jlong.reference.config does not know the validator {step.__qualname__}: "
+            raise ValueError(f"{where}: jlong.docgen.config does not know the validator {step.__qualname__}: "
                              "describe it there")
     if kind is None:
         raise ValueError(f"{where}: no validator says what the field's type is")
@@ -129,7 +129,7 @@ def _plain_kind(annotation, where: str) -> Kind:
     names = {int: "integer", float: "number", str: "string", bool: "true or false"}
     if annotation in names:
         return Kind(names[annotation])
-    raise ValueError(f"{where}: jlong.reference.config cannot describe the type {annotation!r}")
+    raise ValueError(f"{where}: jlong.docgen.config cannot describe the type {annotation!r}")
 
 
 def kind_of(annotation, where: str) -> Kind:
@@ -219,7 +219,7 @@ def _model_table(model: type[BaseModel], prefix: str, choices: dict[str, str],
 
 def _model_families() -> dict[str, str]:
     """Each model field that only some families read: those families, linked to their table."""
-    from jlong.reference.families import fields_by_family
+    from jlong.docgen.families import fields_by_family
 
     read = fields_by_family()
     every = set.intersection(*map(set, read.values()))

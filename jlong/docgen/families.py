@@ -13,7 +13,7 @@ from pathlib import Path
 
 from jlong.config import schema
 from jlong.config.loading import load_preset, preset_names, presets_dir
-from jlong.reference.markdown import GENERATED, anchored, code, paragraph, table
+from jlong.docgen.markdown import GENERATED, anchored, code, paragraph, table
 
 
 def _families():

@@ -3,7 +3,7 @@ record, the per-source names, the entries of the list-valued ones, and the names
 
 from __future__ import annotations
 
-from jlong.reference.markdown import GENERATED, anchored, code, table
+from jlong.docgen.markdown import GENERATED, anchored, code, table
 from jlong.training import metric_names
 
 
@@ -25,6 +25,11 @@ def metrics_page() -> str:
         "## Some runs and steps { #some-steps }\n",
         table(["key", "when", "meaning"], [[anchored(m.name, m.name), m.when, m.meaning]
                                            for m in metrics if not m.every_step]),
+        "## Per reward function { #per-reward-function }\n",
+        "GRPO logs each function of [`rl.rewards`](config.md#rl.rewards) by its name (a built-in's, or the "
+        "function's after the colon):\n",
+        table(["name", "meaning"], [[anchored(p.pattern, _anchor(p.pattern)), p.meaning]
+                                    for p in metric_names.REWARD_FUNCTIONS]),
         "## Per-source names { #per-source }\n",
         "Where a key's value is a mapping, its keys are the sources' names (`name` of a `data.mix` or `eval.mix` "
         "entry; by default its path's stem):\n",

@@ -20,7 +20,7 @@ from jlong.config.huggingface import hf_stop_ids
 from jlong.eval import passkey
 from jlong.eval.answers import answer_accuracy, answer_trials
 from jlong.eval.positions import loss_by_position
-from jlong.eval.preference import held_out_metrics, held_out_reference
+from jlong.objectives.dpo_reference import held_out_metrics, held_out_reference
 from jlong.attention.methods import method_of
 from jlong.planner.memory_choice import frugal
 from jlong.program.train_program import TrainProgram

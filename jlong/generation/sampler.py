@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jlong.attention.methods import method_of
-from jlong.config import with_values
 from jlong.errors import JlongError
 from jlong.families import family_of
 from jlong.generation.decode import PROMPT_KV, PROMPT_POSITIONS, WINDOW_KV, WINDOW_POSITIONS, DecodeLayers
@@ -168,7 +167,9 @@ class Sampler:
         """The jitted prefill of batches of padded length P: (parameters, the batch's arrays in the model's
         layout) -> (each layer type's caches, each prompt's next-token logits [B, V])."""
         if P not in self._prefill:
-            at_length = with_values(self.config, train={"seq_len": P})
+            # The run's settings at the prefill's length (its kernel choice reads the length); not a run config
+            # of its own, so not checked as one.
+            at_length = self.config.model_copy(update={"train": self.config.train.model_copy(update={"seq_len": P})})
             options = ForwardOptions.for_training(at_length, MeshShards(self.mesh), self.mesh.devices.flat[0].platform)
             options = dataclasses.replace(options, remat="none", remat_segments=(), layers_per_checkpoint=1)
             self._prefill[P] = jax.jit(functools.partial(self._prefill_step, options=options, padded_length=P),

@@ -1,19 +1,15 @@
-"""Direct Preference Optimization (DPO): per-document log-probabilities and
-the loss of preference pairs, from the policy's and a reference's sums.
+"""Per-document sums of a packed batch: what the objectives that score whole
+completions read from the model (`jlong.objectives`).
 
-A batch row holds whole pairs (`data.sampling: pairs`): each target token
-that belongs to a completion carries its document's slot in the row
-(`pair_documents`: 2p for pair p's chosen completion, 2p + 1 for its
-rejected one, -1 for every other token). `document_logps` sums log p(target)
-per slot: [B, N] for N = attention.max_documents slots per row, exact on
-any layout (the sequence shards' partial sums are added across ring and sp).
-With `memory.loss_tile`, each device walks its shard a tile of logits at a
-time, forward and backward, as the language-modelling loss does; the
-backward pass takes one cotangent per document.
-
-`dpo_loss` is the sigmoid loss, TRL's default:
--log sigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r))) per pair, the batch's
-loss the mean over its pairs; the metrics are TRL's, by TRL's names.
+Each target token that belongs to a document carries its document's slot in
+its row (DPO's `pair_documents`: 2p for pair p's chosen completion, 2p + 1
+for its rejected one; GRPO's `documents`: the completion's order in the row;
+-1 for every other token). `document_logps` sums log p(target) per slot:
+[B, N] for N slots per row, exact on any layout (the sequence shards' partial
+sums are added across ring and sp). With `memory.loss_tile`, each device
+walks its shard a tile of logits at a time, forward and backward, as the
+language-modelling loss does; the backward pass takes one cotangent per
+document. `slot_sums` sums any per-token values so.
 """
 
 from __future__ import annotations
@@ -35,7 +31,7 @@ def document_logps(hidden_BSD, w_DV, targets_BS, documents_BS, *, count: int, ti
     """[B, count] float32: per row and document slot, the sum of log p(target)
     over the targets whose slot (`documents_BS`) it is; -1 belongs to none."""
     if not tile:
-        return _slot_sums(_target_logps(output_logits(hidden_BSD, w_DV), targets_BS), documents_BS, count)
+        return slot_sums(_target_logps(output_logits(hidden_BSD, w_DV), targets_BS), documents_BS, count)
     sequence_axes = tuple(a for a in ("ring", "sp") if a in shards.all_axes)  # size 1 too: the types say so
     per_device = functools.partial(_device_document_logps, tile=tile, count=count, axes=sequence_axes)
     return shards.map(per_device, (HIDDEN, REPLICATED, TOKENS, TOKENS), DOCUMENTS)(
@@ -48,7 +44,7 @@ def _target_logps(logits_BSV, targets_BS):
     return target_logit - jax.nn.logsumexp(logits, axis=-1)
 
 
-def _slot_sums(values_BS, documents_BS, count: int):
+def slot_sums(values_BS, documents_BS, count: int):
     """[B, count] sums of values by slot (a one-hot contraction: no scatter)."""
     one_hot = documents_BS[..., None] == jnp.arange(count, dtype=documents_BS.dtype)
     return jnp.einsum("bs,bsn->bn", values_BS, one_hot.astype(jnp.float32))
@@ -67,7 +63,7 @@ def _tiled_slot_logps(hidden_BsD, w_DV, targets_Bs, documents_Bs, tile, count):
 
     def add_tile(sums, inputs):
         h_BTD, targets_BT, documents_BT = inputs
-        return sums + _slot_sums(_target_logps(output_logits(h_BTD, w_DV), targets_BT), documents_BT, count), None
+        return sums + slot_sums(_target_logps(output_logits(h_BTD, w_DV), targets_BT), documents_BT, count), None
 
     zero = jnp.zeros_like(targets_Bs, jnp.float32, shape=(targets_Bs.shape[0], count))
     tiles = tuple(split_tiles(a, tile) for a in (hidden_BsD, targets_Bs, documents_Bs))
@@ -94,34 +90,3 @@ def _tiled_backward(tile, count, residuals, d_sums_BN):
 
 
 _tiled_slot_logps.defvjp(_tiled_forward, _tiled_backward)
-
-
-def present_pairs(documents_BS, count: int):
-    """[B, count // 2] True where the row holds pair p (its chosen completion has a token)."""
-    tokens_BN = _slot_sums(jnp.ones(documents_BS.shape, jnp.float32), documents_BS, count)
-    return tokens_BN[:, 0:count - count % 2:2] > 0
-
-
-def dpo_loss(policy_BN, reference_BN, present_BP, beta: float):
-    """(the mean sigmoid DPO loss over the batch's pairs, TRL's metrics):
-    documents 2p and 2p + 1 of each row are pair p's chosen and rejected."""
-    reference_BN = jax.lax.stop_gradient(reference_BN)
-    slots = 2 * present_BP.shape[1]  # an odd count's last slot holds no pair
-    chosen, rejected = policy_BN[:, 0:slots:2], policy_BN[:, 1:slots:2]
-    chosen_rewards = beta * (chosen - reference_BN[:, 0:slots:2])
-    rejected_rewards = beta * (rejected - reference_BN[:, 1:slots:2])
-    pairs = present_BP.astype(jnp.float32)
-    count = jnp.maximum(pairs.sum(), 1.0)
-
-    def mean(x):
-        return (x * pairs).sum() / count
-
-    loss = mean(-jax.nn.log_sigmoid(chosen_rewards - rejected_rewards))
-    metrics = {
-        "rewards/chosen": mean(chosen_rewards), "rewards/rejected": mean(rejected_rewards),
-        "rewards/accuracies": mean((chosen_rewards > rejected_rewards).astype(jnp.float32)),
-        "rewards/margins": mean(chosen_rewards - rejected_rewards),
-        "logps/chosen": mean(chosen), "logps/rejected": mean(rejected),
-        "pairs": pairs.sum(),
-    }
-    return loss, jax.tree.map(jax.lax.stop_gradient, metrics)

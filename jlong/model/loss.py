@@ -132,3 +132,61 @@ def _loss_sums(logits_BSV, targets_BS, mask_BS):
     losses = jax.nn.logsumexp(logits, axis=-1) - target_logit
     mask = mask_BS.astype(jnp.float32)
     return (losses * mask).sum(), mask.sum()
+
+
+def target_logprobs(hidden_BSD, w_DV, targets_BS, *, tile: int = 0, shards: Shards = OneDevice()):
+    """(log p(target) [B, S], the entropy of p [B, S]), float32, per token in
+    the batch's layout, p the softmax of the logits (scale the hidden states
+    to take a temperature). With `tile`, a tile of logits at a time on each
+    device, forward and backward: no [S, V] logits exist. Gradients flow
+    through the log-probabilities; the entropy is a measurement."""
+    if not tile:
+        return _logprobs_and_entropy(output_logits(hidden_BSD, w_DV), targets_BS)
+    per_device = functools.partial(_device_target_logprobs, tile=tile)
+    return shards.map(per_device, (HIDDEN, REPLICATED, TOKENS), (TOKENS, TOKENS))(hidden_BSD, w_DV, targets_BS)
+
+
+def _logprobs_and_entropy(logits_BSV, targets_BS):
+    logits = logits_BSV.astype(jnp.float32)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    target = jnp.take_along_axis(logprobs, targets_BS[..., None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logprobs) * logprobs, axis=-1)
+    return target, jax.lax.stop_gradient(entropy)
+
+
+def _device_target_logprobs(hidden_BsD, w_DV, targets_Bs, *, tile):
+    return _tiled_target_logprobs(hidden_BsD, varying_like(w_DV, hidden_BsD), targets_Bs, tile)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _tiled_target_logprobs(hidden_BsD, w_DV, targets_Bs, tile):
+    """The shard's per-token log-probabilities and entropies, one tile of logits at a time. A custom VJP: the
+    backward pass is the tiled cross-entropy's (`tile_gradient`), each token scaled by its cotangent, negated
+    (log p = -cross-entropy)."""
+
+    def one_tile(_, inputs):
+        h_BTD, targets_BT = inputs
+        return None, _logprobs_and_entropy(output_logits(h_BTD, w_DV), targets_BT)
+
+    _, (logprobs, entropy) = jax.lax.scan(one_tile, None, (split_tiles(hidden_BsD, tile), split_tiles(targets_Bs, tile)))
+    return join_tiles(logprobs), join_tiles(entropy)
+
+
+def _target_logprobs_forward(hidden, w, targets, tile):
+    return _tiled_target_logprobs(hidden, w, targets, tile), (hidden, w, targets)
+
+
+def _target_logprobs_backward(tile, residuals, cotangents):
+    hidden_BsD, w_DV, targets_Bs = residuals
+    d_logprobs_Bs = cotangents[0]
+
+    def tile_gradients(dw_DV, inputs):
+        h_BTD, targets_BT, d_BT = inputs
+        return tile_gradient(h_BTD, w_DV, targets_BT, -d_BT, dw_DV)
+
+    tiles = tuple(split_tiles(a, tile) for a in (hidden_BsD, targets_Bs, d_logprobs_Bs))
+    dw_DV, dh = jax.lax.scan(tile_gradients, jnp.zeros_like(w_DV, jnp.float32), tiles)
+    return join_tiles(dh), dw_DV.astype(w_DV.dtype), None
+
+
+_tiled_target_logprobs.defvjp(_target_logprobs_forward, _target_logprobs_backward)

@@ -32,8 +32,8 @@ from jlong.linear_attention import gated_delta
 from jlong.lora.nf4 import dequantize, is_quantized
 from jlong.lora.targets import LoraSettings, adapted_layer, adapter_specs
 from jlong.model.layer_io import LayerIO
-from jlong.model.loss import cross_entropy, output_logits, tiled_cross_entropy, token_scores
-from jlong.model.preference import document_logps, dpo_loss, present_pairs
+from jlong.model.document_sums import document_logps
+from jlong.model.loss import cross_entropy, output_logits, target_logprobs, tiled_cross_entropy, token_scores
 from jlong.model.remat import remat_policy, scan_layers, scan_periods
 from jlong.moe import grouped_matmul
 from jlong.moe.routing import expert_load_max_over_mean, load_balancing_loss
@@ -387,9 +387,9 @@ class Transformer(nnx.Module):
             )
         else:
             loss = cross_entropy(self.logits(hidden_BSD), targets_BS, mask_BS)
-        return self._with_routing(loss, {}, routing)
+        return self.with_routing(loss, {}, routing)
 
-    def _with_routing(self, loss, metrics: dict, routing):
+    def with_routing(self, loss, metrics: dict, routing):
         """The loss and metrics of a mixture of experts: its load statistic, and
         router_aux_loss_coef x its load-balancing loss when that is trained."""
         if routing is None:
@@ -402,7 +402,7 @@ class Transformer(nnx.Module):
 
     def document_logps_and_routing(self, batch: dict, count: int):
         """([B, count] sums of log p(target) per document slot of each row
-        (`batch["pair_documents"]`, `jlong.model.preference`), the routing statistics)."""
+        (`batch["pair_documents"]`, `jlong.model.document_sums`), the routing statistics)."""
         hidden_BSD, routing = self.hidden_states_and_routing(
             batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
         logps = document_logps(hidden_BSD, self.output_weights(hidden_BSD.dtype), batch["targets"],
@@ -410,13 +410,17 @@ class Transformer(nnx.Module):
                                shards=self.options.shards)
         return logps, routing
 
-    def dpo_loss_and_metrics(self, batch: dict, reference_BN, *, beta: float):
-        """(DPO's loss of a batch of preference pairs against the reference's
-        per-document log-probabilities [B, N], its metrics: `jlong.model.preference`)."""
-        policy_BN, routing = self.document_logps_and_routing(batch, reference_BN.shape[1])
-        loss, metrics = dpo_loss(policy_BN, reference_BN, present_pairs(batch["pair_documents"], policy_BN.shape[1]),
-                                 beta)
-        return self._with_routing(loss, metrics, routing)
+    def token_logprobs_and_routing(self, batch: dict, temperature: float = 1.0):
+        """(log p(target) [B, S] and the entropy of p [B, S] per token, p the softmax of logits / temperature,
+        float32 in the batch's layout, tiled as the loss is (`memory.loss_tile`: never [S, V]); the routing
+        statistics)."""
+        hidden_BSD, routing = self.hidden_states_and_routing(
+            batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
+        if temperature != 1.0:  # logits / T = (h / T) @ W
+            hidden_BSD = (hidden_BSD.astype(jnp.float32) / temperature).astype(hidden_BSD.dtype)
+        logprobs = target_logprobs(hidden_BSD, self.output_weights(hidden_BSD.dtype), batch["targets"],
+                                   tile=self.options.loss_tile, shards=self.options.shards)
+        return logprobs, routing
 
     def token_scores(self, batch: dict):
         """[B, S, 2] float32 per target token, in the batch's layout: its

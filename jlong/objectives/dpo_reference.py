@@ -1,7 +1,7 @@
 """DPO's log-probabilities of whole preference pairs, outside the train step:
-the reference's, computed once, and the metrics of held-out pairs.
+the reference policy's, computed once, and the metrics of held-out pairs.
 
-With full fine-tuning the reference is the initial model. Rather than keep
+With full fine-tuning the reference policy is the initial model. Rather than keep
 a second copy of it beside the policy, a pass of the initial weights over
 the preference file computes each pair's (chosen, rejected) sums of
 completion log-probabilities before the run holds any other weights, and
@@ -39,9 +39,8 @@ from jlong.data.pairs import PreferencePairs
 from jlong.data.reference_cache import Cached, ReferenceCache
 from jlong.data.sources import REFERENCE_LOGPS, document_structure
 from jlong.digests import array_digest, checkpoint_digest, hf_digest
-from jlong.parallel.placement import make_mesh, replicated
-from jlong.program.initial_weights import check_init_from
-from jlong.program.train_program import TrainProgram
+from jlong.init_from import check_init_from
+from jlong.parallel.placement import replicated
 
 
 def reference_key(config: Config, source: PreferencePairs) -> dict:
@@ -100,17 +99,18 @@ def reference_logps(config: Config, source: PreferencePairs, path, compute: Call
     return cached.logps
 
 
-def from_starting_weights(config: Config, source: PreferencePairs) -> Callable[[np.ndarray], np.ndarray]:
-    """`compute` for `reference_logps`: the run's starting weights, read into a program of `config`'s
-    layout and length when called (and dropped when it returns), over the pairs asked for."""
+def from_starting_weights(make_program: Callable, source: PreferencePairs) -> Callable[[np.ndarray], np.ndarray]:
+    """`compute` for `reference_logps`: the run's starting weights, read into the program `make_program()`
+    gives (of the config's layout and length) when called, and dropped when it returns, over the pairs asked
+    for."""
     def compute(pairs: np.ndarray) -> np.ndarray:
-        program = TrainProgram(config, make_mesh(config.mesh))
+        program = make_program()
         return pair_logps(program, source, program.starting_params(), pairs)
 
     return compute
 
 
-def pair_logps(program: TrainProgram, source: PreferencePairs, params: dict,
+def pair_logps(program, source: PreferencePairs, params: dict,
                pairs: np.ndarray | None = None) -> np.ndarray:
     """[pairs, 2] each pair's (chosen, rejected) sum of completion log-probabilities under `params`, for
     `pairs` (default: every pair that fits a row; NaN for the others), packed into rows as the first pass
@@ -131,7 +131,7 @@ def pair_logps(program: TrainProgram, source: PreferencePairs, params: dict,
 
 
 @functools.cache
-def _forward(program: TrainProgram):
+def _forward(program):
     """(the batch keys, the jitted (params, batch) -> [B, N] per-slot log-probabilities, whole on every
     device): one per program, so the policy's and the reference's passes share a compiled program."""
     count = program.config.attention.max_documents
@@ -155,7 +155,7 @@ def held_out_pairs(config: Config) -> tuple[PreferencePairs, np.ndarray]:
     return source, np.concatenate([source.pairs_of(i) for i in range(rows)])
 
 
-def held_out_reference(program: TrainProgram, say) -> np.ndarray:
+def held_out_reference(program, say) -> np.ndarray:
     """Full fine-tuning: the initial model's log-probabilities of the scored held-out pairs, from the cache
     beside eval.path or computed with the starting weights. Call it before the weights to score are on the
     devices: computing reads the starting weights onto them."""
@@ -165,7 +165,7 @@ def held_out_reference(program: TrainProgram, say) -> np.ndarray:
                            lambda pairs: pair_logps(program, source, program.starting_params(), pairs), say, scored)
 
 
-def held_out_metrics(program: TrainProgram, params: dict, reference: np.ndarray | None = None, say=print) -> dict:
+def held_out_metrics(program, params: dict, reference: np.ndarray | None = None, say=print) -> dict:
     """TRL's metrics of eval.path's pairs (those of its first eval.sequences
     rows): the policy `params` against the run's reference (LoRA: its base,
     the adapters off; full fine-tuning: the initial model's, `reference`, or

@@ -56,7 +56,7 @@ LOGICAL_AXES: dict[str, AxisRule] = {
     "conv_taps": AxisRule(GATHERED_AT_COMPUTE),
     "experts": AxisRule(GATHERED_AT_COMPUTE, rest_order=6),  # a mixture's experts
     "layers": AxisRule(GATHERED_AT_COMPUTE),  # the scan over layers takes one at a time
-    "documents": AxisRule(GATHERED_AT_COMPUTE),  # a row's preference documents (`jlong.model.preference`)
+    "documents": AxisRule(GATHERED_AT_COMPUTE),  # a row's documents (`jlong.model.document_sums`)
     "lora_rank": AxisRule(GATHERED_AT_COMPUTE),  # a LoRA adapter's rank (`jlong.lora`): a few dozen, never split
     # A sampler's caches (`jlong.generation`): the cached tokens split as the sequence was, and a linear-attention
     # layer's state by the heads each sp device ran (Ulysses' head layout).

@@ -17,16 +17,17 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jlong.config import Config
-from jlong.data.sources import REFERENCE_LOGPS, batch_layout
+from jlong.checkpoint import Checkpoints
 from jlong.families import family_of
 from jlong.model.transformer import ForwardOptions, Transformer
-from jlong.model.preference import DOCUMENTS
+from jlong.model.document_sums import DOCUMENTS
+from jlong.objectives import objective_of
 from jlong.parallel.placement import MeshShards, batch_sharding, compute_sharding, replicated, rest_spec
 from jlong.attention.methods import method_of
 from jlong.program.frozen_base import FrozenBase
 from jlong.lora.targets import lora_settings
 from jlong.program.host_optimizer import HostAdamW
-from jlong.program.initial_weights import check_init_from, load_initial_weights
+from jlong.init_from import InitialWeights, SETTING as INIT_FROM, check_init_from
 from jlong.program.optimizer import DeviceAdamW, Optimizer
 
 
@@ -37,6 +38,9 @@ def make_optimizer(config: Config, frozen_base: FrozenBase | None = None) -> Opt
         return DeviceAdamW(config.train, frozen_base.decays)
     kind = HostAdamW if config.memory.optimizer_offload else DeviceAdamW
     return kind(config.train, functools.partial(family_of(config.model).decay_mask, config.model))
+
+
+TOKEN_ARRAYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")  # what a forward pass reads
 
 
 def _with_shardings(shapes, shardings):
@@ -83,15 +87,16 @@ class TrainProgram:
             param_shapes, self.param_shardings,
         )
 
+        self.objective = objective_of(config)
         self.batch_sharding = batch_sharding(mesh)
-        per_row = compute_sharding(mesh, DOCUMENTS)  # DPO's reference [B, N]: the rows split as the tokens are
+        per_row = compute_sharding(mesh, DOCUMENTS)  # per-row arrays [B, N]: the rows split as the tokens are
         self.abstract_batch = {
             key: jax.ShapeDtypeStruct(shape, dtype,
-                                      sharding=per_row if key == REFERENCE_LOGPS else self.batch_sharding)
-            for key, (shape, dtype) in batch_layout(config).items()
+                                      sharding=per_row if key in self.objective.per_row else self.batch_sharding)
+            for key, (shape, dtype) in self.objective.batch_layout(config).items()
         }
         self.batch_shardings = {key: s.sharding for key, s in self.abstract_batch.items()}
-        if self.lora and config.train.objective == "dpo":  # the reference: the base alone, the adapters off
+        if self.lora:  # the base alone, the adapters off: the reference policy of DPO and GRPO
             base = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0), options=self.options,
                                                       param_dtype=config.train.compute_dtype))
             self._base_graphdef, self._abstract_base_state = nnx.split(base)
@@ -102,18 +107,10 @@ class TrainProgram:
             donate_argnums=(0, 1),
         )
         # Forward only: (params, batch) -> [B, S, 2] per-token cross-entropy and argmax hits (`jlong.eval`),
-        # of the token arrays alone (a DPO batch's per-pair arrays are the objective's).
-        self.abstract_eval_batch = {key: s for key, s in self.abstract_batch.items()
-                                    if key not in ("pair_documents", REFERENCE_LOGPS)}
+        # of the token arrays alone (the objective's own arrays left out).
+        self.abstract_eval_batch = {key: s for key, s in self.abstract_batch.items() if key in TOKEN_ARRAYS}
         self.eval_step = jax.jit(self._token_scores, in_shardings=(self.rest_shardings, self.batch_sharding),
                                  out_shardings=self.batch_sharding)
-
-    @property
-    def reference_in_batch(self) -> bool:
-        """Whether a DPO step reads its reference's log-probabilities from the batch
-        (full fine-tuning: computed once, before training) rather than computing
-        them itself (LoRA: the base, the adapters off, in the same step)."""
-        return self.config.train.objective == "dpo" and not self.lora
 
     def _fresh_model(self, seed: int) -> Transformer:
         train = self.config.train
@@ -148,8 +145,21 @@ class TrainProgram:
         model.hf_path's, or random from train.seed (a LoRA run's adapters fresh)."""
         hf_path, seed = self.config.model.hf_path, self.config.train.seed
         if initial := check_init_from(self.config):
-            return load_initial_weights(self, initial)
+            return self.load_initial_weights(initial)
         return self.load_hf_params(hf_path, seed) if hf_path else self.init_params(seed)
+
+    def load_initial_weights(self, weights: InitialWeights) -> dict:
+        """train.init_from's weights (`jlong.init_from`), read straight into the program's shardings."""
+        if weights.kind == "hf":
+            return self.load_hf_params(weights.path)
+        checkpoints = Checkpoints(weights.path)
+        try:
+            checkpoints.check_layout(weights.step, {"params": self.abstract_params},
+                                     f"{INIT_FROM} needs the weights of the configured model, in train.param_dtype")
+            params, _ = checkpoints.restore(weights.step, self.abstract_params)
+        finally:
+            checkpoints.close()
+        return params
 
     def init_params(self, seed: int) -> dict:
         """Random initial parameters, created directly in their shards (a QLoRA base quantized)."""
@@ -209,20 +219,13 @@ class TrainProgram:
         return self._loss_and_metrics(params, batch)[0]
 
     def _loss_and_metrics(self, params: dict, batch: dict):
-        if self.config.train.objective == "dpo":
-            return self.bind(params).dpo_loss_and_metrics(batch, self.reference_logps(params, batch),
-                                                          beta=self.config.train.dpo_beta)
-        return self.bind(params).loss_and_metrics(batch)
+        return self.objective.loss_and_metrics(self, params, batch)
 
-    def reference_logps(self, params: dict, batch: dict):
-        """DPO's reference: [B, N] log-probabilities per document slot, from the
-        batch, or (LoRA) the frozen base's with no adapters, no gradient."""
-        if self.reference_in_batch:
-            return batch[REFERENCE_LOGPS]
+    def base_model(self, params: dict) -> Transformer:
+        """A LoRA run's frozen base alone, the adapters off, from `params` (the reference policy of DPO and GRPO)."""
         state = jax.tree.map(lambda v: v, self._abstract_base_state)
-        nnx.replace_by_pure_dict(state, self.frozen_base.frozen(jax.lax.stop_gradient(params)))
-        base = nnx.merge(self._base_graphdef, state)
-        return jax.lax.stop_gradient(base.document_logps_and_routing(batch, self.config.attention.max_documents)[0])
+        nnx.replace_by_pure_dict(state, self.frozen_base.frozen(params))
+        return nnx.merge(self._base_graphdef, state)
 
     def _step(self, params, opt_state, batch):
         """One optimizer step: the metrics are the loss, the gradient's norm and the model's own
@@ -260,8 +263,7 @@ class TrainProgram:
         layout = method_of(self.config).layout(self.config)
         placed = {}
         for key, value in batch.items():
-            # per row, not along the sequence
-            laid_out = value if key == REFERENCE_LOGPS else layout.lay_out(value)
+            laid_out = value if key in self.objective.per_row else layout.lay_out(value)
             placed[key] = jax.make_array_from_callback(
                 value.shape, self.batch_shardings.get(key, self.batch_sharding),
                 functools.partial(_index, laid_out))

@@ -22,7 +22,7 @@ from jlong.planner.memory import format_plan, plan_of
 from jlong.planner.memory_choice import choose, frugal
 from jlong.planner.targets import PlanTarget
 from jlong.training.checkpoint_owner import check_lora_base_of, check_owner
-from jlong.program.initial_weights import check_init_from
+from jlong.init_from import check_init_from
 from jlong.training.loop import checked_last_step, run_target
 from jlong.training.metric_sinks import check_available
 from jlong.training.report import LOSS_PLOT, realised_mix

@@ -16,8 +16,6 @@ from jlong.checkpoint import Checkpoints
 from jlong.config import Config, config_to_dict
 from jlong.config.stages import StageRun, stage_at, stage_runs
 from jlong.data.recorded import with_recorded_data
-from jlong.data.pairs import describe as describe_pairs
-from jlong.data.sources import Batches
 from jlong.errors import JlongError
 from jlong.planner.advice import is_out_of_memory, out_of_memory_error, over_budget_error
 from jlong.planner.flops import model_flops_per_token
@@ -29,11 +27,11 @@ from jlong.checkpoint import BASE_DIGEST
 from jlong.training.checkpoint_owner import check_lora_base_of, check_owner
 from jlong.training.host_memory import available_bytes, check_host_memory
 from jlong.lora.peft_format import read_adapters
-from jlong.program.initial_weights import InitialWeights, check_init_from, load_initial_weights
+from jlong.init_from import InitialWeights, check_init_from
 from jlong.training.metric_sinks import check_available
 from jlong.program.optimizer import learning_rate
 from jlong.training.preemption import StopRequests
-from jlong.eval.preference import from_starting_weights, reference_logps
+from jlong.objectives import objective_of
 from jlong.program.train_program import TrainProgram
 from jlong.training.progress import Progress
 from jlong.training.report import nothing_to_do, summary
@@ -86,7 +84,7 @@ def start(config: Config, mesh, checkpoints: Checkpoints | None, last: int,
         params = program.with_saved(program.starting_params(), saved) if program.lora else saved
     else:
         initial = initial or check_init_from(config)  # none of the run's checkpoints could be read
-        params = load_initial_weights(program, initial) if initial else program.starting_params()
+        params = program.load_initial_weights(initial) if initial else program.starting_params()
         if program.lora and config.lora.init_from:
             params = program.with_saved(params, program.place_saved(read_adapters(config.lora.init_from, program)))
         opt_state = program.init_opt_state(params)
@@ -164,8 +162,8 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
     stages = stage_runs(config)
     # Each stage's data and held-out tokens, and the run directory, are checked before anything is built.
     staged = len(stages) > 1
-    inputs = {run.number: (Batches.from_config(run.config),
-                           PeriodicEvaluation(run.config, run.last if staged else None))
+    objective = objective_of(config)
+    inputs = {run.number: (objective.batches(run.config), PeriodicEvaluation(run.config, run.last if staged else None))
               for run in stages}
     run_dir = RunDir(config) if config.run_dir and jax.process_index() == 0 else None
     resumable = 0
@@ -189,9 +187,12 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
                               run_record=config_to_dict(config)) if config.checkpoint.dir else None
     stops = stop_requests or StopRequests.installed()
     try:
-        if config.train.objective == "dpo":  # before any weights are on the devices: no second copy for the reference
-            _use_dpo_reference([(each.config, inputs[each.number][0]) for each in stages])
+        # Before any weights are on the devices: DPO's reference policy needs no second copy of them.
+        objective.before_training([(each.config, inputs[each.number][0]) for each in stages], _say,
+                                  lambda each: TrainProgram(each, make_mesh(each.mesh)))
         run = start(stage.config, make_mesh(stage.config.mesh), checkpoints, last, initial, staged=staged)
+        if run.step and checkpoints:  # what the objective keeps beside the weights (GRPO's pending rollouts)
+            objective.restore_state(inputs[stage.number][0], checkpoints.meta(run.step))
         run.lora_base = lora_base
         if run.step >= last:
             _say(nothing_to_do(config, run.step, until_step))
@@ -213,7 +214,7 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
                     _enter_stage(run, stage, len(stages))
                 batches, evaluation = inputs[stage.number]
                 stops.step_started(step, recorder.expected_step_seconds())
-                batch = batches.batch(step)
+                batch = objective.batch(batches, step, run.program, run.params)
                 loss, grad_norm, model_metrics, seconds = _update(run, batch, step)
                 _check_finite(step, loss, grad_norm, checkpoints)
                 if routing and (warning := routing.observe(step, model_metrics)):
@@ -224,11 +225,13 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
                                 else measured, stage.config)
                 every = config.checkpoint.every
                 if checkpoints and ((every and step % every == 0) or step == last):
-                    _save(stage.config, checkpoints, run, stage.number if staged else None)
+                    _save(stage.config, checkpoints, run, stage.number if staged else None,
+                          objective.saved_state(batches, step))
         if run_dir and recorder.records:
             run_dir.plot_losses()
         if stopped_by:
-            _say(_stop(stage.config, checkpoints, run, stopped_by))
+            _say(_stop(stage.config, checkpoints, run, stopped_by,
+                       objective.saved_state(inputs[stage.number][0], run.step)))
         else:
             _say(summary(config, recorder.records, time.perf_counter() - began, last if checkpoints else None))
         return recorder.records
@@ -239,22 +242,6 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
             run_dir.close()
         if checkpoints:
             checkpoints.close()
-
-
-def _use_dpo_reference(stage_data: list[tuple[Config, Batches]]) -> None:
-    """Says which reference a DPO run uses; with full fine-tuning, gives each
-    stage's batches (of its data.path) their pairs' reference log-probabilities,
-    read from the cache beside the file or computed with the starting weights.
-    The longest rows go first: the pairs they compute serve shorter rows too."""
-    for config, batches in stage_data:
-        _say(describe_pairs(batches.source, config.data.path))  # how many pairs fill the rows, and how many are skipped
-    if stage_data[0][0].lora:
-        _say("DPO's reference: the base model, the adapters off, in the same step (no second copy)")
-        return
-    for config, batches in sorted(stage_data, key=lambda each: -each[0].train.seq_len):
-        source = batches.source
-        batches.use_reference(reference_logps(config, source, config.data.path, from_starting_weights(config, source),
-                                              _say))
 
 
 def routing_watch(config: Config) -> RoutingWatch | None:
@@ -332,9 +319,11 @@ class PeriodicEvaluation:
         return metrics
 
 
-def _save(config: Config, checkpoints: Checkpoints, run: Started, stage: int | None = None) -> None:
+def _save(config: Config, checkpoints: Checkpoints, run: Started, stage: int | None = None,
+          objective_state: dict | None = None) -> None:
     # The data position, the RNG and the stage are functions of the step and the config; kept for readers.
-    extra = {"samples_seen": run.step * config.train.batch_size, "seed": config.train.seed}
+    # What the objective keeps (GRPO's pending rollouts) is not: the resumed run takes it back.
+    extra = {"samples_seen": run.step * config.train.batch_size, "seed": config.train.seed, **(objective_state or {})}
     if stage is not None:
         extra["stage"] = stage
     if config.lora:  # the adapters alone are saved: what they adapt, for resuming and `jlong convert`
@@ -343,7 +332,7 @@ def _save(config: Config, checkpoints: Checkpoints, run: Started, stage: int | N
     checkpoints.save(run.step, run.program.saved(run.params), run.opt_state, model=config.model, extra=extra)
 
 
-def _stop(config: Config, checkpoints: Checkpoints | None, run: Started, signal) -> str:
+def _stop(config: Config, checkpoints: Checkpoints | None, run: Started, signal, objective_state: dict) -> str:
     """Saves the step the run stopped at, unless saved already; the line that says so."""
     if not run.step:
         return f"stopped on {signal.name} before the first step; nothing to save"
@@ -351,7 +340,7 @@ def _stop(config: Config, checkpoints: Checkpoints | None, run: Started, signal)
     if not checkpoints:
         return f"{stopped}; no checkpoint.dir is set, so nothing was saved"
     if checkpoints.latest_step() != run.step:
-        _save(config, checkpoints, run)
+        _save(config, checkpoints, run, objective_state=objective_state)
     return f"{stopped}; checkpoint saved in {config.checkpoint.dir} (the same command resumes)"
 
 

@@ -2,7 +2,7 @@
 and what it means), the parts of the keys whose values are per-source mappings or lists, and the scalar names
 TensorBoard and W&B get (`jlong.training.metric_sinks.scalars`).
 
-The metrics reference of the documentation is generated from this table (`jlong.reference`), and
+The metrics reference of the documentation is generated from this table (`jlong.docgen`), and
 tests/test_docs_site.py checks it against the records of real steps: every key a step writes is declared here,
 and every metric declared for every step is written.
 """
@@ -13,6 +13,7 @@ import dataclasses
 import re
 
 EVERY_STEP = "every step"
+GRPO = "train.objective=grpo"
 EVALUATION = ("evaluation steps, with eval.path or eval.mix: every train.eval_every steps, and in a run in stages "
               "each stage's last step")
 
@@ -47,7 +48,8 @@ class NamePattern:
 METRICS: tuple[Metric, ...] = (
     Metric("step", EVERY_STEP, "The step's number, from 1."),
     Metric("loss", EVERY_STEP, "The training loss of the step's batch, before its update: the mean next-token "
-           "cross-entropy over the target tokens that count (`dpo`: the mean DPO loss over the batch's pairs), plus "
+           "cross-entropy over the target tokens that count (`dpo`: the mean DPO loss over the batch's pairs; "
+           "`grpo`: TRL's loss of the completion tokens, normalised per rl.loss_type), plus "
            "model.router_aux_loss_coef x the load-balancing loss where a mixture of experts trains it."),
     Metric("grad_norm", EVERY_STEP, "The global norm of the step's gradients, before clipping (train.grad_clip)."),
     Metric("lr", EVERY_STEP, "The learning rate of the step: linear warmup to train.lr, then cosine decay to "
@@ -86,6 +88,39 @@ METRICS: tuple[Metric, ...] = (
     Metric("logps/rejected", "train.objective=dpo", "The mean summed log-probability of the rejected completions "
            "under the policy."),
     Metric("pairs", "train.objective=dpo", "The preference pairs in the step's batch."),
+    # GRPO: TRL's names (trl 1.x GRPOTrainer), over the step's rollouts and its completion tokens.
+    Metric("reward", GRPO, "The mean reward of the step's completions (each the weighted sum of its reward "
+           "functions' values, those that gave none left out)."),
+    Metric("reward_std", GRPO, "The mean over the step's groups of their rewards' standard deviation."),
+    Metric("frac_reward_zero_std", GRPO, "The share of the step's groups whose rewards are all equal (they carry "
+           "no advantage)."),
+    Metric("completions/mean_length", GRPO, "The mean completion length in tokens."),
+    Metric("completions/min_length", GRPO, "The shortest completion."),
+    Metric("completions/max_length", GRPO, "The longest completion."),
+    Metric("completions/clipped_ratio", GRPO, "The share of completions cut at rl.max_new_tokens (no stop id)."),
+    Metric("completions/mean_terminated_length", GRPO, "The mean length of the completions that ended at a stop id "
+           "(0 without any)."),
+    Metric("completions/min_terminated_length", GRPO, "The shortest of those."),
+    Metric("completions/max_terminated_length", GRPO, "The longest of those."),
+    Metric("clip_ratio/low_mean", GRPO, "The share of completion tokens whose ratio is below 1 - rl.epsilon with a "
+           "negative advantage (clipped)."),
+    Metric("clip_ratio/high_mean", GRPO, "The share whose ratio is above 1 + rl.epsilon_high with a positive "
+           "advantage."),
+    Metric("clip_ratio/region_mean", GRPO, "The share clipped either way."),
+    Metric("entropy", GRPO, "The mean entropy of the policy (of logits / rl.temperature) at the completion tokens."),
+    Metric("kl", "train.objective=grpo with rl.beta > 0", "The mean k3 estimate of the KL to the reference policy at "
+           "the completion tokens."),
+    Metric("num_tokens", GRPO, "Prompt and completion tokens trained on so far."),
+    Metric("rollout_time_s", GRPO, "Seconds the step's rollouts took (sampling, then scoring); 0 for rollouts read "
+           "from rl.rollouts; a batch of rollouts serving several steps (rl.num_iterations) shows its time at each."),
+    Metric("sampler_tokens_per_s", GRPO, "The sampler's new tokens per second in the step's rollouts."),
+)
+
+# GRPO's per reward function metrics: rewards/<function>/mean and /std.
+REWARD_FUNCTIONS: tuple[NamePattern, ...] = (
+    NamePattern("rewards/<function>/mean", "The mean value a reward function gave the step's completions (those it "
+                "scored)."),
+    NamePattern("rewards/<function>/std", "Their standard deviation."),
 )
 
 # The keys whose values are per-source mappings: their keys are the sources' names (eval.mix's and data.mix's
@@ -133,7 +168,7 @@ def undeclared(record: dict) -> list[str]:
     mapping's as `key.<name>`, each list entry's as `key[].<field>`)."""
     missing = []
     for key, value in record.items():
-        if metric_named(key) is None:
+        if metric_named(key) is None and not any(p.matches(key) for p in REWARD_FUNCTIONS):
             missing.append(key)
         elif isinstance(value, dict):
             missing += [f"{key}.{part}" for part in value if not any(p.matches(f"{key}.{part}") for p in PER_SOURCE)]
