@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from jlong.attention.methods import SequenceParallelMethod
-    from jlong.model.transformer import ForwardOptions
 
 
 class LayerBound(Protocol):
@@ -29,5 +28,6 @@ class LayerIO(Protocol):
     # name -> (the layer type whose layers it is stacked over, or None for every layer; the stacked array)
     inputs: dict[str, tuple[str | None, Any]]
 
-    def method_for(self, options: ForwardOptions, inputs: dict[str, Any]) -> SequenceParallelMethod | LayerBound:
-        """The sequence-parallel method one layer (run with `options`) runs with, bound to its `inputs`."""
+    def method_for(self, options, inputs: dict[str, Any]) -> SequenceParallelMethod | LayerBound:
+        """The sequence-parallel method one layer runs with, bound to its `inputs`; `options` are the layer's
+        `ForwardOptions` (its type, its attention window)."""
