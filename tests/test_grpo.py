@@ -262,3 +262,82 @@ def test_every_layout_has_one_devices_loss_and_gradient_norm(name, layout, famil
     np.testing.assert_allclose(loss, want_loss, rtol=0, atol=1e-6)
     np.testing.assert_allclose(norm, want_norm, rtol=1e-5)
     assert norm > 0
+
+
+REWARD_FILE = '''
+def share_of_a(prompts, completions, completion_ids, **columns):
+    return [sum(i == 97 for i in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def breaks_on_the_second_batch(prompts, completions, completion_ids, answer, **columns):
+    if "boom" in answer:
+        raise RuntimeError("cannot score this")
+    return [0.5] * len(completion_ids)
+'''
+
+
+def _sampled_run(tmp_path, *overrides, reward="share_of_a"):
+    """A tiny byte-level model trained by GRPO from jlong's sampler: 8 completions of each of 2 prompts a step."""
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "rewards.py").write_text(REWARD_FILE)
+    _write(tmp_path / "prompts.jsonl", [{"prompt": f"say a {i}:", "answer": "boom" if i >= 2 else "ok"}
+                                        for i in range(8)])
+    return load_config(None, [
+        "model.preset=tiny-llama", "mesh.fsdp=8", "attention.block_size=16", "train.seq_len=32",
+        "train.batch_size=8", "train.lr=1e-2", "train.warmup_steps=1", "train.compute_dtype=float32",
+        "train.objective=grpo", f"rl.prompts={tmp_path / 'prompts.jsonl'}",
+        f"rl.rewards=[{tmp_path / 'rewards.py'}:{reward}]", "rl.num_generations=8", "rl.prompts_per_step=2",
+        "rl.max_new_tokens=8", f"run_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}", *overrides])
+
+
+def test_the_samplers_rollouts_raise_a_tiny_models_reward(tmp_path):
+    """From random weights no completion holds an 'a' at first: every group's rewards are equal, no advantage, no
+    gradient; then the reward of 'a's rises (0.0 -> 0.48 in 12 steps when this was written). Every key of the
+    records is declared (TRL's names)."""
+    from jlong.api import train
+    from jlong.training.metric_names import undeclared
+
+    records = train(_sampled_run(tmp_path, "train.steps=12"))
+    first = records[0]
+    assert first["frac_reward_zero_std"] == 1.0 and first["grad_norm"] == 0.0 and first["loss"] == 0.0
+    assert np.mean([r["reward"] for r in records[-3:]]) > np.mean([r["reward"] for r in records[:3]]) + 0.2
+    assert [name for record in records for name in undeclared(record)] == []
+    assert {"rewards/share_of_a/mean", "completions/clipped_ratio", "clip_ratio/region_mean", "entropy",
+            "sampler_tokens_per_s"} <= set(first)
+
+
+def test_a_resumed_run_continues_as_an_uninterrupted_one(tmp_path):
+    """Stopped after step 3, in the middle of a batch of rollouts that serves two steps (rl.num_iterations=2):
+    the resumed step 4 trains on that batch and logs what the uninterrupted run's step 4 logs."""
+    from jlong.api import train
+
+    whole = train(_sampled_run(tmp_path / "whole", "train.steps=4", "rl.num_iterations=2"))
+    config = _sampled_run(tmp_path / "parts", "train.steps=4", "rl.num_iterations=2", "checkpoint.every=1")
+    assert [r["step"] for r in train(config, until_step=3)] == [1, 2, 3]
+    resumed = train(config)
+    assert [r["step"] for r in resumed] == [4]
+    for key in ("loss", "grad_norm", "reward", "entropy", "num_tokens", "completions/mean_length"):
+        np.testing.assert_allclose(resumed[0][key], whole[3][key], rtol=1e-6, atol=1e-9, err_msg=key)
+
+
+def test_a_reward_function_that_raises_stops_the_run_naming_it(tmp_path):
+    """The second step's prompts make the function raise: the run stops in one line naming it, the step is not
+    taken, the first step's checkpoint stays the newest and intact."""
+    import yaml
+    from helpers import logged_losses
+
+    from jlong.checkpoint import Checkpoints
+    from jlong.config import config_to_dict
+
+    config = tmp_path / "grpo.yaml"
+    overrides = ["train.steps=3", "checkpoint.every=1"]
+    config.write_text(yaml.safe_dump(config_to_dict(_sampled_run(tmp_path, reward="breaks_on_the_second_batch"))))
+    result = run_cli("train", config, *overrides)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == ("jlong: error: reward function breaks_on_the_second_batch "
+                                                      "raised RuntimeError: cannot score this; the step was not taken")
+    assert len(logged_losses(tmp_path / "run")) == 1
+    saved = Checkpoints(tmp_path / "ckpt")
+    assert saved.latest_step() == 1
+    saved.close()
+    assert run_cli("verify", tmp_path / "ckpt").returncode == 0

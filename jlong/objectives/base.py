@@ -53,6 +53,9 @@ class Objective:
     def restore_state(self, source, state: dict | None) -> None:
         """Takes back what `saved_state` kept."""
 
+    def after_step(self, program, params: dict, step: int, say: Callable[[str], None]) -> None:
+        """Runs after step `step` updated `params` (GRPO: the weights exported for an inference engine)."""
+
     def loss_and_metrics(self, program, params: dict, batch: dict):
         """Inside the compiled step: (the loss to differentiate, its metrics) of a placed batch."""
         raise NotImplementedError

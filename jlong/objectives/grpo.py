@@ -41,6 +41,7 @@ from jlong.errors import JlongError
 from jlong.model.document_sums import slot_sums
 from jlong.objectives.base import Objective
 from jlong.objectives.rewards import load_rewards
+from jlong.objectives.weights_export import export_weights
 from jlong.objectives.rollouts import (Rollouts, advantages, read_rollouts_file, rollout_metrics, rows,
                                        score_completions)
 from jlong.parallel.placement import replicated
@@ -136,6 +137,12 @@ class GroupRelative(Objective):
 
     def batch(self, source: GroupBatches, step, program, params):
         return source.batch(step, program, params)
+
+    def after_step(self, program, params, step, say) -> None:
+        """rl.export_every: the weights for the engine that writes rl.rollouts (`jlong.objectives.weights_export`)."""
+        rl = program.config.rl
+        if rl.export_every and step % rl.export_every == 0:
+            say(f"exported step {step}'s weights to {export_weights(program, params, rl.export_dir)}")
 
     def saved_state(self, source: GroupBatches, step: int) -> dict:
         return source.state(step)

@@ -217,6 +217,7 @@ def train(config: Config, *, until_step: int | None = None, stop_requests: StopR
                 batch = objective.batch(batches, step, run.program, run.params)
                 loss, grad_norm, model_metrics, seconds = _update(run, batch, step)
                 _check_finite(step, loss, grad_norm, checkpoints)
+                objective.after_step(run.program, run.params, step, _say)
                 if routing and (warning := routing.observe(step, model_metrics)):
                     _say(warning)
                 measured = {**model_metrics, "trained_tokens": trained_tokens(batch), **batches.drawn(step),
