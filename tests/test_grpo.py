@@ -341,3 +341,23 @@ def test_a_reward_function_that_raises_stops_the_run_naming_it(tmp_path):
     assert saved.latest_step() == 1
     saved.close()
     assert run_cli("verify", tmp_path / "ckpt").returncode == 0
+
+
+def test_the_exported_weights_are_the_runs_own(llama, tmp_path):
+    """rl.export_every=1 over a rollouts file: after step 2 the export directory holds what `jlong convert` makes
+    of step 2's checkpoint, tensor for tensor, and nothing half written beside it."""
+    from safetensors.numpy import load_file
+
+    from jlong.api import train
+
+    _, tmp, _ = llama
+    config = _config(tmp / "hf", tmp / "rollouts.jsonl", "train.steps=2", "train.lr=1e-2", "train.warmup_steps=1",
+                     "mesh.fsdp=4", "mesh.sp=2", "rl.export_every=1", f"rl.export_dir={tmp_path / 'export'}",
+                     f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every=1")
+    train(config)
+    assert run_cli("convert", tmp_path / "ckpt", tmp_path / "converted").returncode == 0
+    exported, converted = (load_file(tmp_path / name / "model.safetensors") for name in ("export", "converted"))
+    assert exported.keys() == converted.keys()
+    for name, tensor in converted.items():
+        np.testing.assert_array_equal(exported[name], tensor, err_msg=name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "converted", "export"]
