@@ -214,6 +214,33 @@ class ModelConfig(_Section):
     contradict its shapes) and its weights start the run (a LoRA run's frozen base). An image-text checkpoint
     (Gemma 3, Qwen3.5, Qwen3.5-MoE) is read as its text model, GPT-OSS's MXFP4 experts dequantized as
     transformers dequantizes them; what is left out is said in one line."""
+    # Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash: `jlong.attention.latent`); head_dim is then the
+    # query and key heads' size, qk_nope_head_dim + qk_rope_head_dim.
+    q_lora_rank: optional(PositiveInt) = None
+    """Latent attention: the compressed query's size; unset: queries projected from the input directly."""
+    kv_lora_rank: optional(PositiveInt) = None
+    """Latent attention: the compressed key-value latent's size, which every head's keys and values come from."""
+    qk_nope_head_dim: optional(PositiveInt) = None
+    """Latent attention: each query and key head's dimensions without rotary embedding."""
+    qk_rope_head_dim: optional(PositiveInt) = None
+    """Latent attention: each query head's rotary dimensions, and the size of the one rotary key all heads share."""
+    v_head_dim: optional(PositiveInt) = None
+    """Latent attention: each value head's size."""
+    # DeepSeek's mixtures of experts.
+    first_k_dense_replace: optional(NonNegativeInt) = None
+    """DeepSeek: the first first_k_dense_replace layers are dense (an MLP of intermediate_size), the rest
+    mixtures."""
+    n_shared_experts: optional(PositiveInt) = None
+    """DeepSeek: shared experts every token runs, one SwiGLU of n_shared_experts x moe_intermediate_size."""
+    routed_scaling_factor: optional(PositiveNumber) = None
+    """DeepSeek: what the routed experts' weights are multiplied by."""
+    n_group: optional(PositiveInt) = None
+    """DeepSeek: groups of experts; a token's experts come from its topk_group best groups."""
+    topk_group: optional(PositiveInt) = None
+    """DeepSeek: the groups a token's experts are chosen from."""
+    topk_method: optional(Text) = None
+    """DeepSeek-V2: `greedy` (the top experts) or `group_limited_greedy` (within the topk_group groups of the
+    highest expert scores); DeepSeek-V3's and GLM's routing is `noaux_tc`."""
 
     def __hash__(self):  # rope_scaling is a dict; models keep this config as static data
         return hash(json.dumps(self.model_dump(), sort_keys=True))
