@@ -405,7 +405,14 @@ def _plan(args) -> int:
         resolved, *plan_parts = _plan_one(stage.config, target, efficiency, args.eval, say)
         planned.append((dataclasses.replace(stage, config=resolved), *plan_parts))
     # A run in stages fits when every stage does; its report leads with the stage that needs the most.
-    stage, result, cost_keys, _, _ = max(planned, key=lambda p: (not p[1].fits, p[1].device_total))
+    stage, result, cost_keys, _, cost = max(planned, key=lambda p: (not p[1].fits, p[1].device_total))
+    rollout = None
+    if config.train.objective == "grpo" and not args.eval:  # a step is its rollout and its training
+        from jlong.planner.rollout import plan_rollout
+
+        say("compiling the rollout's prefill and decode ...")
+        rollout = plan_rollout(stage.config, target, result, cost.step_time_s if cost else None, efficiency)
+        cost_keys = {**cost_keys, "rollout": rollout.as_dict()}
     costs = [(s.last - s.first + 1) * cost.step_time_s for s, _, _, _, cost in planned if cost is not None]
     recipe_s = sum(costs) if len(costs) == len(planned) and len(stages) > 1 else None
     if args.json:
@@ -429,6 +436,13 @@ def _plan(args) -> int:
         if recipe_s is not None:
             print(f"the whole recipe, {config.train.steps:,} steps: estimated {recipe_s / 3600:,.1f} h (each "
                   "stage's estimated step time x its steps; an estimate, not a measurement)")
+        for line in rollout.lines() if rollout else ():
+            print(line)
+    if rollout and not rollout.fits:
+        sys.stdout.flush()
+        raise JlongError(f"the GRPO rollout needs {rollout.device_total / 2**30:.2f} GiB per device, over the budget "
+                         "of {:.2f} GiB: fewer prompts or completions a step, shorter rl.max_new_tokens, or more "
+                         "devices".format(rollout.generation.budget / 2**30))
     if not result.fits:
         from jlong.planner.advice import over_budget_error
 

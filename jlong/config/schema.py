@@ -353,14 +353,14 @@ class KernelsConfig(_Section):
     """The GPU kernels of the token and channel mixers; `auto` picks by platform (the GPU's own on a GPU)."""
 
     gated_delta: Text = "auto"
-    """Gated DeltaNet's rule: `auto` (the Triton kernel on a GPU, the Mosaic GPU one where jax has no Pallas
-    Triton backend, `chunked` elsewhere), or one of `jlong.linear_attention.gated_delta.KERNELS` (`mosaic`:
-    Pallas Mosaic GPU for Hopper, bf16, widths multiples of 64; in a model on GPUs only); a GPU kernel
-    chosen on the CPU runs in Pallas' interpreter (slow)."""
+    """Gated DeltaNet's rule: `auto` (on a GPU, the first of `triton`, `triton_recurrence` and `mosaic` whose Pallas
+    kernels a race has recorded running on a GPU, `jlong.kernel_runs`; `chunked` otherwise and elsewhere), or one
+    of `jlong.linear_attention.gated_delta.KERNELS` by name (`mosaic`: Pallas Mosaic GPU for Hopper, bf16, widths
+    multiples of 64; in a model on GPUs only); a GPU kernel chosen on the CPU runs in Pallas' interpreter (slow)."""
     grouped_matmul: Text = "auto"
-    """The experts' grouped matmul: `auto` (the Triton kernel on a GPU, the Mosaic GPU one where jax has no
-    Pallas Triton backend, `ragged_dot` elsewhere), or one of
-    `jlong.moe.grouped_matmul.KERNELS` (`mosaic`: Pallas Mosaic GPU for Hopper, bf16 or f16); a GPU kernel
+    """The experts' grouped matmul: `auto` (on a GPU, the first of `triton` and `mosaic` whose kernels a race has
+    recorded running on a GPU, `jlong.kernel_runs`; `ragged_dot` otherwise and elsewhere), or one of
+    `jlong.moe.grouped_matmul.KERNELS` by name (`mosaic`: Pallas Mosaic GPU for Hopper, bf16 or f16); a GPU kernel
     chosen on the CPU runs in its interpreter (slow)."""
 
 

@@ -39,6 +39,7 @@ from jlong.linear_attention.gated_deltanet import LINEAR_ATTENTION
 from jlong.attention.methods.ulysses import KEPT_STATE
 from jlong.model.loss import output_logits
 from jlong.model.transformer import ForwardOptions
+from jlong.lora.nf4 import is_quantized
 from jlong.parallel.placement import MeshShards, compute_sharding, replicated
 
 STEPS_PER_CALL = 8  # decode steps per program call: the host sees progress (and stops) between calls
@@ -68,11 +69,19 @@ class Request:
     stop_ids: tuple[int, ...] = ()
 
 
+WHOLE_WEIGHTS_SHARE = 0.35  # decoding holds the weights whole on each device when they take at most this share
+
+
 class Sampler:
     """Generates with a `TrainProgram`'s model, mesh and parameter layout; `generate` takes the parameters
-    (as the program holds them between steps)."""
+    (as the program holds them between steps).
 
-    def __init__(self, program):
+    Decoding reads every weight once per token. Where the weights in the compute dtype fit whole on a device
+    (`whole_weights`; by default when they take at most `WHOLE_WEIGHTS_SHARE` of its memory, always on the CPU),
+    each `generate` call gathers them once from their FSDP shards and decodes with that copy; otherwise each
+    decode step gathers every layer's, as the training step does."""
+
+    def __init__(self, program, whole_weights: bool | None = None):
         self.program, self.config, self.mesh = program, program.config, program.mesh
         config = self.config
         self.layout = method_of(config).layout(config)
@@ -82,8 +91,10 @@ class Sampler:
             program.options, shards=MeshShards(self.mesh, whole=("seq",)), remat="none", remat_segments=(),
             layers_per_checkpoint=1, mlp_tile=0, loss_tile=0)
         self._prefill: dict[int, Callable] = {}
+        self.whole_weights = _whole_weights_fit(program) if whole_weights is None else whole_weights
         # (parameters, state, steps, samples per prompt) -> the state `steps` tokens on, updated in place
         self.decode = jax.jit(self._decode_steps, static_argnums=(2, 3), donate_argnums=(1,))
+        self.gather_weights = jax.jit(self._compute_copy, out_shardings=replicated(self.mesh))
 
     # -- lengths
 
@@ -134,9 +145,10 @@ class Sampler:
         batch = PromptBatch.of(prompts, P)
         caches, logits = self.prefill_program(P)(params, self._placed(batch.arrays()))
         state = self._start(batch, caches, logits, request, indices + [0] * filler, active=count)
+        weights = self.decode_weights(params)
         steps, told = 0, 0
         while steps < request.max_new_tokens:
-            state = self.decode(params, state, STEPS_PER_CALL, N)
+            state = self.decode(weights, state, STEPS_PER_CALL, N)
             steps += STEPS_PER_CALL
             done = np.asarray(jax.device_get(state["done"]))
             if on_tokens:
@@ -179,6 +191,18 @@ class Sampler:
     def _model(self, params):
         program = self.program
         return program.bind(program.optimizer.compute_params(params, program.param_shardings))
+
+    def decode_weights(self, params):
+        """What the decode program takes: the weights as held, or with `whole_weights` their compute-dtype
+        copy whole on every device."""
+        return self.gather_weights(params) if self.whole_weights else params
+
+    def _compute_copy(self, params):
+        """The weights in the compute dtype (a 4-bit base as it is: dequantized layer by layer in the forward)."""
+        dtype = jnp.dtype(self.config.train.compute_dtype)
+        params = self.program.optimizer.compute_params(params, self.program.param_shardings)
+        return jax.tree.map(lambda w: w if is_quantized(w) or not jnp.issubdtype(w.dtype, jnp.floating)
+                            else w.astype(dtype), params, is_leaf=is_quantized)
 
     def _prefill_step(self, params, batch, *, options, padded_length):
         """(each layer type's cache entries stacked over its layers, the next token's logits [B, V])."""
@@ -274,8 +298,9 @@ class Sampler:
 
     def _decode_steps(self, params, state, steps: int, samples: int):
         """`steps` decode steps of rows of `samples` per prompt: each draws the next token of every row from
-        its logits, records it, and runs it through the model for the logits of the one after."""
-        model = self._model(params)
+        its logits, records it, and runs it through the model for the logits of the one after. `params` are
+        `decode_weights`'."""
+        model = self.program.bind(params) if self.whole_weights else self._model(params)
         options, shards = self.decode_options, self.decode_options.shards
         weights = model.output_weights(jnp.dtype(options.compute_dtype))
 
@@ -317,6 +342,17 @@ class Sampler:
                     "step": step + 1}
 
         return jax.lax.fori_loop(0, steps, one_step, state)
+
+
+def _whole_weights_fit(program) -> bool:
+    """Whether the compute-dtype weights take at most WHOLE_WEIGHTS_SHARE of a device's memory (a CPU: yes)."""
+    device = program.mesh.devices.flat[0]
+    limit = (device.memory_stats() or {}).get("bytes_limit") if device.platform == "gpu" else None
+    if not limit:
+        return device.platform != "gpu"
+    itemsize = jnp.dtype(program.config.train.compute_dtype).itemsize
+    whole = sum(math.prod(s.shape) * itemsize for s in jax.tree.leaves(program.abstract_params))
+    return whole <= WHOLE_WEIGHTS_SHARE * limit
 
 
 def _put_column(x_RM, value_R, column):

@@ -19,6 +19,7 @@ The settings are traced values: one compiled program serves them all.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -61,10 +62,17 @@ def _row_keys(base, prompts, samples):
 
 def allowed_logits(logits_RV, settings: dict):
     """(the log-probabilities of logits / T [R, V], the logits that may be drawn: logits / T with the tokens
-    top-k and top-p cut at -inf). Greedy (T = 0) takes T as 1."""
+    top-k and top-p cut at -inf). Greedy (T = 0) takes T as 1. The sorts the cuts need run only when a cut
+    is asked for (a vocabulary of 150K sorted twice a token costs decoding time)."""
     temperature = jnp.where(settings["temperature"] > 0, settings["temperature"], 1.0)
     scaled = logits_RV.astype(jnp.float32) / temperature
     logprobs = jax.nn.log_softmax(scaled, axis=-1)
+    cut = (settings["top_k"] > 0) | (settings["top_p"] < 1)
+    return logprobs, jax.lax.cond(cut, functools.partial(_cut, settings=settings), lambda x: x, scaled)
+
+
+def _cut(scaled, *, settings):
+    """top-k, then top-p, of scaled logits: the tokens cut at -inf."""
     descending = -jnp.sort(-scaled, axis=-1)
     k = settings["top_k"]
     kth = jnp.take(descending, jnp.clip(k - 1, 0, scaled.shape[-1] - 1), axis=-1)[:, None]
@@ -74,7 +82,7 @@ def allowed_logits(logits_RV, settings: dict):
     before = jnp.cumsum(probs, axis=-1) - probs  # the probability of the tokens more likely than each
     within = (before < settings["top_p"]).at[:, 0].set(True)  # the most likely token always stays
     smallest = jnp.min(jnp.where(within, descending, jnp.inf), axis=-1, keepdims=True)
-    return logprobs, jnp.where(kept < smallest, -jnp.inf, kept)
+    return jnp.where(kept < smallest, -jnp.inf, kept)
 
 
 def next_tokens(logits_RV, keys_R2, step, settings: dict):
