@@ -23,6 +23,9 @@ def summary(config: Config, records: list[dict], seconds: float, checkpoint_step
         f"(median {tokens_per_s:,.0f} tokens/s)",
         f"  loss         {first['loss']:.4f} at step {first['step']} -> {last['loss']:.4f} at step {last['step']}",
     ]
+    if "reward" in first:  # GRPO: its objective's own measure (the loss sits near zero, advantages being zero-mean)
+        lines.insert(1, f"  reward       {first['reward']:.4f} at step {first['step']} -> {last['reward']:.4f} at "
+                        f"step {last['step']} (each step's rollouts)")
     if config.data.loss_mask:  # every metrics line has trained_tokens; the summary names them where masks count
         trained = sum(r["trained_tokens"] for r in records)
         lines.append(f"  trained      {trained:,} target tokens (the ones the token files' masks mark)")
