@@ -3,12 +3,12 @@ advantages, and the rows they are trained in.
 
 Two sources:
 
-- `SampledRollouts`: `rl.prompts_per_step` prompts of `rl.prompts` a step (in
+- jlong's sampler: `rl.prompts_per_step` prompts of `rl.prompts` a step (in
   file order, around again at the end), `rl.num_generations` completions each
   from jlong's sampler on the training mesh with the current weights
   (`jlong.generation`), each group's draws keyed by the seed, the step's group
   of steps and the prompt, then scored by the reward functions;
-- `FileRollouts`: another engine's rollouts (`rl.rollouts`, JSON Lines of
+- a file of another engine's rollouts (`rl.rollouts`, JSON Lines, Parquet or a datasets directory of
   `prompt_ids`, `completion_ids`, `logprobs`, `reward` or one field per
   reward function, and `group`), `rl.prompts_per_step` groups a step in file
   order.
@@ -29,12 +29,12 @@ positions restart), and only completion tokens carry loss.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
 
 from jlong.data.prompts import Prompt
+from jlong.data.readers import whole_records
 from jlong.errors import JlongError
 from jlong.objectives.rewards import RewardFunction, score, weighted
 
@@ -163,22 +163,15 @@ def read_rollouts_file(path: str | Path, *, groups: int, functions: list[RewardF
     one line: the fields, each group's size, ids in the vocabulary, one logprob per id, the lengths. A
     rollout's reward is its `reward`, or the weighted sum of its fields named as rl.rewards' functions."""
     path = Path(path)
-    if not path.is_file():
-        raise JlongError(f"rl.rollouts {str(path)!r} is not a file")
+    if not path.exists():
+        raise JlongError(f"rl.rollouts {str(path)!r} does not exist")
     by_group: dict[object, list[tuple[dict, str]]] = {}
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            where = f"rl.rollouts line {number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise JlongError(f"{where} is not JSON ({err.msg})") from None
-            fields = ("prompt_ids", "completion_ids", "logprobs", "group")
-            if missing := [f for f in fields if f not in record]:
-                raise JlongError(f"{where} has no {missing[0]!r} (a rollout has {', '.join(fields)} and its reward)")
-            by_group.setdefault(record["group"], []).append((record, where))
+    for record, where in whole_records(path):
+        fields = ("prompt_ids", "completion_ids", "logprobs", "group")
+        if missing := [f for f in fields if f not in record]:
+            raise JlongError(f"rl.rollouts: {where} has no {missing[0]!r} (a rollout has {', '.join(fields)} and "
+                             "its reward)")
+        by_group.setdefault(record["group"], []).append((record, f"rl.rollouts: {where}"))
     if not by_group:
         raise JlongError(f"rl.rollouts {str(path)!r} holds no rollouts")
     batches = []
