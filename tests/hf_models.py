@@ -1,5 +1,6 @@
 """Small random Hugging Face models (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM,
-Qwen3_5ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5MoeForCausalLM, GptOssForCausalLM)."""
+Qwen3_5ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5MoeForCausalLM, GptOssForCausalLM, DeepseekV2ForCausalLM,
+DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM)."""
 
 import torch
 import transformers
@@ -52,6 +53,23 @@ GPT_OSS = {"head_dim": 16, "intermediate_size": 32, "max_position_embeddings": 5
            "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                "truncate": False, "original_max_position_embeddings": 16, "rope_theta": 150000.0}}
 
+# Multi-head latent attention with DeepSeek's mixtures: a dense first layer, values narrower than the queries and
+# keys (DeepSeek-V3: compressed queries; V2: direct ones) or wider (GLM), YaRN with a softmax-scale correction
+# (mscale_all_dim) unlike its attention factor's, an RMSNorm epsilon far from the latents' own 1e-6, group-limited
+# routing (V3: 2 of 4 groups by their two best biased sigmoid scores; V2: 1 by its best softmax score), scaled
+# weights, and (by perturbed_norms) correction biases that change which experts are chosen.
+LATENT_ATTENTION = {"num_hidden_layers": 3, "num_key_value_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 12,
+                    "qk_rope_head_dim": 8, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                    "n_shared_experts": 2, "rms_norm_eps": 1e-2,
+                    "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                        "mscale": 0.9, "mscale_all_dim": 0.5, "rope_theta": 10000.0}}
+DEEPSEEK_V3 = {**LATENT_ATTENTION, "q_lora_rank": 24, "v_head_dim": 10, "first_k_dense_replace": 1, "n_group": 4,
+               "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True}
+DEEPSEEK_V2 = {**LATENT_ATTENTION, "q_lora_rank": None, "v_head_dim": 10, "first_k_dense_replace": 1, "n_group": 4,
+               "topk_group": 1, "topk_method": "group_limited_greedy", "routed_scaling_factor": 1.5}
+GLM4_MOE_LITE = {**LATENT_ATTENTION, "q_lora_rank": 24, "v_head_dim": 24, "routed_scaling_factor": 1.8,
+                 "norm_topk_prob": True, "mlp_layer_types": ["sparse", "dense", "sparse"]}
+
 ARCHITECTURES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "llama3-scaled": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"rope_scaling": LLAMA3_SCALING}),
@@ -68,6 +86,9 @@ ARCHITECTURES = {
                            {**QWEN3_MOE, "norm_topk_prob": False}),
     "qwen3.5-moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM, QWEN3_5_MOE),
     "gpt-oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM, GPT_OSS),
+    "deepseek-v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, DEEPSEEK_V3),
+    "deepseek-v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM, DEEPSEEK_V2),
+    "glm4-moe-lite": (transformers.Glm4MoeLiteConfig, transformers.Glm4MoeLiteForCausalLM, GLM4_MOE_LITE),
 }
 MIXTURES = ("qwen3-moe", "qwen3-moe-unnormed", "qwen3.5-moe")
 SCALED = ("llama3-scaled", "llama-yarn", "llama-linear", "qwen2-yarn", "qwen3-yarn")
@@ -89,14 +110,25 @@ def small_hf_model(name: str, seed: int = 0, **overrides):
 
 def perturbed_norms(model):
     """`model` with its norms and biases moved off their starting values (one and zero), so they matter, any
-    router's weights scaled up so that no token's top-k is a near tie that rounding could decide, and attention
-    sinks (GPT-OSS) far from zero, normal with std 2."""
+    router's weights scaled up so that no token's top-k is a near tie that rounding could decide (a sigmoid
+    router's less: its scores would saturate at one), DeepSeek-V3's correction biases (buffers) as far from zero
+    as its scores' spread, latent attention's projections scaled up so that its scores are far from uniform (and
+    their rotary layout and softmax scale matter), and attention sinks (GPT-OSS) far from zero, normal with std 2."""
     with torch.no_grad():
+        latent = any(name.endswith("kv_a_proj_with_mqa.weight") for name, _ in model.named_parameters())
+        sigmoid_router = False
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.2 * torch.randn_like(buffer))
+                sigmoid_router = True
         for name, param in model.named_parameters():
             if "norm" in name or "bias" in name:
                 param.add_(0.2 * torch.randn_like(param))
             if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
-                param.mul_(50.0)
+                param.mul_(5.0 if sigmoid_router else 50.0)
+            if latent and name.endswith(("q_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
+                                         "kv_b_proj.weight")):
+                param.mul_(4.0)
             if name.endswith("self_attn.sinks"):
                 param.copy_(2.0 * torch.randn_like(param))
     return model

@@ -47,13 +47,13 @@ class BlockwiseStep:
 
     def forward(self, q_BqHd, k_BkKd, v_BkKd, docs: Documents | None, causal: bool, band: Band | None = None):
         w = _Window(q_BqHd, k_BkKd, v_BkKd, docs, causal, band, self.block_size)
-        B, _, K, G, d = w.q_BnTKGd.shape[:1] + w.q_BnTKGd.shape[2:]
-        T = w.block
+        B, _, K, G, _ = w.q_BnTKGd.shape[:1] + w.q_BnTKGd.shape[2:]
+        T, dv = w.block, v_BkKd.shape[-1]  # values may be of a head size of their own (latent attention)
 
         def query_block(i):
             q_BTKGd = w.q_BnTKGd[:, i]
             stats_BKGT = jnp.zeros_like(q_BTKGd, jnp.float32, (B, K, G, T))  # running max, sum
-            acc_BKGTd = jnp.zeros_like(q_BTKGd, jnp.float32, (B, K, G, T, d))
+            acc_BKGTd = jnp.zeros_like(q_BTKGd, jnp.float32, (B, K, G, T, dv))
 
             def key_block(j, carry):
                 m_BKGT, l_BKGT, acc_BKGTd = carry
@@ -108,8 +108,8 @@ class BlockwiseStep:
                 dk_BTKd = dk_BTKd + jnp.einsum("bkgqs,bqkgd->bskd", ds_BKGTT, w.q_BnTKGd[:, i].astype(jnp.float32))
                 return dk_BTKd, dv_BTKd
 
-            zeros_BTKd = jnp.zeros_like(w.k_BnTKd[:, 0], jnp.float32)
-            return while_range(*w.queries_seeing(j), step, (zeros_BTKd, zeros_BTKd))
+            zeros = (jnp.zeros_like(w.k_BnTKd[:, 0], jnp.float32), jnp.zeros_like(w.v_BnTKd[:, 0], jnp.float32))
+            return while_range(*w.queries_seeing(j), step, zeros)
 
         dq_nBTKGd = jax.lax.map(dq_block, jnp.arange(w.query_blocks))
         dk_nBTKd, dv_nBTKd = jax.lax.map(dkv_block, jnp.arange(w.key_blocks))

@@ -102,14 +102,26 @@ class CudnnStep:
     no mask tensor, no score blocks outside the band). The band of an
     unmasked step at a distance (a ring's halo windows,
     `jlong.attention.sliding`: a window's worth of queries per chunk) runs in
-    the blockwise kernel."""
+    the blockwise kernel.
+
+    Values of a head size other than the keys' (multi-head latent attention)
+    run zero-padded to one size (`_one_head_size`): the head sizes jlong has
+    run in cuDNN, at the padding's FLOPs. cuDNN 9.10 runs two sizes natively
+    on Hopper (d_qk 192 with d_v 128), not yet tried on a GPU here."""
 
     max_documents: int
 
     def forward(self, q_BTHd, k_BSKd, v_BSKd, docs: Documents | None, causal: bool, band: Band | None = None):
         if _banded_apart(causal, band):
             return BlockwiseStep().forward(q_BTHd, k_BSKd, v_BSKd, docs, causal, band)
-        scale, window = q_BTHd.shape[-1] ** -0.5, band and band.length
+        scale = q_BTHd.shape[-1] ** -0.5
+        if (dv := v_BSKd.shape[-1]) != q_BTHd.shape[-1]:
+            o, lse = self._forward(*_one_head_size(q_BTHd, k_BSKd, v_BSKd), docs, causal, band, scale)
+            return o[..., :dv], lse
+        return self._forward(q_BTHd, k_BSKd, v_BSKd, docs, causal, band, scale)
+
+    def _forward(self, q_BTHd, k_BSKd, v_BSKd, docs, causal, band, scale):
+        window = band and band.length
         if docs is None:
             mask = "CAUSAL" if causal else "NO_MASK"
             o, stats_BHT = fused_forward(q_BTHd, k_BSKd, v_BSKd, None, mask, scale, window)
@@ -129,8 +141,18 @@ class CudnnStep:
                  band: Band | None = None):
         if _banded_apart(causal, band):
             return BlockwiseStep().backward(q_BTHd, k_BSKd, v_BSKd, docs, causal, o_BTHd, lse_BHT, do_BTHd, band)
-        scale, window = q_BTHd.shape[-1] ** -0.5, band and band.length
+        d, dv = q_BTHd.shape[-1], v_BSKd.shape[-1]
+        scale = d ** -0.5
         o_BTHd, do_BTHd = o_BTHd.astype(q_BTHd.dtype), do_BTHd.astype(q_BTHd.dtype)
+        if dv != d:
+            size = max(d, dv)
+            grads = self._backward(*_one_head_size(q_BTHd, k_BSKd, v_BSKd), docs, causal, _padded(o_BTHd, size),
+                                   lse_BHT, _padded(do_BTHd, size), band, scale)
+            return tuple(g[..., :n] for g, n in zip(grads, (d, d, dv)))
+        return self._backward(q_BTHd, k_BSKd, v_BSKd, docs, causal, o_BTHd, lse_BHT, do_BTHd, band, scale)
+
+    def _backward(self, q_BTHd, k_BSKd, v_BSKd, docs, causal, o_BTHd, lse_BHT, do_BTHd, band, scale):
+        window = band and band.length
         if docs is None:
             mask = "CAUSAL" if causal else "NO_MASK"
             return fused_backward(q_BTHd, k_BSKd, v_BSKd, None, mask, scale, lse_BHT, o_BTHd, do_BTHd, window)
@@ -153,6 +175,20 @@ class CudnnStep:
         else:
             per_row = _shared_document(docs.q, docs.k)
         return _Segments(per_row, q_BTHd, k_BSKd, causal)
+
+
+def _padded(x, size: int):
+    """x with its last axis zero-padded to `size`."""
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
+
+
+def _one_head_size(q_BTHd, k_BSKd, v_BSKd):
+    """q, k and v zero-padded to one head size, the larger of the keys' and the values' (latent attention's
+    values are of a size of their own). The zeros change no score and no value: the output's and the
+    gradients' padded columns are zero and cut off. The packed path's element offsets count one stride for
+    q and o and one for k and v, so one size also keeps them right."""
+    size = max(q_BTHd.shape[-1], v_BSKd.shape[-1])
+    return _padded(q_BTHd, size), _padded(k_BSKd, size), _padded(v_BSKd, size)
 
 
 def _banded_apart(causal: bool, band: Band | None) -> bool:

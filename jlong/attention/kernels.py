@@ -2,10 +2,11 @@
 (`jlong.attention.step`) behind one interface, `AttentionKernel`.
 
 All kernels take q [B, S, H, d] and k, v [B, S, K, d] (H a multiple of K:
-grouped-query attention without repeating k and v), optional segment ids
+grouped-query attention without repeating k and v; v may have a head size
+of its own, as multi-head latent attention's has), optional segment ids
 [B, S] (tokens attend only within their own segment, so packed documents
 never see each other; non-decreasing, as jlong's data gives them), and
-return o [B, S, H, d] in q's dtype. With `window` w > 0 (sliding-window
+return o [B, S, H, d] (v's head size) in q's dtype. With `window` w > 0 (sliding-window
 attention, as Gemma's local layers have it) a token sees only itself and the
 w - 1 tokens before it.
 
@@ -59,7 +60,8 @@ class KernelQuery(NamedTuple):
     platform: str  # "gpu" or "cpu"
     dtype: object
     window: int  # the fewest tokens one step attends over: the sequence, or half a zigzag chunk
-    head_dim: int
+    head_dim: int  # the queries' and keys'
+    value_head_dim: int = 0  # the values' (multi-head latent attention's differs); 0: head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +87,8 @@ def _cudnn_cannot_run(query: KernelQuery) -> str | None:
         return "cuDNN's training kernels refuse odd lengths"
     if query.head_dim > 256 or query.head_dim % 8:
         return "cuDNN needs head_dim <= 256 and a multiple of 8"
+    if query.value_head_dim > 256 or query.value_head_dim % 8:
+        return "cuDNN needs the values' head size <= 256 and a multiple of 8"
     return None
 
 
@@ -163,7 +167,8 @@ class AttentionKernel:
         if self.impl == "reference":
             return reference_attention(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS, window=self.window,
                                        sink_logits_H=sink_logits_H)
-        kernel = self.step(q_BSHd, window=q_BSHd.shape[1], sinks=sink_logits_H is not None)
+        kernel = self.step(q_BSHd, window=q_BSHd.shape[1], sinks=sink_logits_H is not None,
+                           value_head_dim=v_BSKd.shape[-1])
         return ring_attention(q_BSHd, k_BSKd, v_BSKd, segment_ids_BS, kernel=kernel, axis=None, size=1,
                               band=self.band, sink_logits_H=sink_logits_H)
 
@@ -173,7 +178,7 @@ class AttentionKernel:
         window, the device's own chunk and its neighbours' halos
         (`jlong.attention.sliding`)."""
         kernel = self.step(q_BsHd, window=q_BsHd.shape[1] // 2, reference="blockwise",
-                           sinks=sink_logits_H is not None)
+                           sinks=sink_logits_H is not None, value_head_dim=v_BsKd.shape[-1])
         if self.window:
             return sliding_ring_attention(q_BsHd, k_BsKd, v_BsKd, segment_ids_Bs, kernel=kernel, axis=axis,
                                           size=size, window=self.window, sink_logits_H=sink_logits_H)
@@ -187,7 +192,7 @@ class AttentionKernel:
         sliding window, a band on them, visiting only the chunks within its
         reach (`jlong.attention.sliding.sliding_gathered_attention`)."""
         kernel = self.step(q_BsHd, window=q_BsHd.shape[1] // 2, reference="blockwise",
-                           sinks=sink_logits_H is not None)
+                           sinks=sink_logits_H is not None, value_head_dim=v_BSKd.shape[-1])
         if self.window:
             return sliding_gathered_attention(q_BsHd, k_BSKd, v_BSKd, segment_ids_Bs, k_segment_ids_BS, kernel=kernel,
                                               axis=axis, size=size, window=self.window, sink_logits_H=sink_logits_H)
@@ -199,12 +204,14 @@ class AttentionKernel:
         """The sliding window of a causal step (None: no window)."""
         return Band(self.window) if self.window else None
 
-    def step(self, q_BSHd, *, window: int, reference: str = "reference", sinks: bool = False) -> StepKernel:
+    def step(self, q_BSHd, *, window: int, reference: str = "reference", sinks: bool = False,
+             value_head_dim: int = 0) -> StepKernel:
         """The flash step kernel for queries like q on this backend; `window`
         is the shortest length a step attends over; `sinks`: the call has
-        attention sinks (a kernel without them is refused)."""
+        attention sinks (a kernel without them is refused); `value_head_dim`:
+        the values' head size (0: q's)."""
         impl = choose_kernel(self.impl, platform=jax.default_backend(), dtype=q_BSHd.dtype, seq_len=window,
-                             head_dim=q_BSHd.shape[-1], sinks=sinks)
+                             head_dim=q_BSHd.shape[-1], sinks=sinks, value_head_dim=value_head_dim)
         impl = reference if impl == "reference" else impl
         if sinks:
             check_sinks(impl)
@@ -212,14 +219,16 @@ class AttentionKernel:
         return _KERNELS[impl].make(self)
 
 
-def choose_kernel(impl: str, *, platform: str, dtype, seq_len: int, head_dim: int, sinks: bool = False) -> str:
+def choose_kernel(impl: str, *, platform: str, dtype, seq_len: int, head_dim: int, sinks: bool = False,
+                  value_head_dim: int = 0) -> str:
     """The kernel `impl` stands for on `platform` ("gpu" or "cpu"): `auto` is
     the first registered kernel that can run the call (cuDNN where it
     applies, blockwise elsewhere), with attention sinks if `sinks`.
-    `seq_len` is the shortest window: the sequence, or half a zigzag chunk."""
+    `seq_len` is the shortest window: the sequence, or half a zigzag chunk;
+    `value_head_dim` the values' head size where it is not `head_dim`'s."""
     if impl != "auto":
         return impl
-    query = KernelQuery(platform, dtype, seq_len, head_dim)
+    query = KernelQuery(platform, dtype, seq_len, head_dim, value_head_dim or head_dim)
     return next(name for name, spec in _KERNELS.items()
                 if (spec.sinks or not sinks) and spec.cannot_run(query) is None)
 

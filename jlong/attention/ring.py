@@ -135,10 +135,10 @@ def _attend_windows(kernel, q, segments, windows, o_BsHd, lse_BHs, k, v, k_segme
     return o_BsHd, lse_BHs
 
 
-def _empty_softmax(q):
-    """The float32 output and log-sum-exp of queries that have seen no key yet."""
+def _empty_softmax(q, v):
+    """The float32 output (of v's head size) and log-sum-exp of queries that have seen no key yet."""
     B, s, H, _ = q.shape
-    return jnp.zeros_like(q, jnp.float32), jnp.full_like(q, MASKED, jnp.float32, (B, H, s))
+    return jnp.zeros_like(q, jnp.float32, (B, s, H, v.shape[-1])), jnp.full_like(q, MASKED, jnp.float32, (B, H, s))
 
 
 def _saved_output(q, o_BsHd, lse_BHs, sinks=None):
@@ -164,7 +164,7 @@ def _ring_forward(q, k, v, segments, sinks, kernel, axis, size, window, band):
     if size == 1:  # local attention: the kernel's own output, with no float32 accumulator
         o_BsHd, lse_BHs = kernel.forward(q, k, v, _docs(segments, segments, 0, 0, length), True, band)
     else:
-        o_BsHd, lse_BHs = attend(_own_windows(length, window), *_empty_softmax(q), k, v, segments)
+        o_BsHd, lse_BHs = attend(_own_windows(length, window), *_empty_softmax(q, v), k, v, segments)
         o_BsHd, lse_BHs, _ = while_range(1, size, step, (o_BsHd, lse_BHs, (k, v, segments)))
     o_BsHd, lse_BHs = _saved_output(q, o_BsHd, lse_BHs, sinks)
     return o_BsHd, (q, k, v, segments, sinks, o_BsHd, lse_BHs)
@@ -212,9 +212,8 @@ def _ring_backward(kernel, axis, size, window, band, residuals, do_BsHd):
         dq, dk, dv = kernel.backward(q, k, v, _docs(segments, segments, 0, 0, length), True, o_BsHd, lse_BHs,
                                      do_BsHd, band)
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, d_sinks
-    zeros_k = jnp.zeros_like(k)
     dq, k_, v_, dk, dv = add_gradients(_own_windows(length, window), jnp.zeros_like(q, jnp.float32), k, v, segments,
-                                       zeros_k, zeros_k)
+                                       jnp.zeros_like(k), jnp.zeros_like(v))
     travelling = _next_on_ring((k_, v_, segments, dk, dv), axis, size)
     dq, (_, _, _, dk, dv) = while_range(1, size, step, (dq, travelling))
     return dq.astype(q.dtype), dk, dv.astype(v.dtype), None, d_sinks
@@ -269,7 +268,8 @@ def _gathered_forward(q, k_all, v_all, segments, k_segments_all, sinks, kernel, 
         windows = _arriving_windows(length, window, t, axis, size)
         return attend(windows, *carry, at(k_all, t), at(v_all, t), at(k_segments_all, t))
 
-    o_BsHd, lse_BHs = attend(_own_windows(length, window), *_empty_softmax(q), at(k_all, 0), at(v_all, 0), segments)
+    o_BsHd, lse_BHs = attend(_own_windows(length, window), *_empty_softmax(q, v_all), at(k_all, 0), at(v_all, 0),
+                             segments)
     o_BsHd, lse_BHs = _saved_output(q, *while_range(1, size, step, (o_BsHd, lse_BHs)), sinks)
     return o_BsHd, (q, k_all, v_all, segments, k_segments_all, sinks, o_BsHd, lse_BHs)
 
@@ -290,8 +290,8 @@ def _gathered_backward(kernel, axis, size, window, residuals, do_BsHd):
     def step(t, carry):
         return add_chunk(_arriving_windows(length, window, t, axis, size), t, *carry)
 
-    zeros = jnp.zeros_like(k_all)
-    carry = add_chunk(_own_windows(length, window), 0, jnp.zeros_like(q, jnp.float32), zeros, zeros)
+    carry = add_chunk(_own_windows(length, window), 0, jnp.zeros_like(q, jnp.float32), jnp.zeros_like(k_all),
+                      jnp.zeros_like(v_all))
     dq, dk_all, dv_all = while_range(1, size, step, carry)
     d_sinks = sink_logits_gradient(o_BsHd, lse_BHs, do_BsHd, sinks)
     return dq.astype(q.dtype), dk_all, dv_all.astype(v_all.dtype), None, None, d_sinks

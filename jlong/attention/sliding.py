@@ -209,7 +209,7 @@ def _sliding(q, k, v, segments, sinks, kernel, axis, size, window):  # window: (
 def _sliding_forward(q, k, v, segments, sinks, kernel, axis, size, window):
     calls, tail = schedule(q.shape[1], *window, size=size)
     keys = {OWN: (k, v, segments), **_halos(k, v, segments, tail, axis, size)}
-    state = _empty_softmax(q)
+    state = _empty_softmax(q, v)
     for call in calls:
         attend = functools.partial(_attend, kernel, q, segments, call, keys[call.source], call.k0)
         state = _when(_runs_here(call, axis, size), attend, state)
@@ -294,7 +294,7 @@ def _sliding_gathered(q, k_all, v_all, segments, k_segments_all, sinks, kernel, 
 
 def _sliding_gathered_forward(q, k_all, v_all, segments, k_segments_all, sinks, kernel, axis, size, window):
     keys = (k_all, v_all, k_segments_all)
-    state = _empty_softmax(q)
+    state = _empty_softmax(q, v_all)
     for call, k0, runs in _gathered_calls(q.shape[1], window, axis, size):
         state = _when(runs, functools.partial(_attend, kernel, q, segments, call, keys, k0), state)
     o_BsHd, lse_BHs = _saved_output(q, *state, sinks)

@@ -15,7 +15,9 @@ ring (`jlong.attention.ring`). A step kernel has two methods:
   window's own.
 
 q is [B, Tq, H, d], k and v [B, Tk, K, d] with H a multiple of K (each kv
-head serves H/K consecutive query heads). The mask is one of two shapes:
+head serves H/K consecutive query heads); v, and so o, may have a head size
+of its own (multi-head latent attention's values are narrower than its
+keys). The mask is one of two shapes:
 
 - `causal=True`: queries and keys are the same tokens in sequence order
   (Tq = Tk); a query sees the keys at and before its own position.

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from jlong.config.registry import FAMILIES
 from jlong.families.base import Family
+from jlong.families.deepseek import DEEPSEEK_V2, DEEPSEEK_V3, GLM4_MOE_LITE
 from jlong.families.gemma3 import GEMMA3_TEXT
 from jlong.families.gpt_oss import GPT_OSS
 from jlong.families.llama import LLAMA, QWEN2, QWEN3
@@ -25,7 +26,8 @@ def register(family: Family) -> Family:
     return FAMILIES.add(family.name, family)
 
 
-for _family in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, GEMMA3_TEXT, QWEN3_5_TEXT, QWEN3_5_MOE_TEXT, GPT_OSS):
+for _family in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, GEMMA3_TEXT, QWEN3_5_TEXT, QWEN3_5_MOE_TEXT, GPT_OSS, DEEPSEEK_V2,
+                DEEPSEEK_V3, GLM4_MOE_LITE):
     register(_family)
 
 

@@ -17,6 +17,11 @@ makes both; a bias per expert on each projection, gathered for each sorted
 row by the row's expert and added to the grouped matmul's output; and the
 clamped SwiGLU (`ClampedSwiGLU`).
 
+DeepSeek's (V2, V3, GLM-4.7-Flash) route by `group_routing.GroupLimitedRouting`
+(with V3's correction bias `router_correction_bias` [E] for choosing) and
+add shared experts every token runs, one ungated SwiGLU (`shared_mlp`:
+`shared_gate`, `shared_up`, `shared_down`).
+
 No capacity limit: every pair is computed, so the output is exactly the
 dense definition's. Memory is bounded by a tile (`memory.mlp_tile`, or the
 device's whole shard when unset): its pairs' rows and intermediates, as the
@@ -38,6 +43,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jlong.moe.group_routing import GroupLimitedRouting
 from jlong.moe.grouped_matmul import matmul
 from jlong.moe.routing import group_by_expert, no_statistics, route, tile_statistics
 from jlong.ops.layers import rms_norm, swiglu
@@ -47,7 +53,9 @@ from jlong.ops.tiling import map_tiles, tile_at, varying_like
 ROUTED_PARAMS = ("mlp_norm", "router", "expert_gate", "expert_up", "expert_down")
 FUSED_PARAMS = ("mlp_norm", "router", "expert_gate_up", "expert_down")  # gate and up in one matrix (GPT-OSS)
 SHARED_PARAMS = ("w_gate", "w_up", "w_down", "shared_expert_gate")
+SHARED_MLP_PARAMS = ("shared_gate", "shared_up", "shared_down")  # DeepSeek's shared experts, ungated
 ROUTER_BIAS = "router_bias"
+CORRECTION_BIAS = "router_correction_bias"  # DeepSeek-V3's: added to the scores for choosing only
 EXPERT_BIASES = {"expert_gate_up": "expert_gate_up_bias", "expert_gate": "expert_gate_bias",
                  "expert_up": "expert_up_bias", "expert_down": "expert_down_bias"}
 
@@ -85,23 +93,30 @@ class MixtureOfExperts:
     fused_gate_up: bool = False  # `expert_gate_up` [E, D, 2F], columns alternating gate, up (GPT-OSS)
     expert_bias: bool = False  # each projection has a bias per expert: `expert_gate_up_bias` [E, 2F], ... (GPT-OSS)
     activation: Callable = silu_gate  # (gate, up) -> hidden; GPT-OSS's `ClampedSwiGLU`
+    grouped: GroupLimitedRouting | None = None  # DeepSeek's routing in place of `routing.route`
+    correction_bias: bool = False  # `router_correction_bias` [E] for choosing (DeepSeek-V3; with `grouped`)
+    shared_mlp: bool = False  # plus an ungated SwiGLU every token runs (DeepSeek's shared experts)
 
     @property
     def param_names(self) -> tuple[str, ...]:
         names = FUSED_PARAMS if self.fused_gate_up else ROUTED_PARAMS
-        if self.router_bias:
-            names += (ROUTER_BIAS,)
         if self.expert_bias:
             names += tuple(EXPERT_BIASES[name] for name in names if name in EXPERT_BIASES)
-        return names + (SHARED_PARAMS if self.shared_expert else ())
+        names += self.router_param_names[2:]
+        return names + (SHARED_PARAMS if self.shared_expert else ()) + (SHARED_MLP_PARAMS if self.shared_mlp else ())
 
     @property
     def router_param_names(self) -> tuple[str, ...]:
         """What the routing statistics read."""
-        return ("mlp_norm", "router", ROUTER_BIAS) if self.router_bias else ("mlp_norm", "router")
+        biases = (ROUTER_BIAS,) * self.router_bias + (CORRECTION_BIAS,) * self.correction_bias
+        return ("mlp_norm", "router", *biases)
 
     def route(self, p, h_TD):
-        """`routing.route` of tokens h [T, D] by this mixture's router."""
+        """(probabilities [T, E], weights [T, k], experts [T, k]) of tokens h [T, D] by this mixture's
+        router: `routing.route`, or DeepSeek's `grouped` routing."""
+        if self.grouped is not None:
+            return self.grouped.route(h_TD, p["router"], top_k=self.top_k, normalize=self.normalize,
+                                      correction_bias_E=p[CORRECTION_BIAS] if self.correction_bias else None)
         return route(h_TD, p["router"], top_k=self.top_k, normalize=self.normalize,
                      bias_E=p[ROUTER_BIAS] if self.router_bias else None, softmax_after_top_k=self.softmax_after_top_k)
 
@@ -109,7 +124,8 @@ class MixtureOfExperts:
         """The experts' output [T, D] for normed tokens h [T, D]: `router` [D, E],
         `expert_gate`, `expert_up` [E, D, F] (or `expert_gate_up` [E, D, 2F]),
         `expert_down` [E, F, D], the biases its options name (and the
-        shared expert's `w_gate`, `w_up`, `w_down`, `shared_expert_gate` [D])."""
+        shared expert's `w_gate`, `w_up`, `w_down`, `shared_expert_gate` [D],
+        or the ungated one's `shared_gate`, `shared_up`, `shared_down`)."""
         T, D = h_TD.shape
         k = self.top_k
         _, weights_Tk, experts_Tk = self.route(p, h_TD)
@@ -136,6 +152,8 @@ class MixtureOfExperts:
         if self.shared_expert:
             gate_T1 = jax.nn.sigmoid(jnp.einsum("td,d->t", h_TD, p["shared_expert_gate"]))[:, None]
             out_TD = out_TD + gate_T1 * swiglu(h_TD[None], p["w_gate"], p["w_up"], p["w_down"])[0]
+        if self.shared_mlp:
+            out_TD = out_TD + swiglu(h_TD[None], *(p[name] for name in SHARED_MLP_PARAMS))[0]
         return out_TD
 
     def residual(self, p, x_BSD, *, eps: float, shards, tile: int):

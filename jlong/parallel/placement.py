@@ -55,6 +55,7 @@ LOGICAL_AXES: dict[str, AxisRule] = {
     "conv_channels": AxisRule(GATHERED_AT_COMPUTE, rest_order=5),  # linear attention's q, k, v channels
     "conv_taps": AxisRule(GATHERED_AT_COMPUTE),
     "experts": AxisRule(GATHERED_AT_COMPUTE, rest_order=6),  # a mixture's experts
+    "latent": AxisRule(GATHERED_AT_COMPUTE, rest_order=7),  # latent attention's compressed query and key-value
     "layers": AxisRule(GATHERED_AT_COMPUTE),  # the scan over layers takes one at a time
     "documents": AxisRule(GATHERED_AT_COMPUTE),  # a row's documents (`jlong.model.document_sums`)
     "lora_rank": AxisRule(GATHERED_AT_COMPUTE),  # a LoRA adapter's rank (`jlong.lora`): a few dozen, never split

@@ -1,0 +1,330 @@
+"""Multi-head latent attention and DeepSeek's mixtures (`jlong.families.deepseek`: deepseek_v2, deepseek_v3,
+glm4_moe_lite): the kernels take values of their own head size (local, ring, sliding ring; blockwise and cuDNN's
+code), `jlong convert` writes back what transformers reads to the same logits (logits against transformers:
+test_hf_parity's tiny models), training on every sequence-parallel layout equals one device, greedy decoding
+is transformers' argmax, bad checkpoints are one line, and the presets hold their published sizes."""
+
+import functools
+import json
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from cudnn_emulation import emulate_cudnn
+from helpers import assert_one_line_error, assert_same_result, loss_and_grads, run_cli, small_config
+from hf_models import hf_logits, small_hf_model
+from jax.sharding import AxisType, PartitionSpec
+
+import jlong
+from jlong.attention.cudnn import CudnnStep
+from jlong.attention.kernels import AttentionKernel, choose_kernel, reference_attention
+from jlong.attention.ring import ring_attention
+from jlong.config import load_config
+from jlong.errors import JlongError
+from jlong.families import family_of
+from jlong.hf import model_config_from_hf
+from jlong.ops.zigzag import chunk_token_index
+
+# DeepSeek-V3-shaped and small: compressed queries, values narrower than the queries and keys (24 = 16 + 8), YaRN
+# with its softmax-scale correction, a dense first layer, then 8 routed experts in 4 groups (2 per token from the
+# best 2 groups) and a shared expert; test_hf_parity's tiny models check the same maths against transformers.
+DEEPSEEK_V3 = ["model.family=deepseek_v3", "model.num_attention_heads=8", "model.num_key_value_heads=8",
+               "model.head_dim=24", "model.q_lora_rank=32", "model.kv_lora_rank=32", "model.qk_nope_head_dim=16",
+               "model.qk_rope_head_dim=8", "model.v_head_dim=16", "model.num_experts=8", "model.num_experts_per_tok=2",
+               "model.moe_intermediate_size=16", "model.n_shared_experts=1", "model.n_group=4", "model.topk_group=2",
+               "model.norm_topk_prob=true", "model.routed_scaling_factor=2.5", "model.first_k_dense_replace=1",
+               "model.rope_scaling={rope_type: yarn, factor: 4.0, original_max_position_embeddings: 16, "
+               "mscale: 1.0, mscale_all_dim: 0.707}"]
+TINY = [*DEEPSEEK_V3, "model.hidden_size=64", "model.intermediate_size=96", "data.eos_id=7", "train.batch_size=2",
+        "train.seq_len=64", "train.compute_dtype=float32", "attention.block_size=8", "data.source=synthetic"]
+
+
+# -- kernels: values of a head size of their own (DeepSeek's 192 / 128 in small: 24 / 16; GLM's wider values too)
+
+
+def _qkv(seed, dq=24, dv=16, B=2, S=64, H=4, K=2):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(keys[0], (B, S, H, dq))
+    k = jax.random.normal(keys[1], (B, S, K, dq))
+    v = jax.random.normal(keys[2], (B, S, K, dv))
+    starts = np.random.default_rng(seed).random((B, S)) < 0.1
+    starts[1, 8:40] = False  # a document over several ring chunks
+    return q, k, v, jax.random.normal(keys[3], (B, S, H, dv)), jnp.asarray(np.cumsum(starts, axis=1), jnp.int32)
+
+
+def _on_ring(R, attend, q, k, v, segments):
+    """attend(q, k, v, segments) per device on a ring of R devices in the zigzag layout, with its vjp, in order."""
+    order = np.concatenate([np.asarray(chunk_token_index(rank, R, q.shape[1])) for rank in range(R)])
+    mesh = jax.make_mesh((R,), ("ring",), axis_types=(AxisType.Auto,), devices=jax.devices()[:R])
+    spec = PartitionSpec(None, "ring")
+    run = jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)
+    out, pullback = jax.vjp(jax.jit(lambda q, k, v: run(q, k, v, segments[:, order])), q[:, order], k[:, order],
+                            v[:, order])
+    restore = np.argsort(order)
+    return lambda do: [np.asarray(x)[:, restore] for x in (out, *pullback(do[:, order]))]
+
+
+def _assert_attention_equal(got, q, k, v, do, segments, window=0):
+    out, pullback = jax.vjp(lambda q, k, v: reference_attention(q, k, v, segments, window=window), q, k, v)
+    for name, g, w in zip(["out", "dq", "dk", "dv"], got, [out, *pullback(do)]):
+        assert g.shape == w.shape, name
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()), err_msg=name)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("dv", [16, 32])
+def test_local_attention_takes_values_of_their_own_head_size(dv):
+    """Packed documents, causal, one device, the blockwise kernel: values narrower (DeepSeek) and wider (GLM's
+    tiny model) than the keys."""
+    q, k, v, do, segments = _qkv(0, dv=dv)
+    kernel = AttentionKernel("blockwise", block_size=16)
+    out, pullback = jax.vjp(lambda q, k, v: kernel.local(q, k, v, segments), q, k, v)
+    _assert_attention_equal([out, *pullback(do)], q, k, v, do, segments)
+
+
+def _gathered(kernel):
+    """The all-gather method's attention: every rank's keys and values gathered, the queries kept."""
+    def attend(q, k, v, segments):
+        gather = functools.partial(jax.lax.all_gather, axis_name="ring", axis=1, tiled=True)
+        return kernel.gathered(q, gather(k), gather(v), segments, gather(segments), axis="ring", size=4)
+    return attend
+
+
+@pytest.mark.parametrize("impl, window, path", [
+    ("blockwise", 0, "ring"), ("cudnn", 0, "ring"), ("blockwise", 8, "ring"), ("blockwise", 0, "gathered")],
+                         ids=["blockwise", "cudnn", "sliding", "gathered"])
+def test_ring_attention_takes_values_of_their_own_head_size(impl, window, path, monkeypatch):
+    """4 ranks over packed documents: the ring (its local steps too), with the blockwise kernel and cuDNN's
+    code (its calls emulated: the heads padded to one size); with a window of 8, the sliding path's halos; the
+    all-gather method's keys and values gathered at hand."""
+    if impl == "cudnn":
+        emulate_cudnn(monkeypatch)
+    q, k, v, do, segments = _qkv(1)
+    kernel = AttentionKernel(impl, block_size=8, max_documents=16, window=window)
+    attend = _gathered(kernel) if path == "gathered" else \
+        (lambda q, k, v, s: kernel.ring(q, k, v, s, axis="ring", size=4))
+    _assert_attention_equal(_on_ring(4, attend, q, k, v, segments)(do), q, k, v, do, segments, window)
+
+
+@pytest.mark.fast
+def test_auto_takes_cudnn_for_values_of_their_own_size_within_its_limits():
+    choose = dict(impl="auto", platform="gpu", dtype=jnp.bfloat16, seq_len=4096, head_dim=192)
+    assert choose_kernel(**choose, value_head_dim=128) == "cudnn"  # DeepSeek's, padded to 192 in the step
+    assert choose_kernel(**choose, value_head_dim=320) == "blockwise"
+    q, v = jnp.zeros((1, 8, 2, 24)), jnp.zeros((1, 8, 2, 16))
+    # the step pads both sides to the larger size and cuts the output back to the values'
+    o, lse = jax.eval_shape(lambda q, v: CudnnStep(4).forward(q, q, v, None, True), q, v)
+    assert o.shape == (1, 8, 2, 16) and lse.shape == (1, 2, 8)
+
+
+# -- Hugging Face: jlong convert both ways, and what is refused
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "glm4-moe-lite"])
+def test_convert_writes_back_a_checkpoint_transformers_reads_to_the_same_logits(name, tmp_path):
+    """HF -> jlong checkpoint -> HF keeps every tensor (the rotary columns back in interleaved pairs, the
+    correction bias), and transformers' model of what jlong wrote gives jlong's logits."""
+    hf_model = small_hf_model(name)
+    hf_model.save_pretrained(tmp_path / "hf")
+    assert run_cli("convert", tmp_path / "hf", tmp_path / "jlong").returncode == 0
+    assert run_cli("convert", tmp_path / "jlong", tmp_path / "back").returncode == 0
+    back = type(hf_model).from_pretrained(tmp_path / "back").eval()
+    for key, tensor in hf_model.state_dict().items():
+        np.testing.assert_array_equal(back.state_dict()[key].numpy(), tensor.numpy(), err_msg=key)
+    tokens = np.random.default_rng(1).integers(0, 96, (2, 70))
+    jlong_logits = np.asarray(jlong.from_hf(tmp_path / "hf")(jnp.asarray(tokens)))
+    np.testing.assert_allclose(hf_logits(back, tokens), jlong_logits, rtol=0, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("deepseek-v3")
+    small_hf_model("deepseek-v3").save_pretrained(path)
+    return path
+
+
+def _edited(source, target, **changes):
+    target.mkdir()
+    for file in source.iterdir():
+        (target / file.name).write_bytes(file.read_bytes())
+    config = {**json.loads((source / "config.json").read_text()), **changes}
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("changes, message", [
+    ({"rope_interleave": False}, "rope_interleave=false (rotary dimensions in halves) is not read"),
+    ({"scoring_func": "softmax"}, "scoring_func 'softmax' with topk_method None is not deepseek_v3's routing"),
+    ({"topk_method": "greedy"}, "topk_method 'greedy' is not deepseek_v3's routing"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not read"),
+], ids=["halves", "softmax", "greedy", "partial-rotary"])
+def test_a_checkpoint_the_family_does_not_implement_is_one_line(changes, message, deepseek_dir, tmp_path):
+    edited = _edited(deepseek_dir, tmp_path / "edited", **changes)
+    assert_one_line_error(run_cli("convert", edited, tmp_path / "out"), message)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("overrides, message", [
+    (["model.head_dim=16"], "model.head_dim (16) must be qk_nope_head_dim + qk_rope_head_dim (24)"),
+    (["model.num_key_value_heads=4"], "must be model.num_attention_heads (8)"),
+    (["model.topk_group=5"], "model.n_group (4) must divide model.num_experts (8) and be at least"),
+    (["model.topk_method=greedy"], "model.topk_method 'greedy' is not model.family=deepseek_v3's routing"),
+    (["model.layer_types=[moe,dense]"], "has its dense layers first (first_k_dense_replace)"),
+    (["model.family=deepseek_v2", "model.topk_method=greedy"], "never renormalises its top-k weights"),
+])
+def test_model_mistakes_are_one_line(overrides, message):
+    with pytest.raises(JlongError, match=re.escape(message)):
+        small_config(*TINY, *overrides)
+
+
+# -- training on every sequence-parallel layout equals one device
+
+LAYOUTS = {
+    "sp4-fsdp2-stages": ["mesh.sp=4", "mesh.fsdp=2", "attention.heads_per_stage=4"],
+    "ring2-sp2-fsdp2": ["mesh.ring=2", "mesh.sp=2", "mesh.fsdp=2"],
+    "allgather-sp4-fsdp2": ["mesh.sp=4", "mesh.fsdp=2", "attention.sp_method=allgather",
+                            "attention.heads_per_stage=4"],
+}
+# Ulysses' head stages in CI; the ring's and the all-gather's kernels with values of their own size are the
+# kernel tests' above, so their whole training steps (40 s each on the CI machine) are the slow tier's.
+LAYOUT_CASES = ["sp4-fsdp2-stages", *(pytest.param(name, marks=pytest.mark.slow)
+                                      for name in ("ring2-sp2-fsdp2", "allgather-sp4-fsdp2"))]
+
+
+def _far_routing(params):
+    """Routers scaled up (a sigmoid's scores spread, never saturated) and correction biases as wide as the
+    scores' spread, so that no top-k is a near tie rounding could decide and the biases change choices."""
+    layers = params["layers"]
+    layers["router"] = layers["router"] * 5.0
+    bias = layers["router_correction_bias"]
+    layers["router_correction_bias"] = 0.2 * jax.random.normal(jax.random.PRNGKey(3), bias.shape, bias.dtype)
+    return params
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return loss_and_grads(small_config(*TINY), jax.devices()[:1], adjust=_far_routing)
+
+
+@pytest.mark.parametrize("layout", LAYOUT_CASES)
+def test_training_on_a_mesh_equals_one_device(layout, one_device):
+    """Loss (with the load-balancing loss) and every gradient of packed documents (data.eos_id), rtol 1e-5:
+    Ulysses in 2 stages of 4 of the 8 up-projected heads, Ulysses across a ring, the all-gather method."""
+    sharded = loss_and_grads(small_config(*TINY, *LAYOUTS[layout]), jax.devices(), adjust=_far_routing)
+    assert_same_result(sharded, one_device)
+    grads = sharded[1]["layers"]
+    for name in ("wq_b", "wkv_a", "wkv_b", "wo", "router", "shared_down"):
+        assert np.abs(grads[name]).max() > 0, name
+    assert not np.abs(grads["router_correction_bias"]).max()  # it chooses, never weighs
+
+
+# -- generation
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "glm4-moe-lite"])
+def test_greedy_decoding_is_transformers_argmax(name, tmp_path):
+    """The sampler's prefill and one-query decode (which take the heads padded to one size) on one device:
+    each greedy token is the argmax of transformers' forward over prompt + completion, its logprob within 1e-4."""
+    from jlong.generation.sampler import Request, Sampler
+    from jlong.generation.sampling import SamplingSettings
+    from jlong.parallel.placement import make_mesh
+    from jlong.program.train_program import TrainProgram
+
+    hf_model = small_hf_model(name)
+    hf_model.save_pretrained(tmp_path)
+    config = load_config(None, [f"model.hf_path={tmp_path}", "train.seq_len=64", "train.batch_size=2",
+                                "train.compute_dtype=float32", "attention.block_size=16", "data.source=synthetic"])
+    program = TrainProgram(config, make_mesh(config.mesh, jax.devices()[:1]))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 96, n).tolist() for n in (37, 9)]
+    completions = Sampler(program).generate(program.starting_params(), prompts,
+                                            Request(6, SamplingSettings(temperature=0.0)))
+    for completion in completions:
+        prompt = prompts[completion.prompt_index]
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt + completion.ids])).logits[0].double()
+        reference = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].numpy()
+        assert len(completion.ids) == 6
+        for step, (token, logprob) in enumerate(zip(completion.ids, completion.logprobs)):
+            assert reference[step, token] >= reference[step].max() - 1e-5, (completion.prompt_index, step)
+            assert abs(reference[step, token] - logprob) < 1e-4, (completion.prompt_index, step)
+
+
+# -- presets
+
+
+def _sizes(model) -> tuple[float, float]:
+    """(parameters, parameters a token runs through: all but the idle routed experts), in billions."""
+    family = family_of(model)
+    specs = family.layer_params(model)
+    counts = {name: math.prod(spec.shape) * family.layers_with(model, spec) for name, spec in specs.items()}
+    total = sum(counts.values()) + sum(math.prod(s.shape) for s in family.outer_params(model).values())
+    experts = sum(count for name, count in counts.items() if name.startswith("expert_"))
+    return total / 1e9, (total - experts * (1 - model.num_experts_per_tok / model.num_experts)) / 1e9
+
+
+@pytest.mark.fast
+def test_presets_hold_their_published_sizes():
+    """DeepSeek-V2-Lite: 15.7B parameters, 2.4B activated (DeepSeek-V2 paper, model card; the activated
+    without the embedding). Moonlight-16B-A3B: 15.29B, 2.24B activated, both without the embedding and the
+    output layer (Moonshot's paper, arXiv 2502.16982). GLM-4.7-Flash: "30B-A3B" (its model card; Hugging
+    Face's 31B counts the multi-token-prediction layer transformers leaves out)."""
+    sizes = {name: (load_config(None, [f"model.preset={name}"]).model) for name in
+             ("deepseek-v2-lite", "moonlight-16b-a3b", "glm-4.7-flash")}
+    embedding = {name: model.vocab_size * model.hidden_size for name, model in sizes.items()}
+    total, active = _sizes(sizes["deepseek-v2-lite"])
+    assert total == pytest.approx(15.7, abs=0.01)
+    assert active - embedding["deepseek-v2-lite"] / 1e9 == pytest.approx(2.4, abs=0.06)  # 2.45
+    total, active = _sizes(sizes["moonlight-16b-a3b"])
+    assert total - 2 * embedding["moonlight-16b-a3b"] / 1e9 == pytest.approx(15.29, abs=0.005)
+    assert active - 2 * embedding["moonlight-16b-a3b"] / 1e9 == pytest.approx(2.24, abs=0.005)
+    total, active = _sizes(sizes["glm-4.7-flash"])
+    assert total == pytest.approx(30, abs=0.1)  # 29.94
+    assert active - 2 * embedding["glm-4.7-flash"] / 1e9 == pytest.approx(3, abs=0.3)  # 3.26
+    for model in sizes.values():
+        assert family_of(model).layer_types(model)[:2] == ("dense", "moe")
+
+
+# The published config.json files (transformers 4's form), as Moonshot and DeepSeek ship them.
+MOONLIGHT = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001, "bos_token_id": 163584, "eos_token_id": 163586, "ep_size": 1, "first_k_dense_replace": 1,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 11264,
+    "kv_lora_rank": 512, "max_position_embeddings": 8192, "model_type": "deepseek_v3", "moe_intermediate_size": 1408,
+    "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": True,
+    "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16,
+    "num_nextn_predict_layers": 0, "pretraining_tp": 1, "q_lora_rank": None, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05, "rope_theta": 50000.0, "routed_scaling_factor": 2.446,
+    "scoring_func": "sigmoid", "seq_aux": True, "tie_word_embeddings": False, "topk_group": 1,
+    "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "transformers_version": "4.46.3", "use_cache": True,
+    "v_head_dim": 128, "vocab_size": 163840,
+}
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001, "bos_token_id": 100000, "eos_token_id": 100001, "first_k_dense_replace": 1,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 10944,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v2", "moe_intermediate_size": 1408,
+    "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": False,
+    "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16,
+    "pretraining_tp": 1, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 1, "topk_method": "greedy", "torch_dtype": "bfloat16",
+    "transformers_version": "4.39.3", "use_cache": True, "v_head_dim": 128, "vocab_size": 102400,
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("published, preset", [(MOONLIGHT, "moonlight-16b-a3b"),
+                                               (DEEPSEEK_V2_LITE, "deepseek-v2-lite")])
+def test_the_published_config_json_is_the_preset(published, preset, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    read = model_config_from_hf(tmp_path).model_dump(exclude={"preset", "hf_path"})
+    assert read == load_config(None, [f"model.preset={preset}"]).model.model_dump(exclude={"preset", "hf_path"})
