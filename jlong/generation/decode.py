@@ -20,7 +20,8 @@ in training:
 
 The samples of one prompt share its prompt cache: rows are (prompt,
 sample) pairs, B x N of them, sample-minor, and the query of row b x N + n
-reads prompt b's keys. Everything attends in float32.
+reads prompt b's keys. Scores and sums are float32; the products read the
+caches in their own dtype.
 """
 
 from __future__ import annotations
@@ -147,13 +148,15 @@ def _attend_one(q_Rq, k_new, v_new, position_R, caches, prompt_positions, cached
 
 def _part(q_bNKGd, k, v, seen_bN11T):
     """(max, sum of exponentials, their weighted values) of q's scores over keys k and values v, [b, N, T, K, d]
-    or, shared by every sample of a prompt, [b, T, K, d]; the unseen ones left out."""
+    or, shared by every sample of a prompt, [b, T, K, d]; the unseen ones left out. The products take the
+    cache in its own dtype and sum in float32, as the training kernels do (the cache is never copied wider)."""
     keys = "bntkd" if k.ndim == 5 else "btkd"
-    scores = jnp.einsum(f"bnkgd,{keys}->bnkgt", q_bNKGd, k.astype(jnp.float32))
+    scores = jnp.einsum(f"bnkgd,{keys}->bnkgt", q_bNKGd.astype(k.dtype), k, preferred_element_type=jnp.float32)
     scores = jnp.where(seen_bN11T, scores, MASKED)
     m = jnp.max(scores, axis=-1)
     e = jnp.where(seen_bN11T, jnp.exp(scores - m[..., None]), 0.0)
-    return m, jnp.sum(e, axis=-1), jnp.einsum(f"bnkgt,{keys}->bnkgd", e, v.astype(jnp.float32))
+    weighted = jnp.einsum(f"bnkgt,{keys}->bnkgd", e.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m, jnp.sum(e, axis=-1), weighted
 
 
 def _merged(a, b):
