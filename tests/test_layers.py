@@ -12,16 +12,19 @@ pytestmark = pytest.mark.fast  # every test here is quick: the fast tier (pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jlong"
 
-# Lowest first: shared names and hardware-free helpers, the config (plain
-# data: it asks the families and attention's methods what they need through
-# what they register with it), the maths that attention and the model share,
-# attention, the model families (each an architecture: its layout, blocks,
-# Hugging Face form), every built-in part registered (components), the model,
-# its placement on a mesh, weights in and out, data, the program, then what
-# runs the program (planner, evaluator, loop), then the ways in (Python API,
-# command line), and above them the documentation's generated reference pages.
+# Lowest first: shared names and hardware-free helpers (the record of which
+# kernels have run on a GPU among them), the config (plain data: it asks the
+# families and attention's methods what they need through what they register
+# with it), the maths that attention and the model share, attention, the model
+# families (each an architecture: its layout, blocks, Hugging Face form), every
+# built-in part registered (components), the model, its placement on a mesh,
+# the sampler that runs the placed model, weights in and out (with the digests
+# that name them and the initial weights read from them), data, the training
+# objectives, the program, then what runs the program (planner, evaluator,
+# generation's records, loop), then the ways in (Python API, command line),
+# and above them the documentation's generated reference pages.
 LAYERS = [
-    "errors", "options", "files", "plots", "jax_private", "jax_startup",
+    "errors", "options", "files", "plots", "jax_private", "jax_startup", "kernel_runs",
     "config",
     "ops",
     "linear_attention", "moe",
@@ -30,14 +33,16 @@ LAYERS = [
     "components", "hf_config",
     "model",
     "parallel",
-    "hf", "checkpoint_integrity", "checkpoint",
+    "generation",
+    "hf", "checkpoint_integrity", "digests", "checkpoint", "init_from",
     "data",
+    "objectives",
     "program",
-    "planner", "eval",
+    "planner", "eval", "completions",
     "training",
     "api",
     "cli", "__main__",
-    "reference",
+    "docgen",
 ]
 
 
