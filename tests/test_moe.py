@@ -6,6 +6,7 @@ routed tokens, temporaries that do not grow with the experts."""
 
 import functools
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,7 @@ from jlong.config.identity import changes
 from jlong.model.transformer import ForwardOptions
 from jlong.ops.shards import OneDevice
 from jlong.training import routing_watch
-from jlong.moe import grouped_matmul, grouped_matmul_triton, row_tiles
+from jlong.moe import grouped_matmul, grouped_matmul_triton, routing, row_tiles
 from jlong.planner.memory import compile_train_step, plan_of
 from jlong.planner.pricing import Efficiency
 from jlong.planner.step_cost import step_cost
@@ -123,20 +124,27 @@ def test_a_model_on_the_triton_kernel_gives_the_ragged_dot_logits(tmp_path, monk
 
 
 def _routing_reference(hf_model, tokens, top_k):
-    """transformers' loss and auxiliary loss with output_router_logits, and the
-    worst layer's busiest expert over the mean, counted from its router logits."""
+    """transformers' training loss with output_router_logits, its auxiliary loss taken per layer
+    (`jlong.moe.routing`: transformers' own load_balancing_loss_func of each MoE layer's router logits alone,
+    averaged over the layers, in place of its one over every layer's pooled), and the worst layer's busiest
+    expert over the mean, counted from its router logits."""
     with torch.no_grad():
         out = hf_model(torch.as_tensor(tokens), labels=torch.as_tensor(tokens), output_router_logits=True)
+    balance = sys.modules[type(hf_model).__module__].load_balancing_loss_func
+    num_experts = out.router_logits[0].shape[-1]
+    per_layer = float(np.mean([float(balance((logits,), num_experts, top_k)) for logits in out.router_logits]))
+    coef = hf_model.config.router_aux_loss_coef
     worst = 0.0
     for logits in out.router_logits:
         chosen = torch.topk(logits.softmax(-1), top_k, dim=-1).indices.reshape(-1).numpy()
         pairs = np.bincount(chosen, minlength=logits.shape[-1])
         worst = max(worst, pairs.max() / pairs.mean())
-    return float(out.loss), float(out.aux_loss), worst
+    return float(out.loss) + coef * (per_layer - float(out.aux_loss)), per_layer, worst
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "qwen3-moe-unnormed", "qwen3.5-moe", "gpt-oss"])
 def test_load_balancing_loss_and_expert_load_match_transformers(name, tmp_path):
+    """Each model has two or more MoE layers, so the loss per layer is not transformers' pooled one."""
     hf_model = small_hf_model(name, output_router_logits=True, router_aux_loss_coef=0.25)
     hf_model.save_pretrained(tmp_path)
     tokens = np.random.default_rng(3).integers(0, 96, (2, 70))
@@ -153,6 +161,24 @@ def test_load_balancing_loss_and_expert_load_match_transformers(name, tmp_path):
     np.testing.assert_allclose(float(got), loss, rtol=1e-5)
     np.testing.assert_allclose(float(metrics["expert_load_max_over_mean"]), worst, rtol=1e-6)
     assert aux_loss > model.config.num_experts_per_tok  # the random router is unbalanced: the loss has work
+
+
+@pytest.mark.fast
+def test_the_load_balancing_loss_sees_each_layer_where_pooled_layers_would_cancel():
+    """Two layers of 4 experts, one per token, each sending every token to its own favourite (probability 0.7):
+    per layer the loss is 4 x 0.7 = 2.8, where 1 is balanced; pooled over both layers (transformers' form), the
+    shares and probabilities spread over two experts and it reads 1.6."""
+    probabilities = np.full((2, 4), 0.1, np.float32)
+    probabilities[0, 0] = probabilities[1, 1] = 0.7
+    tokens = np.zeros((2, 4), np.float32)
+    tokens[0, 0] = tokens[1, 1] = 100.0
+    statistics = {routing.EXPERT_TOKENS: jnp.asarray(tokens),
+                  routing.EXPERT_PROBABILITIES: jnp.asarray(100 * probabilities),
+                  routing.ROUTED_TOKENS: jnp.asarray([100.0, 100.0])}
+    assert float(routing.load_balancing_loss(statistics)) == pytest.approx(2.8)
+    pooled_f, pooled_p = tokens.sum(0) / 200, probabilities.sum(0) / 2
+    assert 4 * float(np.sum(pooled_f * pooled_p)) == pytest.approx(1.6)
+    assert float(routing.expert_load_max_over_mean(statistics)) == pytest.approx(4.0)  # one expert takes all
 
 
 def _sharp_routers(params):
