@@ -328,3 +328,25 @@ def test_the_published_config_json_is_the_preset(published, preset, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(published))
     read = model_config_from_hf(tmp_path).model_dump(exclude={"preset", "hf_path"})
     assert read == load_config(None, [f"model.preset={preset}"]).model.model_dump(exclude={"preset", "hf_path"})
+
+
+@pytest.mark.fast
+def test_the_padded_output_projection_of_lora_adapters_adds_zero_rows_to_the_frozen_weight_and_a():
+    """cuDNN's one head size pads `wo` [H, dv, D]; with LoRA it is an Adapted weight whose `a` [H, dv, r] takes
+    the same zero rows, so the padded values' zero columns add nothing to the output."""
+    from jlong.attention.latent import LatentProjection
+    from jlong.ops import adapted
+
+    rng = np.random.default_rng(0)
+    heads, dq, dv, model_dim, rank = 2, 24, 16, 8, 4
+    wo = adapted.Adapted(jnp.asarray(rng.normal(size=(heads, dv, model_dim)), jnp.float32),
+                         jnp.asarray(rng.normal(size=(heads, dv, rank)), jnp.float32),
+                         jnp.asarray(rng.normal(size=(rank, model_dim)), jnp.float32), inputs=2)
+    projection = LatentProjection(norm_eps=1e-6, rope_inv_freq=(1.0,), qk_nope_head_dim=20, kv_lora_rank=8,
+                                  one_head_size=True)
+    padded = projection.padded_output({"wq": jnp.zeros((model_dim, heads, dq)), "wo": wo})["wo"]
+    assert padded.w.shape == (heads, dq, model_dim) and padded.a.shape == (heads, dq, rank)
+    o = jnp.asarray(rng.normal(size=(3, heads, dv)), jnp.float32)
+    o_padded = jnp.pad(o, ((0, 0), (0, 0), (0, dq - dv)))
+    np.testing.assert_allclose(adapted.matmul(o_padded, padded, inputs=2), adapted.matmul(o, wo, inputs=2),
+                               rtol=1e-6, atol=1e-6)

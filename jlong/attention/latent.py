@@ -122,7 +122,8 @@ class LatentProjection:
             return p
         q_name = "wq" if "wq" in p else "wq_b"
         size = max(p[q_name].shape[-1], p["wo"].shape[1])
-        return {**p, "wo": jnp.pad(p["wo"], ((0, 0), (0, size - p["wo"].shape[1]), (0, 0)))}
+        rows = functools.partial(jnp.pad, pad_width=((0, 0), (0, size - p["wo"].shape[1]), (0, 0)))
+        return {**p, "wo": adapted.on_inputs(rows, p["wo"])}
 
 
 def _head_range(w, heads):
