@@ -44,8 +44,10 @@ def main() -> int:
         "```", format_generation_plan(planned, config), "```", "",
         f"Each GPU holds {planned.cache / GIB:.2f} GiB of caches: its 131,072 tokens of every layer's keys and "
         "values (the prompt stays split over the 8 GPUs as the prefill split it), and its share of the new tokens' "
-        "slots. A decode step gathers every layer's weights from the GPUs that hold their FSDP shards (the "
-        "training layout) and reads the whole cache once; the floor is the cache and the weights read once.", "",
+        "slots. A decode step reads every layer's weights, held as the plan's line above says, and this GPU's part "
+        "of the cache, and merges the one new query's partial softmax over the 8 GPUs. The floor counts those "
+        "bytes read once from HBM and nothing else; the estimate prices the compiled decode program's kernels and "
+        "collectives in schedule order.", "",
         estimate_assumptions(target.name), "",
     ])
     write_result("generate-1m.md", text)
