@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from cudnn_emulation import emulate_cudnn
-from helpers import assert_one_line_error, assert_same_result, loss_and_grads, run_cli, small_config
+from helpers import Batches, assert_one_line_error, assert_same_result, loss_and_grads, run_cli, small_config
 from hf_models import hf_logits, small_hf_model
 from jax.sharding import AxisType, PartitionSpec
 
@@ -28,6 +28,8 @@ from jlong.errors import JlongError
 from jlong.families import family_of
 from jlong.hf import model_config_from_hf
 from jlong.ops.zigzag import chunk_token_index
+from jlong.parallel.placement import make_mesh
+from jlong.program.train_program import TrainProgram
 
 # DeepSeek-V3-shaped and small: compressed queries, values narrower than the queries and keys (24 = 16 + 8), YaRN
 # with its softmax-scale correction, a dense first layer, then 8 routed experts in 4 groups (2 per token from the
@@ -111,6 +113,51 @@ def test_ring_attention_takes_values_of_their_own_head_size(impl, window, path, 
 
 
 @pytest.mark.fast
+def test_a_ring_moving_the_latent_equals_attention_over_the_up_projected_heads():
+    """4 ranks over packed documents: the ring passes (c, the rotary key) around and up-projects each chunk to
+    the heads' keys and values; output and the gradients of q, c, the rotary key and W_kv_b are the reference's
+    over the keys and values up-projected once."""
+    from jlong.attention.latent import LatentProjection
+
+    B, S, H, dn, dr, dv, rank = 2, 64, 4, 16, 8, 16, 16
+    projection = LatentProjection(norm_eps=1e-6, rope_inv_freq=(1.0,) * (dr // 2), qk_nope_head_dim=dn,
+                                  kv_lora_rank=rank)
+    keys = jax.random.split(jax.random.PRNGKey(2), 5)
+    q = jax.random.normal(keys[0], (B, S, H, dn + dr))
+    latent = jax.random.normal(keys[1], (B, S, rank)), jax.random.normal(keys[2], (B, S, dr))
+    w = jax.random.normal(keys[3], (rank, H, dn + dv)) / rank**0.5
+    do = jax.random.normal(keys[4], (B, S, H, dv))
+    _, _, _, _, segments = _qkv(1)
+    kernel = AttentionKernel("blockwise", block_size=8)
+
+    def reference(q, latent, w):
+        weights, expand = projection.up_projection({"wkv_b": w}, (0, H))
+        return reference_attention(q, *expand(weights, latent), segments)
+
+    order = np.concatenate([np.asarray(chunk_token_index(rank, 4, S)) for rank in range(4)])
+    mesh = jax.make_mesh((4,), ("ring",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+    tokens = PartitionSpec(None, "ring")
+
+    def per_device(q, latent, w, segments):
+        weights, expand = projection.up_projection({"wkv_b": w}, (0, H))
+        return kernel.latent_ring(q, latent, weights, expand, segments, axis="ring", size=4)
+
+    ring = jax.shard_map(per_device, mesh=mesh, in_specs=(tokens, tokens, PartitionSpec(), tokens),
+                         out_specs=tokens)
+    zigzag = functools.partial(jax.tree.map, lambda x: x[:, order])
+    restore = functools.partial(jax.tree.map, lambda x: np.asarray(x)[:, np.argsort(order)])
+    out, pullback = jax.vjp(jax.jit(lambda q, latent, w: ring(q, latent, w, segments[:, order])), *zigzag((q, latent)),
+                            w)
+    dq, d_latent, dw = pullback(zigzag(do))
+    want, want_pullback = jax.vjp(reference, q, latent, w)
+    got = {"out": restore(out), "dq": restore(dq), "dc": restore(d_latent[0]), "dk_rope": restore(d_latent[1]),
+           "dw": dw}
+    want_dq, (want_dc, want_dk_rope), want_dw = want_pullback(do)
+    for name, w_ in zip(got, [want, want_dq, want_dc, want_dk_rope, want_dw]):
+        np.testing.assert_allclose(got[name], w_, rtol=1e-5, atol=1e-5 * float(np.abs(w_).max()), err_msg=name)
+
+
+@pytest.mark.fast
 def test_auto_takes_cudnn_for_values_of_their_own_size_within_its_limits():
     choose = dict(impl="auto", platform="gpu", dtype=jnp.bfloat16, seq_len=4096, head_dim=192)
     assert choose_kernel(**choose, value_head_dim=128) == "cudnn"  # DeepSeek's, padded to 192 in the step
@@ -187,7 +234,7 @@ def test_model_mistakes_are_one_line(overrides, message):
 
 LAYOUTS = {
     "sp4-fsdp2-stages": ["mesh.sp=4", "mesh.fsdp=2", "attention.heads_per_stage=4"],
-    "ring2-sp2-fsdp2": ["mesh.ring=2", "mesh.sp=2", "mesh.fsdp=2"],
+    "ring2-sp2-fsdp2": ["mesh.ring=2", "mesh.sp=2", "mesh.fsdp=2", "attention.heads_per_stage=4"],
     "allgather-sp4-fsdp2": ["mesh.sp=4", "mesh.fsdp=2", "attention.sp_method=allgather",
                             "attention.heads_per_stage=4"],
 }
@@ -222,6 +269,33 @@ def test_training_on_a_mesh_equals_one_device(layout, one_device):
     for name in ("wq_b", "wkv_a", "wkv_b", "wo", "router", "shared_down"):
         assert np.abs(grads[name]).max() > 0, name
     assert not np.abs(grads["router_correction_bias"]).max()  # it chooses, never weighs
+
+
+def _collective_operands(config) -> dict[str, set[tuple[int, ...]]]:
+    """The operand shapes of each sequence-parallel collective in the training step's program (the shard_maps'
+    explicit ones: the lowered program, before XLA partitions the rest)."""
+    program = TrainProgram(config, make_mesh(config.mesh, jax.devices()))
+    params = program.init_params(seed=0)
+    batch = program.place_batch(Batches.from_config(config).batch(1))
+    text = jax.jit(jax.value_and_grad(program.loss)).lower(params, batch).as_text()
+    return {op: {tuple(int(n) for n in shape.split("x")[:-1])
+                 for shape in re.findall(rf'"stablehlo\.{op}"\(.*?\) .*?: \(tensor<([^>]*)>', text)}
+            for op in ("all_gather", "collective_permute")}
+
+
+@pytest.mark.parametrize("layout, stage, collective, moved", [
+    ("allgather-sp4-fsdp2", 4, "all_gather", "latent"),
+    ("ring2-sp2-fsdp2", 4, "collective_permute", "latent"),
+    ("ring2-sp2-fsdp2", 2, "collective_permute", "heads")], ids=["allgather", "ring", "ring-one-head"])
+def test_what_travels_is_the_latent_where_it_is_narrower(layout, stage, collective, moved):
+    """The all-gather and the ring move the latent, c [Rkv = 32] and the rotary key [dr = 8] per token (and
+    the segment ids), where it is narrower than the heads' keys and values a device receives per stage: the
+    all-gather's 8 heads (8 x (24 + 16) values per token), the ring's 2 heads per device; one head per device
+    (40 values per token, as many as the latent's) moves the heads' keys and values."""
+    config = small_config(*TINY, *LAYOUTS[layout], f"attention.heads_per_stage={stage}")
+    shapes = _collective_operands(config)[collective]
+    per_token = {shape[2:] for shape in shapes}
+    assert per_token == ({(32,), (8,), ()} if moved == "latent" else {(1, 24), (1, 16), ()}), shapes
 
 
 # -- generation

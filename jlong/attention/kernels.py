@@ -48,6 +48,7 @@ from einops import rearrange
 
 from jlong.attention import cudnn
 from jlong.attention.blockwise import DEFAULT_BLOCK_SIZE, BlockwiseStep, group_queries
+from jlong.attention.latent_ring import latent_ring_attention
 from jlong.attention.ring import gathered_attention, ring_attention
 from jlong.attention.sliding import sliding_gathered_attention, sliding_ring_attention
 from jlong.attention.step import MASKED, Band, CallCost, StepKernel
@@ -184,6 +185,17 @@ class AttentionKernel:
                                           size=size, window=self.window, sink_logits_H=sink_logits_H)
         return ring_attention(q_BsHd, k_BsKd, v_BsKd, segment_ids_Bs, kernel=kernel, axis=axis, size=size,
                               sink_logits_H=sink_logits_H)
+
+    def latent_ring(self, q_BsHd, latent, weights, expand, segment_ids_Bs, *, axis: str, size: int):
+        """Ring attention over mesh axis `axis` that moves a latent rather than
+        keys and values (`jlong.attention.latent_ring`): expand(weights, latent)
+        up-projects each arriving chunk to q's heads."""
+        if self.window:
+            raise ValueError("a sliding window on a ring moves keys and values (jlong.attention.sliding)")
+        _, v = jax.eval_shape(expand, weights, latent)
+        kernel = self.step(q_BsHd, window=q_BsHd.shape[1] // 2, reference="blockwise", value_head_dim=v.shape[-1])
+        return latent_ring_attention(q_BsHd, latent, weights, expand, segment_ids_Bs, kernel=kernel, axis=axis,
+                                     size=size)
 
     def gathered(self, q_BsHd, k_BSKd, v_BSKd, segment_ids_Bs, k_segment_ids_BS, sink_logits_H=None, *, axis: str,
                  size: int):

@@ -21,6 +21,14 @@ projecting the heads it attends (`LatentProjection.qkv` has
 recomputes the latents of its tokens (a D x (Rq + Rkv + dr) matmul) before
 up-projecting its own heads.
 
+The latent (c and the rotary key, Rkv + dr values per token) is narrower
+than the heads' keys and values (H x (dq + dv)), so the methods that move
+keys and values between devices may move it instead (`moves_latent`):
+`latent` makes it for a device's tokens, `queries` the queries alone, and
+`up_projection` the keys and values of any heads from any tokens' latent.
+The all-gather method gathers it once per layer; across a ring it travels
+(`jlong.attention.latent_ring`).
+
 Rotary embedding is jlong's (`apply_rope`: the two halves of the rotary
 dimensions); the checkpoints' interleaved pairs are reordered into halves as
 the weights are read (`jlong.families.deepseek`). The softmax scale is
@@ -76,44 +84,111 @@ class LatentProjection:
         """(q [B, S, count, dq] of query heads `q_heads` = (first, count), k [B, S, count, dq] and
         v [B, S, count, dv] of `kv_heads`, None (no output gate), the sink, through which x's
         gradient flows as `QKVProjection.qkv`'s does)."""
-        q_name = "wq" if "wq" in p else "wq_b"
-        weights = {
-            "norm": p["attn_norm"], "kv_a": p["wkv_a"], "kv_a_norm": p["kv_a_norm"],
-            "q": adapted.on_outputs(functools.partial(_head_range, heads=q_heads), p[q_name]),
-            "kv_b": adapted.on_outputs(functools.partial(_head_range, heads=kv_heads), p["wkv_b"]),
-        }
-        if q_name == "wq_b":
-            weights.update(q_a=p["wq_a"], q_a_norm=p["q_a_norm"])
+        weights = {"norm": p["attn_norm"], "kv_a": p["wkv_a"], "kv_a_norm": p["kv_a_norm"],
+                   "kv_b": self.up_projection(p, kv_heads)[0], **self._query_weights(p, q_heads)}
         tile, weights = self.tile or x_BSD.shape[1], varying_like(weights, x_BSD)
-        (q, k, v), sink_BSD = tiles_gradient_into(self._project, tile, weights, x_BSD, positions_BS, sink_BSD)
+        project = functools.partial(self._project, size=self._one_size(p))
+        (q, k, v), sink_BSD = tiles_gradient_into(project, tile, weights, x_BSD, positions_BS, sink_BSD)
         return q, k, v, None, sink_BSD
 
-    def _project(self, w, x_BSD, positions_BS):
+    def queries(self, p, x_BSD, positions_BS, q_heads, sink_BSD):
+        """(q [B, S, count, dq] of query heads `q_heads`, None (no output gate), the sink): `qkv`'s
+        queries alone, for a method that moves the latent (`latent`) rather than keys and values."""
+        weights = {"norm": p["attn_norm"], **self._query_weights(p, q_heads)}
+        tile, weights = self.tile or x_BSD.shape[1], varying_like(weights, x_BSD)
+        project = functools.partial(self._queries_of_input, size=self._one_size(p))
+        q, sink_BSD = tiles_gradient_into(project, tile, weights, x_BSD, positions_BS, sink_BSD)
+        return q, None, sink_BSD
+
+    def latent(self, p, x_BSD, positions_BS):
+        """What travels instead of the heads' keys and values, per token: (c [B, S, Rkv], normed; the rotary
+        key [B, S, dr], rotated at the tokens' positions). x's gradient flows through as any input's."""
+        weights = {"norm": p["attn_norm"], "kv_a": p["wkv_a"], "kv_a_norm": p["kv_a_norm"]}
+        tile, weights = self.tile or x_BSD.shape[1], varying_like(weights, x_BSD)
+        # x passes as the gradient sink too: its gradient is the tiles' parts, added in place.
+        latent, _ = tiles_gradient_into(self._latent_of_input, tile, weights, x_BSD, positions_BS, x_BSD)
+        return latent
+
+    def up_projection(self, p, kv_heads):
+        """(weights, expand): expand(weights, latent) is (k [B, T, count, dq], v [B, T, count, dv]) of
+        the heads `kv_heads` = (first, count), from a latent of T tokens as `latent` makes it."""
+        return adapted.on_outputs(functools.partial(_head_range, heads=kv_heads), p["wkv_b"]), self._keys_values
+
+    @property
+    def latent_width(self) -> int:
+        """Values per token of the latent: Rkv + dr."""
+        return self.kv_lora_rank + 2 * len(self.rope_inv_freq)
+
+    def moves_latent(self, p, heads: int) -> bool:
+        """Whether moving the latent (`latent_width` values per token) moves fewer bytes than `heads`
+        heads' keys and values (dq + dv values each): what a method that could move either moves."""
+        q_name = "wq" if "wq" in p else "wq_b"
+        dv = p["wkv_b"].shape[-1] - self.qk_nope_head_dim
+        return self.latent_width < heads * (p[q_name].shape[-1] + dv)
+
+    def _query_weights(self, p, q_heads):
+        q_name = "wq" if "wq" in p else "wq_b"
+        weights = {"q": adapted.on_outputs(functools.partial(_head_range, heads=q_heads), p[q_name])}
+        if q_name == "wq_b":
+            weights.update(q_a=p["wq_a"], q_a_norm=p["q_a_norm"])
+        return weights
+
+    def _one_size(self, p) -> int:
+        """The heads' one size with `one_head_size` (the larger of dq and dv); 0 without."""
+        if not self.one_head_size:
+            return 0
+        q_name = "wq" if "wq" in p else "wq_b"
+        return max(p[q_name].shape[-1], p["wkv_b"].shape[-1] - self.qk_nope_head_dim)
+
+    def _project(self, w, x_BSD, positions_BS, size):
         h_BSD = rms_norm(x_BSD, w["norm"], self.norm_eps)
+        k, v = self._keys_values(w["kv_b"], self._latent(w, h_BSD, positions_BS))
+        return self._queries(w, h_BSD, positions_BS, size), k, v
+
+    def _queries_of_input(self, w, x_BSD, positions_BS, size):
+        return self._queries(w, rms_norm(x_BSD, w["norm"], self.norm_eps), positions_BS, size)
+
+    def _latent_of_input(self, w, x_BSD, positions_BS):
+        return self._latent(w, rms_norm(x_BSD, w["norm"], self.norm_eps), positions_BS)
+
+    def _rotate(self, x, positions_BS):
+        return apply_rope(x, positions_BS=positions_BS, inv_freq=np.asarray(self.rope_inv_freq, np.float32),
+                          scale=self.rope_scale)
+
+    def _queries(self, w, h_BSD, positions_BS, size):
+        """[q_n, RoPE(q_r)] scaled, padded to `size` (with the scale that keeps the softmax's) if wider."""
         if "q_a" in w:
             h_q = rms_norm(adapted.matmul(h_BSD, w["q_a"], inputs=1), w["q_a_norm"], LATENT_NORM_EPS)
             q_BSNd = adapted.matmul(h_q, w["q"], inputs=1)
         else:
             q_BSNd = adapted.matmul(h_BSD, w["q"], inputs=1)
-        kv_a_BSL = adapted.matmul(h_BSD, w["kv_a"], inputs=1)
-        c_BSR = rms_norm(kv_a_BSL[..., :self.kv_lora_rank], w["kv_a_norm"], LATENT_NORM_EPS)
-        kv_BSNe = adapted.matmul(c_BSR, w["kv_b"], inputs=1)
         dn = self.qk_nope_head_dim
-        rotate = functools.partial(apply_rope, positions_BS=positions_BS,
-                                   inv_freq=np.asarray(self.rope_inv_freq, np.float32), scale=self.rope_scale)
-        k_rope_BS1r = rotate(kv_a_BSL[..., self.kv_lora_rank:][:, :, None, :])
-        q = jnp.concatenate([q_BSNd[..., :dn], rotate(q_BSNd[..., dn:])], axis=-1)
-        k_rope = jnp.broadcast_to(k_rope_BS1r, (*kv_BSNe.shape[:3], k_rope_BS1r.shape[-1]))
-        k, v = jnp.concatenate([kv_BSNe[..., :dn], k_rope], axis=-1), kv_BSNe[..., dn:]
+        q = jnp.concatenate([q_BSNd[..., :dn], self._rotate(q_BSNd[..., dn:], positions_BS)], axis=-1)
         scale = self.query_scale
-        if self.one_head_size and (size := max(q.shape[-1], v.shape[-1])) > q.shape[-1]:
+        if size > q.shape[-1]:
             scale *= (size / q.shape[-1]) ** 0.5
-            q, k = _padded(q, size), _padded(k, size)
+            q = _padded(q, size)
         if scale != 1.0:
             q = (q.astype(jnp.float32) * scale).astype(q.dtype)
+        return q
+
+    def _latent(self, w, h_BSD, positions_BS):
+        kv_a_BSL = adapted.matmul(h_BSD, w["kv_a"], inputs=1)
+        c_BSR = rms_norm(kv_a_BSL[..., :self.kv_lora_rank], w["kv_a_norm"], LATENT_NORM_EPS)
+        return c_BSR, self._rotate(kv_a_BSL[..., self.kv_lora_rank:][:, :, None, :], positions_BS)[:, :, 0]
+
+    def _keys_values(self, kv_b, latent):
+        """k = [c @ W_kv_b's key part, the rotary key], v = c @ its value part, per head (padded to one size
+        with `one_head_size`)."""
+        c_BSR, k_rope_BSr = latent
+        kv_BSNe = adapted.matmul(c_BSR, kv_b, inputs=1)
+        dn = self.qk_nope_head_dim
+        k_rope = jnp.broadcast_to(k_rope_BSr[:, :, None, :], (*kv_BSNe.shape[:3], k_rope_BSr.shape[-1]))
+        k, v = jnp.concatenate([kv_BSNe[..., :dn], k_rope], axis=-1), kv_BSNe[..., dn:]
         if self.one_head_size:
-            v = _padded(v, q.shape[-1])
-        return q, k, v
+            size = max(k.shape[-1], v.shape[-1])
+            k, v = _padded(k, size), _padded(v, size)
+        return k, v
 
     def padded_output(self, p):
         """The attention weights with `wo` [H, dv, D] given zero rows up to the heads' one size

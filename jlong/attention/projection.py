@@ -63,6 +63,10 @@ class QKVProjection:
             return None
         return _heads(p["attn_sinks"], first, count, axis=0).astype(jnp.float32)
 
+    def moves_latent(self, p, heads: int) -> bool:
+        """Whether keys and values travel as a per-token latent (`jlong.attention.latent`): never here."""
+        return False
+
     def qkv(self, p, x_BSD, positions_BS, q_heads, kv_heads, sink_BSD):
         """(q, k, v, gate, sink): q for the query heads `q_heads` = (first,
         count), k and v for `kv_heads`, each [B, S, count, d]; the output gate

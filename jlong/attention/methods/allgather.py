@@ -16,6 +16,11 @@ S x (U / group) heads rather than all of them. Unlike Ulysses, every device
 keeps all of a stage's query heads, so U need not be a multiple of sp and
 H need not divide over sp. No ring: the sequence spans the sp devices alone.
 
+A projection whose per-token latent is narrower than all the heads' keys
+and values (multi-head latent attention: `LatentProjection.moves_latent`)
+has the latent gathered instead, once for every stage; each stage
+up-projects its heads' keys and values from it.
+
 Sliding windows are a band on the gathered keys: a device visits only the
 half chunks within the window's reach (`jlong.attention.sliding`). Where
 the window fits in half of a device's chunk, only the neighbours' last
@@ -96,10 +101,22 @@ def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, axis, size
     k_segment_ids_BS = gather(segment_ids_Bs)
     U = plan.heads_per_stage
     project = plan.stage_projection(projection, params, positions_Bs)
+    # A latent narrower than every stage's keys and values together is gathered once, for all the stages;
+    # each stage up-projects its heads from it (a latent's kv heads are its query heads: K = H).
+    latent_BS = None
+    if axis is not None and not kernel.window and projection.moves_latent(params, plan.num_heads):
+        latent_BS = jax.tree.map(gather, projection.latent(params, x_BsD, positions_Bs))
 
     def stage_output(x_input_BsD, sink_BsD, stage):
-        q_BsUd, k_Bsrd, v_Bsrd, gate_BsUd, sink_BsD = project(x_input_BsD, sink_BsD, stage)
         sink_logits_U = projection.sink_logits(params, stage * U, U)  # every device attends all U heads
+        if latent_BS is not None:
+            q_BsUd, gate_BsUd, sink_BsD = projection.queries(params, x_input_BsD, positions_Bs, (stage * U, U),
+                                                             sink_BsD)
+            weights, expand = projection.up_projection(params, (stage * U, U))
+            o_BsUd = kernel.gathered(q_BsUd, *expand(weights, latent_BS), segment_ids_Bs, k_segment_ids_BS,
+                                     sink_logits_U, axis=axis, size=size)
+            return project_out(params, o_BsUd, stage * U, U, gate_BsUd), sink_BsD
+        q_BsUd, k_Bsrd, v_Bsrd, gate_BsUd, sink_BsD = project(x_input_BsD, sink_BsD, stage)
         if axis is None:
             o_BsUd = kernel.local(q_BsUd, k_Bsrd, v_Bsrd, segment_ids_Bs, sink_logits_U)
         elif kernel.window and fits_halos(x_BsD.shape[1], kernel.window):  # the neighbours' halos, no gather

@@ -40,6 +40,13 @@ the query heads from s*U + c*U/C on, so it takes those heads' logits; their
 gradient from each device is its part, summed by the shard_map's transpose.
 Wo's bias is added once, after the stages' sum.
 
+Multi-head latent attention across a ring: where the latent (per token) is
+narrower than a device's heads' keys and values per stage
+(`LatentProjection.moves_latent`), the sp group gathers its tokens' latent
+once per layer, only q and the output are exchanged all-to-all, and the ring
+moves the latent (`jlong.attention.latent_ring`), each device up-projecting
+its own heads from every chunk.
+
 Without a mesh (or with C = 1) the same stages run with no collectives.
 """
 
@@ -182,8 +189,25 @@ def _run_stages(params, x_BsD, positions_Bs, segment_ids_Bs, *, plan, sp_axis, r
     U, u = plan.heads_per_stage, plan.heads_per_device
     project = plan.stage_projection(projection, params, positions_Bs, place_kv=to_heads)
     device = 0 if sp_axis is None else jax.lax.axis_index(sp_axis)
+    # Across a ring, a latent narrower than a device's heads' keys and values per stage travels instead: the
+    # sp group's tokens of it, gathered once for all the stages (it is per token, the same for every head);
+    # each device up-projects its own heads from every chunk that arrives (K = H for a latent).
+    latent_BS = None
+    if ring_axis is not None and not kernel.window and projection.moves_latent(params, u):
+        latent_BS = jax.tree.map(functools.partial(_gather_sequence, axis=sp_axis),
+                                 projection.latent(params, x_BsD, positions_Bs))
+
+    def latent_stage_output(x_input_BsD, sink_BsD, stage):
+        q_BsUd, gate_BsUd, sink_BsD = projection.queries(params, x_input_BsD, positions_Bs, (stage * U, U),
+                                                         sink_BsD)
+        weights, expand = projection.up_projection(params, (stage * U + device * u, u))  # this device's heads
+        o_BSud = kernel.latent_ring(to_heads(q_BsUd), latent_BS, weights, expand, segment_ids_BS, axis=ring_axis,
+                                    size=ring_size)
+        return project_out(params, to_sequence(o_BSud), stage * U, U, gate_BsUd), sink_BsD
 
     def stage_output(x_input_BsD, sink_BsD, stage):
+        if latent_BS is not None:
+            return latent_stage_output(x_input_BsD, sink_BsD, stage)
         q_BsUd, k_BSrd, v_BSrd, gate_BsUd, sink_BsD = project(x_input_BsD, sink_BsD, stage)
         sink_logits_u = projection.sink_logits(params, stage * U + device * u, u)  # this device's heads
         o_BSud = attend(to_heads(q_BsUd), k_BSrd, v_BSrd, segment_ids_BS, sink_logits_H=sink_logits_u)

@@ -1,0 +1,103 @@
+"""Ring attention moving a latent: what travels around the ring is each
+chunk's per-token latent (multi-head latent attention's compressed key-value
+latent and rotary key, `jlong.attention.latent`), and each device
+up-projects every chunk that arrives into the keys and values of its own
+heads before the step kernel runs on it (`expand(weights, latent)`).
+
+The windows, the zigzag layout and the merging of partial softmaxes are the
+ring's (`jlong.attention.ring`). The custom VJP saves the device's queries,
+its own chunk's latent, the up-projection's weights, the merged output and
+log-sum-exp. In the backward pass the latent travels again with its gradient
+alongside: each arriving chunk's key and value gradients (summed in float32
+over its windows) go back through the up-projection at once, so the
+travelling gradient is the latent's (per token, not per head), and the
+weights' gradient sums at home in float32. The latent's gradient arrives
+home after R hops, in the latent's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jlong.attention.blockwise import while_range
+from jlong.attention.ring import (RING_WINDOW, _add_window_gradients, _arriving_windows, _attend_windows,
+                                  _empty_softmax, _next_on_ring, _own_windows, _saved_output)
+from jlong.attention.step import StepKernel
+from jlong.ops.tiling import varying_like
+
+
+def latent_ring_attention(q_BsHd, latent, weights, expand, segment_ids_Bs, *, kernel: StepKernel, axis: str,
+                          size: int, window: int = RING_WINDOW):
+    """Causal attention of this device's queries over the whole ring's keys
+    and values, made on each device by expand(weights, a chunk's latent) ->
+    (k, v) [B, s, H, d] for q's heads; `latent` is a pytree of this
+    device's per-token arrays [B, s, ...]. `expand` must be hashable (a
+    bound method of a frozen projection)."""
+    # Inside shard_map the weights' and the gathered latent's gradients differ by device: marked varying like
+    # q, the transposes of the marks sum them.
+    latent, weights = varying_like((latent, weights), q_BsHd)
+    return _latent_ring(q_BsHd, latent, weights, segment_ids_Bs, expand, kernel, axis, size, window)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _latent_ring(q, latent, weights, segments, expand, kernel, axis, size, window):
+    return _latent_ring_forward(q, latent, weights, segments, expand, kernel, axis, size, window)[0]
+
+
+def _latent_ring_forward(q, latent, weights, segments, expand, kernel, axis, size, window):
+    length = q.shape[1]
+    attend = functools.partial(_attend_windows, kernel, q, segments)
+
+    def step(t, carry):
+        o_BsHd, lse_BHs, travelling = carry
+        travelling = _next_on_ring(travelling, axis, size)
+        latent_t, segments_t = travelling
+        return (*attend(_arriving_windows(length, window, t, axis, size), o_BsHd, lse_BHs,
+                        *expand(weights, latent_t), segments_t), travelling)
+
+    k, v = expand(weights, latent)
+    o_BsHd, lse_BHs = attend(_own_windows(length, window), *_empty_softmax(q, v), k, v, segments)
+    o_BsHd, lse_BHs, _ = while_range(1, size, step, (o_BsHd, lse_BHs, (latent, segments)))
+    o_BsHd, lse_BHs = _saved_output(q, o_BsHd, lse_BHs)
+    return o_BsHd, (q, latent, weights, segments, o_BsHd, lse_BHs)
+
+
+def _latent_ring_backward(expand, kernel, axis, size, window, residuals, do_BsHd):
+    q, latent, weights, segments, o_BsHd, lse_BHs = residuals
+    length = q.shape[1]
+    add_gradients = functools.partial(_add_window_gradients, kernel, (q, segments, o_BsHd, lse_BHs, do_BsHd))
+
+    def chunk_gradients(windows, dq, latent_t, segments_t):
+        """dq with the chunk's windows added, and the chunk's (latent, weights) gradients."""
+        (k, v), pullback = jax.vjp(expand, weights, latent_t)
+        dq, _, _, dk, dv = add_gradients(windows, dq, k, v, segments_t, jnp.zeros_like(k, jnp.float32),
+                                         jnp.zeros_like(v, jnp.float32))
+        d_weights, d_latent = pullback((dk.astype(k.dtype), dv.astype(v.dtype)))
+        return dq, d_latent, d_weights
+
+    def step(t, carry):
+        dq, d_weights, (latent_t, segments_t, d_latent_t) = carry
+        dq, d_latent, d_weights_t = chunk_gradients(_arriving_windows(length, window, t, axis, size), dq, latent_t,
+                                                    segments_t)
+        d_latent_t = jax.tree.map(_sum_in_float32, d_latent_t, d_latent)
+        d_weights = jax.tree.map(lambda total, part: total + part.astype(jnp.float32), d_weights, d_weights_t)
+        # After the last step's hop every chunk's latent and its summed gradient are home.
+        return dq, d_weights, _next_on_ring((latent_t, segments_t, d_latent_t), axis, size)
+
+    dq, d_latent, d_weights = chunk_gradients(_own_windows(length, window), jnp.zeros_like(q, jnp.float32), latent,
+                                              segments)
+    d_weights = jax.tree.map(lambda d: d.astype(jnp.float32), d_weights)
+    travelling = _next_on_ring((latent, segments, d_latent), axis, size)
+    dq, d_weights, (_, _, d_latent) = while_range(1, size, step, (dq, d_weights, travelling))
+    d_weights = jax.tree.map(lambda d, w: d.astype(w.dtype), d_weights, weights)
+    return dq.astype(q.dtype), d_latent, d_weights, None
+
+
+_latent_ring.defvjp(_latent_ring_forward, _latent_ring_backward)
+
+
+def _sum_in_float32(total, part):
+    return (total.astype(jnp.float32) + part.astype(jnp.float32)).astype(total.dtype)
