@@ -298,6 +298,27 @@ def test_what_travels_is_the_latent_where_it_is_narrower(layout, stage, collecti
     assert per_token == ({(32,), (8,), ()} if moved == "latent" else {(1, 24), (1, 16), ()}), shapes
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize("layout, line", [
+    (["mesh.ring=2", "mesh.sp=4", "attention.heads_per_stage=20"],
+     "keys and values move as the latent (the ring, per stage): 576 values per token for the latent, 2,560 for "
+     "the 5 heads a device receives"),
+    (["mesh.ring=2", "mesh.sp=4", "attention.heads_per_stage=4"],
+     "keys and values move as the up-projected keys and values (the ring, per stage): 576 values per token for "
+     "the latent, 512 for the 1 head a device receives"),
+    (["mesh.sp=8", "attention.sp_method=allgather"],
+     "keys and values move as the latent (the all-gather, per layer): 576 values per token for the latent, "
+     "10,240 for the 20 heads a device receives"),
+    (["mesh.sp=4"], None)], ids=["ring", "ring-one-head", "allgather", "ulysses"])
+def test_the_plan_says_what_travels(layout, line):
+    """GLM-4.7-Flash's latent is 512 + 64 values per token, a head's key and value 256 + 256: `jlong plan`
+    says which the layout moves, by the rule the methods follow; Ulysses alone moves the heads, unsaid."""
+    from jlong.planner.memory import describe_latent_exchange
+
+    config = load_config(None, ["model.preset=glm-4.7-flash", "train.seq_len=1048576", *layout])
+    assert describe_latent_exchange(config) == line
+
+
 # -- generation
 
 

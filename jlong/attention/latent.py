@@ -119,12 +119,15 @@ class LatentProjection:
         """Values per token of the latent: Rkv + dr."""
         return self.kv_lora_rank + 2 * len(self.rope_inv_freq)
 
+    def head_width(self, p) -> int:
+        """Values per token of one head's key and value: dq + dv (read from the weights' shapes, or specs')."""
+        q_name = "wq" if "wq" in p else "wq_b"
+        return p[q_name].shape[-1] + p["wkv_b"].shape[-1] - self.qk_nope_head_dim
+
     def moves_latent(self, p, heads: int) -> bool:
         """Whether moving the latent (`latent_width` values per token) moves fewer bytes than `heads`
-        heads' keys and values (dq + dv values each): what a method that could move either moves."""
-        q_name = "wq" if "wq" in p else "wq_b"
-        dv = p["wkv_b"].shape[-1] - self.qk_nope_head_dim
-        return self.latent_width < heads * (p[q_name].shape[-1] + dv)
+        heads' keys and values: what a method that could move either moves."""
+        return self.latent_width < heads * self.head_width(p)
 
     def _query_weights(self, p, q_heads):
         q_name = "wq" if "wq" in p else "wq_b"

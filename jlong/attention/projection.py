@@ -63,6 +63,8 @@ class QKVProjection:
             return None
         return _heads(p["attn_sinks"], first, count, axis=0).astype(jnp.float32)
 
+    latent_width = 0  # keys and values have no narrower per-token form to move (`jlong.attention.latent`)
+
     def moves_latent(self, p, heads: int) -> bool:
         """Whether keys and values travel as a per-token latent (`jlong.attention.latent`): never here."""
         return False

@@ -237,6 +237,10 @@ class Family:
             start += layers
         return runs
 
+    def attention_projection(self, model: ModelConfig):
+        """The projection of the model's attention (`QKVProjection` unless a family makes its own)."""
+        return blocks.projection_of(model)
+
     def check_parallel(self, config: Config, method: SequenceParallelMethod) -> None:
         """One-line errors for a model that the run's sequence-parallel method cannot run on its mesh: the
         method and kernel must run the attention's sinks where it has them; sliding windows run in Ulysses'

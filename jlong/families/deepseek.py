@@ -221,6 +221,9 @@ class DeepseekFamily(Family):
         x_BSD, statistics = blocks.residual_experts(p, x_BSD, model, self.mixture(model), options)
         return options.shards.constrain(x_BSD, HIDDEN), statistics
 
+    def attention_projection(self, model: ModelConfig) -> LatentProjection:
+        return _projection(model, 0, one_head_size=False)
+
     def mixture(self, model: ModelConfig) -> MixtureOfExperts:
         sigmoid = self.version.scoring == SIGMOID
         routing = GroupLimitedRouting(

@@ -38,7 +38,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jlong.attention.methods import method_of
 from jlong.config import Config, with_values
+from jlong.families import family_of
 from jlong.jax_private import private
 from jlong.model.remat import remat_policy
 from jlong.parallel.placement import make_mesh
@@ -345,6 +347,22 @@ def describe_lora(config: Config) -> str:
             f"{train.param_dtype}")
 
 
+def describe_latent_exchange(config: Config) -> str | None:
+    """One line of the plan where keys and values could move between devices as a latent (multi-head latent
+    attention): which the method moves, by the values per token of each (`LatentProjection.moves_latent`)."""
+    family = family_of(config.model)
+    projection = family.attention_projection(config.model)
+    exchange = method_of(config).latent_exchange(config)
+    if not projection.latent_width or exchange is None:
+        return None
+    where, heads = exchange
+    specs = family.layer_params(config.model)
+    latent, keys_values = projection.latent_width, heads * projection.head_width(specs)
+    moved = "the latent" if projection.moves_latent(specs, heads) else "the up-projected keys and values"
+    return (f"keys and values move as {moved} ({where}): {latent:,} values per token for the latent, "
+            f"{keys_values:,} for the {heads} head{'s' if heads > 1 else ''} a device receives")
+
+
 def format_plan(result: MemoryPlan, config: Config) -> str:
     """The plan as a short table in GiB, headed by what was planned and by what."""
     m, t, mem = config.mesh, config.train, config.memory
@@ -359,6 +377,8 @@ def format_plan(result: MemoryPlan, config: Config) -> str:
     ]
     if config.lora is not None:
         lines.append(describe_lora(config))
+    if latent := describe_latent_exchange(config):
+        lines.append(latent)
     unit, size = ("GiB", GIB) if result.device_total >= GIB else ("MiB", 2**20)
     lines.append(f"per device                 {unit}")
     rows = [("parameters", result.parameters)]

@@ -76,6 +76,11 @@ class AllGather(SequenceParallelMethod):
     def layout(self, config: Config) -> SequenceLayout:
         return SequenceLayout(config.mesh.sp)
 
+    def latent_exchange(self, config: Config) -> tuple[str, int] | None:
+        if config.mesh.sp == 1:
+            return None
+        return "the all-gather, per layer", config.model.num_attention_heads
+
     def attention(self, params, x_BSD, positions_BS, segment_ids_BS, *, projection, heads, kernel, shards,
                   unroll_stages=False, add_to_input=True):
         if projection.sinks:  # refused where it cannot run them, never run without

@@ -115,6 +115,12 @@ class SequenceParallelMethod:
         ranks = self.layout(config).ranks
         return config.train.seq_len if ranks == 1 else config.train.seq_len // (2 * ranks)
 
+    def latent_exchange(self, config: Config) -> tuple[str, int] | None:
+        """(what moves keys and values between devices, how many heads' keys and values a device receives
+        per move) where a projection's latent could move instead (`jlong.attention.latent`); None where
+        this method on this mesh moves none."""
+        return None
+
     def check_linear_attention(self, config: Config, layer) -> None:
         """Raises a one-line `JlongError` when this method cannot run the
         model's linear-attention layers (`layer`: a `GatedDeltaNet`) on the mesh."""

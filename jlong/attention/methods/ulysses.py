@@ -262,6 +262,11 @@ class Ulysses(SequenceParallelMethod):
     def layout(self, config: Config) -> SequenceLayout:
         return SequenceLayout(config.mesh.ring)
 
+    def latent_exchange(self, config: Config) -> tuple[str, int] | None:
+        if config.mesh.ring == 1:  # Ulysses exchanges the up-projected heads
+            return None
+        return "the ring, per stage", self.heads_per_stage(config) // config.mesh.sp
+
     def check_linear_attention(self, config: Config, layer) -> None:
         layer.head_plan(config.mesh.sp)
 
