@@ -8,11 +8,13 @@ The windows, the zigzag layout and the merging of partial softmaxes are the
 ring's (`jlong.attention.ring`). The custom VJP saves the device's queries,
 its own chunk's latent, the up-projection's weights, the merged output and
 log-sum-exp. In the backward pass the latent travels again with its gradient
-alongside: each arriving chunk's key and value gradients (summed in float32
-over its windows) go back through the up-projection at once, so the
-travelling gradient is the latent's (per token, not per head), and the
-weights' gradient sums at home in float32. The latent's gradient arrives
-home after R hops, in the latent's dtype.
+alongside: each arriving chunk's key and value gradients (summed over its
+windows) go back through the up-projection at once, so the travelling
+gradient is the latent's (per token, not per head), and the weights'
+gradient sums at home in float32. As on the ring, a chunk's key
+and value gradients are in the keys' dtype, each window's part added in
+float32 and rounded once; the latent's gradient travels in the latent's
+dtype and arrives home after R hops.
 """
 
 from __future__ import annotations
@@ -73,9 +75,8 @@ def _latent_ring_backward(expand, kernel, axis, size, window, residuals, do_BsHd
     def chunk_gradients(windows, dq, latent_t, segments_t):
         """dq with the chunk's windows added, and the chunk's (latent, weights) gradients."""
         (k, v), pullback = jax.vjp(expand, weights, latent_t)
-        dq, _, _, dk, dv = add_gradients(windows, dq, k, v, segments_t, jnp.zeros_like(k, jnp.float32),
-                                         jnp.zeros_like(v, jnp.float32))
-        d_weights, d_latent = pullback((dk.astype(k.dtype), dv.astype(v.dtype)))
+        dq, _, _, dk, dv = add_gradients(windows, dq, k, v, segments_t, jnp.zeros_like(k), jnp.zeros_like(v))
+        d_weights, d_latent = pullback((dk, dv))
         return dq, d_latent, d_weights
 
     def step(t, carry):
