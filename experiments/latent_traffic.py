@@ -10,8 +10,9 @@ latent where it is narrower (`LatentProjection.moves_latent`), and with
 that answer forced to "no", moving the heads' keys and values as every
 other attention does. The figures are the step's collective bytes per
 device as the planner reads them from the compiled program
-(`jlong.planner.step_cost`): collective-permute is the ring's. Writes
-experiments/results/latent-traffic.md.
+(`jlong.planner.step_cost`): collective-permute is the ring's; beside them
+the step's executed FLOPs (every arriving chunk's up-projection counted) and
+its estimated time. Writes experiments/results/latent-traffic.md.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import re
 import sys
 from unittest import mock
 
-from common import add_target_argument, invocation, markdown_table, planning_target, provenance, publish
+from common import (add_target_argument, estimate_assumptions, invocation, markdown_table, planning_target,
+                    provenance, publish)
 
 from jlong.attention.latent import LatentProjection
 from jlong.config import load_config
@@ -29,6 +31,7 @@ from jlong.planner.memory import compile_train_step
 from jlong.planner.step_cost import step_cost
 
 GIB = 2**30
+NOT_BYTES = ("unknown trip loops", "flops", "step time")
 
 
 def layout_overrides(layout: str, heads: int) -> list[str]:
@@ -41,7 +44,8 @@ def layout_overrides(layout: str, heads: int) -> list[str]:
 
 
 def collectives(config, target, *, latent: bool) -> dict[str, float]:
-    """Bytes per device per step by collective kind (links summed), and loops of unknown trip count."""
+    """Bytes per device per step by collective kind (links summed), loops of unknown trip count, and the
+    step's executed FLOPs per device and estimated time (the up-projection of every arriving chunk included)."""
     if latent:
         step = compile_train_step(config, target)
     else:
@@ -52,7 +56,8 @@ def collectives(config, target, *, latent: bool) -> dict[str, float]:
     for kind_link, value in cost.collective_bytes_by_kind.items():
         kind = kind_link.rsplit(" ", 1)[0]
         by_kind[kind] = by_kind.get(kind, 0.0) + value
-    return {**by_kind, "unknown trip loops": cost.unknown_trip_loops}
+    return {**by_kind, "unknown trip loops": cost.unknown_trip_loops, "flops": cost.executed_flops,
+            "step time": cost.step_time_s}
 
 
 def main() -> int:
@@ -79,9 +84,10 @@ def main() -> int:
         ratios.append(f"{layout}: {ratio:.1f}x")
         for way, figures in moved.items():
             others = ", ".join(f"{kind} {value / GIB:,.2f}" for kind, value in sorted(figures.items())
-                               if kind not in ("collective-permute", "unknown trip loops") and value)
+                               if kind not in ("collective-permute", *NOT_BYTES) and value)
             rows.append([f"ring {config.mesh.ring} x sp {sp}, U = {U}", way,
-                         f"{ring_bytes[way] / GIB:,.2f}", others or "none", figures["unknown trip loops"]])
+                         f"{ring_bytes[way] / GIB:,.2f}", others or "none", f"{figures['flops']:.4g}",
+                         f"{figures['step time']:,.1f}", figures["unknown trip loops"]])
     latent_width = model.kv_lora_rank + model.qk_rope_head_dim
     head_width = model.head_dim + model.v_head_dim
     text = "\n\n".join([
@@ -93,7 +99,8 @@ def main() -> int:
                                  "U / sp heads per stage. \"heads\" forces `LatentProjection.moves_latent` to "
                                  "False (the up-projected keys and values travel, as before)."),
         markdown_table(["layout", "moves", "collective-permute (the ring), GiB", "other collectives, GiB",
-                        "loops of unknown trip count"], rows),
+                        "executed FLOPs per device", "est. step time, s", "loops of unknown trip count"], rows),
+        estimate_assumptions(target.name),
         "Ring traffic, heads over latent: " + "; ".join(ratios) + ".",
     ]) + "\n"
     return publish("latent-traffic.md", text)
