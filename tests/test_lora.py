@@ -30,10 +30,12 @@ def _nonzero_b(params: dict) -> dict:
     return {**params, "layers": layers}
 
 
-def lora_loss_and_grads(config, devices):
-    """Loss and the adapters' gradients of step 1's batch, as numpy; the base is not differentiated."""
+def lora_loss_and_grads(config, devices, adjust=None):
+    """Loss and the adapters' gradients of step 1's batch (from seed-0 parameters changed by `adjust(params)`
+    first, if given), as numpy; the base is not differentiated."""
     program = TrainProgram(config, make_mesh(config.mesh, devices))
-    params = _nonzero_b(program.init_params(seed=0))
+    params = program.init_params(seed=0)
+    params = _nonzero_b(adjust(params) if adjust else params)
     batch = program.place_batch(Batches.from_config(config).batch(1))
     frozen = program.frozen_base
 

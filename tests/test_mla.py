@@ -445,3 +445,131 @@ def test_the_padded_output_projection_of_lora_adapters_adds_zero_rows_to_the_fro
     o_padded = jnp.pad(o, ((0, 0), (0, 0), (0, dq - dv)))
     np.testing.assert_allclose(adapted.matmul(o_padded, padded, inputs=2), adapted.matmul(o, wo, inputs=2),
                                rtol=1e-6, atol=1e-6)
+
+
+# -- LoRA: all-linear takes the latent projections and the shared experts, as PEFT's all-linear does
+
+
+def _peft_all_linear_keys(hf_model) -> set[str]:
+    """The lora_A and lora_B tensors PEFT's own all-linear puts on `hf_model`, by the names it saves them under."""
+    import peft
+
+    adapted = peft.get_peft_model(hf_model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    return {name.replace(".default.", ".") for name, _ in adapted.named_parameters() if "lora_" in name}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", ["deepseek-v3", "glm4-moe-lite"])
+def test_all_linear_adapts_what_peft_all_linear_does(name, tmp_path):
+    """jlong's all-linear on a tiny checkpoint adapts every nn.Linear of transformers' layers: the attention
+    projections PEFT's all-linear adapts (q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj), and the
+    dense MLP and the shared experts, which PEFT 0.21 on transformers 5 takes for the routed experts' fused
+    parameters (by their names gate_proj, up_proj, down_proj; `peft_caveat` says so); not the routers or routed
+    experts. Each adapter's PEFT layout is its merged weight's: for random a, b, the family's Hugging Face table
+    turns w + a @ b into W + B @ A (the rotary rows of B in the checkpoint's interleaved order, A's columns in no
+    other order)."""
+    from jlong.lora.peft_format import adapter_shapes, peft_caveat, peft_tensors
+    from jlong.lora.targets import lora_settings
+
+    hf_model = small_hf_model(name)
+    hf_model.save_pretrained(tmp_path)
+    model = model_config_from_hf(tmp_path)
+    lora = lora_settings(load_config(None, [f"model.hf_path={tmp_path}", "lora.rank=4"]).lora, model)
+    mlp = {"w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down"}
+    assert set(lora.targets) == {"wq_a", "wq_b", "wkv_a", "wkv_b", "wo", *mlp}
+    rng = np.random.default_rng(0)
+    adapters = {key: rng.normal(size=shape).astype(np.float32) for key, shape in adapter_shapes(model, lora).items()}
+    written = peft_tensors(adapters, model, lora)
+    linear = {f"{module}.lora_{side}.weight" for module, _ in hf_model.named_modules()
+              if module.startswith("model.layers.") and isinstance(_, torch.nn.Linear) and ".experts." not in module
+              for side in "AB"}
+    assert set(written) == {"base_model.model." + key for key in linear}
+    peft_keys = _peft_all_linear_keys(hf_model)
+    assert {key for key in peft_keys if "mlp." not in key} == {key for key in written if ".self_attn." in key}
+    assert not any(".shared_experts." in key or "mlp.gate_proj" in key for key in peft_keys)
+    assert "leaves out these adapters of the dense layers' MLP and the shared experts" in peft_caveat(model, lora)
+
+    tables = family_of(model).hf_layer_tensors(model)
+    for target in lora.targets:
+        a, b = adapters[target + "_lora_a"][0], adapters[target + "_lora_b"][0]
+        module = tables[target].name.removesuffix(".weight")
+        prefix = min(key for key in written if key.endswith(f".{module}.lora_A.weight")).removesuffix(".lora_A.weight")
+        product = np.tensordot(a, b, axes=1).reshape(family_of(model).layer_params(model)[target].shape)
+        np.testing.assert_allclose(written[f"{prefix}.lora_B.weight"] @ written[f"{prefix}.lora_A.weight"],
+                                   tables[target].to_hf(product), rtol=1e-5, atol=1e-5, err_msg=target)
+
+
+@pytest.fixture(scope="module")
+def lora_one_device():
+    from test_lora import LORA, lora_loss_and_grads
+
+    return lora_loss_and_grads(small_config(*TINY, *LORA), jax.devices()[:1], adjust=_far_routing)
+
+
+# The ring's whole LoRA training step is the slow tier's, as its full-training counterpart above.
+@pytest.mark.slow
+def test_lora_on_the_latent_ring_equals_one_device(lora_one_device):
+    """all-linear LoRA (B random) on ring 2 x sp 2 x fsdp 2, 2 heads a device per stage, so that the latent
+    travels and each device up-projects it through the adapted W_kv_b of its heads (the ring's backward
+    differentiates that weight's adapters alone): loss and every adapter's gradient equal one device's (rtol
+    1e-5), and every adapter of the latent projections and shared experts has a gradient."""
+    from test_lora import LORA, lora_loss_and_grads
+
+    config = small_config(*TINY, *LORA, *LAYOUTS["ring2-sp2-fsdp2"])
+    moved = {shape[2:] for shape in _collective_operands(config)["collective_permute"]}
+    assert moved == {(32,), (8,), ()}  # the latent (c, the rotary key) and the segment ids, no heads
+    got = lora_loss_and_grads(config, jax.devices(), adjust=_far_routing)
+    grads = got[1]["layers"]
+    assert set(grads) == set(lora_one_device[1]["layers"])
+    for name in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo", "shared_gate", "shared_up", "shared_down", "w_gate"):
+        for side in ("_lora_a", "_lora_b"):
+            assert np.abs(grads[name + side]).max() > 0, name + side
+    assert_same_result(got, lora_one_device)
+
+
+ATTENTION_TARGETS = "lora.targets=[q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj]"
+
+
+def test_convert_writes_lora_adapters_that_peft_and_transformers_read_to_jlongs_logits(tmp_path):
+    """A GLM-4.7-Flash-shaped LoRA run's checkpoint (adapters with B random) through `jlong convert`: PEFT's
+    model of the adapter directory over transformers' model (the latent projections and o_proj; B's rotary rows
+    of q_b_proj and kv_a_proj_with_mqa back in interleaved pairs) gives jlong's logits within 1e-4, and so does
+    transformers' model of the all-linear run's merged checkpoint (`--merge`: the dense MLP and the shared
+    experts too, which PEFT would not load)."""
+    import peft
+    import transformers
+
+    from jlong.checkpoint import Checkpoints
+    from jlong.lora.peft_format import read_adapters
+    from test_lora import LORA, _nonzero_b
+
+    hf_model = small_hf_model("glm4-moe-lite")
+    hf_model.save_pretrained(tmp_path / "hf")
+    tokens = np.random.default_rng(1).integers(0, 96, (2, 24))
+    base_logits = hf_logits(hf_model, tokens)
+    for run, targets in {"attention": [ATTENTION_TARGETS], "all-linear": []}.items():
+        config = load_config(None, [f"model.hf_path={tmp_path / 'hf'}", "train.seq_len=32", "train.batch_size=2",
+                                    "train.compute_dtype=float32", "data.source=synthetic", *LORA, *targets])
+        program = TrainProgram(config, make_mesh(config.mesh, jax.devices()[:1]))
+        params = _nonzero_b(program.load_hf_params(tmp_path / "hf"))
+        want = np.asarray(program.bind(params)(jnp.asarray(tokens)))
+        assert np.abs(want - base_logits).max() > 0.01  # the adapters matter
+        checkpoints = Checkpoints(tmp_path / run / "ckpt")
+        checkpoints.save(1, jax.tree.map(np.asarray, program.saved(params)), model=config.model,
+                         extra={"lora": {**config.lora.model_dump(mode="json"), "hf_path": str(tmp_path / "hf")}})
+        checkpoints.close()
+        if run == "attention":
+            result = run_cli("convert", tmp_path / run / "ckpt", tmp_path / run / "adapter")
+            assert result.returncode == 0, result.stderr
+            base = transformers.Glm4MoeLiteForCausalLM.from_pretrained(tmp_path / "hf").eval()
+            adapted = peft.PeftModel.from_pretrained(base, tmp_path / run / "adapter").eval()
+            got = adapted(torch.as_tensor(tokens)).logits.detach().numpy()
+            read = read_adapters(tmp_path / run / "adapter", program)["layers"]  # the reader undoes the reorder
+            for key, value in program.saved(params)["layers"].items():
+                np.testing.assert_allclose(read[key], np.asarray(value), rtol=1e-6, atol=1e-7, err_msg=key)
+        else:
+            result = run_cli("convert", tmp_path / run / "ckpt", tmp_path / run / "merged", "--merge")
+            assert result.returncode == 0, result.stderr
+            got = hf_logits(transformers.Glm4MoeLiteForCausalLM.from_pretrained(tmp_path / run / "merged").eval(),
+                            tokens)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=run)

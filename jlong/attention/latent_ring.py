@@ -15,10 +15,19 @@ gradient sums at home in float32. As on the ring, a chunk's key
 and value gradients are in the keys' dtype, each window's part added in
 float32 and rounded once; the latent's gradient travels in the latent's
 dtype and arrives home after R hops.
+
+With LoRA the up-projection is an `Adapted` weight (`jlong.ops.adapted`:
+the frozen W_kv_b of this device's heads and its adapters a, b), expanded
+as x @ w + (x @ a) @ b on every arriving chunk; the backward pass
+differentiates a and b alone (their gradients summed at home as any
+weight's), never forming the frozen w's, whose cotangent is zero. It is not
+merged into w + a @ b before the ring: in bfloat16 that sum would round
+the adapters' small update away.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -28,6 +37,7 @@ from jlong.attention.blockwise import while_range
 from jlong.attention.ring import (RING_WINDOW, _add_window_gradients, _arriving_windows, _attend_windows,
                                   _empty_softmax, _next_on_ring, _own_windows, _saved_output)
 from jlong.attention.step import StepKernel
+from jlong.ops.adapted import Adapted
 from jlong.ops.tiling import varying_like
 
 
@@ -72,9 +82,11 @@ def _latent_ring_backward(expand, kernel, axis, size, window, residuals, do_BsHd
     length = q.shape[1]
     add_gradients = functools.partial(_add_window_gradients, kernel, (q, segments, o_BsHd, lse_BHs, do_BsHd))
 
+    trainable, rebuilt = _trainable(weights)
+
     def chunk_gradients(windows, dq, latent_t, segments_t):
         """dq with the chunk's windows added, and the chunk's (latent, weights) gradients."""
-        (k, v), pullback = jax.vjp(expand, weights, latent_t)
+        (k, v), pullback = jax.vjp(lambda t, latent_t: expand(rebuilt(t), latent_t), trainable, latent_t)
         dq, _, _, dk, dv = add_gradients(windows, dq, k, v, segments_t, jnp.zeros_like(k), jnp.zeros_like(v))
         d_weights, d_latent = pullback((dk, dv))
         return dq, d_latent, d_weights
@@ -93,8 +105,8 @@ def _latent_ring_backward(expand, kernel, axis, size, window, residuals, do_BsHd
     d_weights = jax.tree.map(lambda d: d.astype(jnp.float32), d_weights)
     travelling = _next_on_ring((latent, segments, d_latent), axis, size)
     dq, d_weights, (_, _, d_latent) = while_range(1, size, step, (dq, d_weights, travelling))
-    d_weights = jax.tree.map(lambda d, w: d.astype(w.dtype), d_weights, weights)
-    return dq.astype(q.dtype), d_latent, d_weights, None
+    d_weights = jax.tree.map(lambda d, w: d.astype(w.dtype), d_weights, trainable)
+    return dq.astype(q.dtype), d_latent, _frozen_zeros(weights, d_weights), None
 
 
 _latent_ring.defvjp(_latent_ring_forward, _latent_ring_backward)
@@ -102,3 +114,27 @@ _latent_ring.defvjp(_latent_ring_forward, _latent_ring_backward)
 
 def _sum_in_float32(total, part):
     return (total.astype(jnp.float32) + part.astype(jnp.float32)).astype(total.dtype)
+
+
+def _is_adapted(x) -> bool:
+    return isinstance(x, Adapted)
+
+
+def _trainable(weights):
+    """(what the backward pass differentiates, rebuilt: it -> weights): the weights, but an `Adapted` weight's
+    frozen w is held as it is and only its adapters (a, b) are differentiated."""
+    leaves, tree = jax.tree.flatten(weights, is_leaf=_is_adapted)
+    trainable = [(x.a, x.b) if _is_adapted(x) else x for x in leaves]
+
+    def rebuilt(parts):
+        return jax.tree.unflatten(tree, [dataclasses.replace(x, a=part[0], b=part[1]) if _is_adapted(x) else part
+                                         for x, part in zip(leaves, parts)])
+
+    return trainable, rebuilt
+
+
+def _frozen_zeros(weights, d_trainable):
+    """The weights' cotangent from the trainable parts': zero for an `Adapted` weight's frozen w."""
+    leaves, tree = jax.tree.flatten(weights, is_leaf=_is_adapted)
+    return jax.tree.unflatten(tree, [Adapted(jnp.zeros_like(x.w), *d, x.inputs) if _is_adapted(x) else d
+                                     for x, d in zip(leaves, d_trainable)])

@@ -54,6 +54,9 @@ class HFTensor:
     # > 0: the parameter's leading axis is this many tensors, one per entry (a mixture's experts), each
     # named by `name` with `{part}` its index and laid out by to_jlong / to_hf.
     parts: int = 0
+    # Where to_hf reorders the output axes (their flattened index): Hugging Face's output row i is jlong's
+    # output output_order[i]; None: in jlong's order. PEFT's lora_B rows follow it (`jlong.lora.peft_format`).
+    output_order: tuple[int, ...] | None = None
 
     def part_names(self, prefix: str = "") -> list[str]:
         """The tensor names of one parameter (of one layer, after `prefix`)."""

@@ -292,9 +292,12 @@ class DeepseekFamily(Family):
 
         def heads(name, inputs, size, order=None):
             """A linear layer [H x size, in] as [in, H, size], the last axis reordered by `order`."""
-            order, back = (slice(None), slice(None)) if order is None else (order, np.argsort(order))
+            if order is None:
+                return HFTensor(name, lambda w: w.T.reshape(inputs, H, size), lambda w: w.reshape(inputs, H * size).T)
+            back = np.argsort(order)
             return HFTensor(name, lambda w: w.T.reshape(inputs, H, size)[..., order],
-                            lambda w: w[..., back].reshape(inputs, H * size).T)
+                            lambda w: w[..., back].reshape(inputs, H * size).T,
+                            output_order=tuple((np.arange(H)[:, None] * size + back).ravel().tolist()))
 
         tensors = {
             "attn_norm": HFTensor("input_layernorm.weight"),
@@ -303,7 +306,7 @@ class DeepseekFamily(Family):
             "q_a_norm": HFTensor("self_attn.q_a_layernorm.weight"),
             "wq_b": heads("self_attn.q_b_proj.weight", Rq, dq, queries),
             "wkv_a": HFTensor("self_attn.kv_a_proj_with_mqa.weight", lambda w: w.T[:, kv_a],
-                              lambda w: w[:, np.argsort(kv_a)].T),
+                              lambda w: w[:, np.argsort(kv_a)].T, output_order=tuple(np.argsort(kv_a).tolist())),
             "kv_a_norm": HFTensor("self_attn.kv_a_layernorm.weight"),
             "wkv_b": heads("self_attn.kv_b_proj.weight", Rkv, dn + dv),
             "wo": HFTensor("self_attn.o_proj.weight", lambda w: w.T.reshape(H, dv, D),

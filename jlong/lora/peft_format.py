@@ -8,17 +8,25 @@ adapters merged into their base's weights (`merged`), as PEFT's
 
 jlong keeps a target w in its own layout [*inputs, *outputs] (`jlong.ops.
 adapted`), a = [*inputs, r] and b = [r, *outputs]: PEFT's A and B
-transposed and reshaped, as the family's Hugging Face table lays out w
-(every adaptable matrix's table entry is Hugging Face's [out, in] weight
-transposed and reshaped, with no permutation of its rows or columns). b is
-kept unscaled, as PEFT's B: the layers scale it by alpha / rank.
+transposed and reshaped, as the family's Hugging Face table lays out w:
+Hugging Face's [out, in] weight transposed and reshaped, its output columns
+reordered where the table says so (`HFTensor.output_order`: the rotary
+columns of DeepSeek's and GLM's q_proj, q_b_proj and kv_a_proj_with_mqa,
+interleaved pairs in the checkpoint, halves in jlong), so B's rows are
+reordered the same way; no table entry reorders the inputs, so A's columns
+never are. b is kept unscaled, as PEFT's B: the layers scale it by alpha /
+rank.
 
 transformers 5 fused a Qwen3-MoE's experts into 3-D parameters, and PEFT,
 to keep reading adapters trained on transformers 4, takes the names
 `gate_proj`, `up_proj` and `down_proj` of a qwen3_moe model for those
 experts: PEFT cannot adapt the MLP of such a model's dense layers
-(`mlp_only_layers`). `peft_caveat` says so for a run that adapts them; its
-merged checkpoint (`jlong convert --merge`) holds them.
+(`mlp_only_layers`). The same holds of DeepSeek-V2/V3's and GLM-4.7-Flash's
+dense MLP and shared experts (`mlp.shared_experts.gate_proj`, ...): PEFT
+maps the three names to the experts of every model transformers converts
+as a Qwen2-MoE, whatever module path precedes them. `peft_caveat` says so
+for a run that adapts them; its merged checkpoint (`jlong convert --merge`)
+holds them.
 """
 
 from __future__ import annotations
@@ -44,7 +52,9 @@ OTHER_KINDS = {"use_dora": "DoRA", "use_rslora": "rsLoRA (alpha / sqrt(r))", "fa
                "alpha_pattern": "an alpha per module (alpha_pattern)", "lora_bias": "LoRA biases",
                "target_parameters": "adapted parameters (target_parameters)"}
 # Families whose MLP names PEFT on transformers 5 takes for the experts' fused parameters (see the docstring).
-EXPERT_NAMES = {"qwen3_moe": ("w_gate", "w_up", "w_down")}
+EXPERT_NAMES = {"qwen3_moe": ("w_gate", "w_up", "w_down"),
+                **{family: ("w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down")
+                   for family in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")}}
 
 
 def _layers_of(model, name: str) -> list[int]:
@@ -77,11 +87,18 @@ def peft_tensors(adapters: dict[str, np.ndarray], model, lora: LoraSettings) -> 
     modules, tensors = hf_modules(model), {}
     for name in lora.targets:
         a, b = np.asarray(adapters[name + "_lora_a"], np.float32), np.asarray(adapters[name + "_lora_b"], np.float32)
+        order = _output_order(model, name)
         for stacked, layer in enumerate(_layers_of(model, name)):
             where = f"{PREFIX}.{layer}.{modules[name]}"
             tensors[f"{where}.lora_A.weight"] = np.ascontiguousarray(a[stacked].reshape(-1, lora.rank).T)
-            tensors[f"{where}.lora_B.weight"] = np.ascontiguousarray(b[stacked].reshape(lora.rank, -1).T)
+            tensors[f"{where}.lora_B.weight"] = np.ascontiguousarray(b[stacked].reshape(lora.rank, -1)[:, order].T)
     return tensors
+
+
+def _output_order(model, name: str) -> np.ndarray | slice:
+    """Which of jlong's (flattened) output columns each of Hugging Face's output rows is."""
+    order = family_of(model).hf_layer_tensors(model)[name].output_order
+    return slice(None) if order is None else np.asarray(order)
 
 
 def peft_config(model, lora: LoraSettings, base: str | None) -> dict:
@@ -100,9 +117,11 @@ def peft_caveat(model, lora: LoraSettings) -> str | None:
     lost = [name for name in EXPERT_NAMES.get(model.family, ()) if name in lora.targets]
     if not lost:
         return None
-    names = ", ".join(hf_modules(model)[name].rsplit(".", 1)[-1] for name in lost)
+    names = ", ".join(dict.fromkeys(hf_modules(model)[name].rsplit(".", 1)[-1] for name in lost))
+    where = " and ".join(dict.fromkeys("the shared experts" if name.startswith("shared_") else "the dense layers' MLP"
+                                       for name in lost))
     return (f"note: PEFT on transformers 5 takes {names} of a {model.family} model for its experts' fused "
-            f"parameters, so it leaves out these adapters of the dense layers' MLP; a checkpoint converted with "
+            f"parameters, so it leaves out these adapters of {where}; a checkpoint converted with "
             f"--merge holds them")
 
 
@@ -167,8 +186,11 @@ def read_adapters(directory: str | Path, program) -> dict:
         stacked = [f"{PREFIX}.{i}.{modules[name]}" for i in _layers_of(model, name)]
         layers[name + "_lora_a"] = np.stack(
             [tensors[f"{s}.lora_A.weight"].astype(np.float32).T.reshape(*inputs, lora.rank) for s in stacked])
+        order = _output_order(model, name)
+        back = order if isinstance(order, slice) else np.argsort(order)
         layers[name + "_lora_b"] = np.stack(
-            [tensors[f"{s}.lora_B.weight"].astype(np.float32).T.reshape(lora.rank, *outputs) for s in stacked])
+            [tensors[f"{s}.lora_B.weight"].astype(np.float32).T[:, back].reshape(lora.rank, *outputs)
+             for s in stacked])
     return {"layers": layers}
 
 

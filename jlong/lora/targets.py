@@ -5,8 +5,10 @@ a Hugging Face module's name (`q_proj`, `down_proj`, `in_proj_qkv`, ...) or
 `all-linear`. Each names one of jlong's layer matrices, found through the
 family's Hugging Face tensor table, so every family that can read a
 Hugging Face checkpoint can be adapted. `all-linear` is every adaptable
-matrix the family has: attention's and Gated DeltaNet's projections and
-the dense (or shared-expert) MLP's.
+matrix the family has: attention's and Gated DeltaNet's projections (latent
+attention's too: `q_a_proj`, `q_b_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`,
+`o_proj`) and the dense (or shared-expert) MLP's (DeepSeek's and GLM's
+`shared_experts.gate_proj`, `up_proj`, `down_proj`).
 
 It is close to PEFT's `all-linear` (every `nn.Linear` but the output
 layer), not the same: PEFT also takes a Qwen3.5-MoE's one-output
@@ -43,6 +45,8 @@ INPUT_AXES = {
     "wq": 1, "wk": 1, "wv": 1, "wo": 2,
     "w_gate": 1, "w_up": 1, "w_down": 1,
     "gdn_qkv": 1, "gdn_z": 1, "gdn_b": 1, "gdn_a": 1, "gdn_out": 2,
+    "wq_a": 1, "wq_b": 1, "wkv_a": 1, "wkv_b": 1,  # latent attention's (`jlong.attention.latent`)
+    "shared_gate": 1, "shared_up": 1, "shared_down": 1,  # DeepSeek's and GLM's shared experts
 }
 EXPERT_MATRICES = ("expert_gate", "expert_up", "expert_gate_up", "expert_down")
 
